@@ -1,0 +1,139 @@
+"""Format descriptors: the single source of truth for what each format stores.
+
+A format names two operand formats, one for the activations A and one for the weights B.
+Each operand format says how its elements are encoded and how its scale factors are laid
+out along K (and, for the DeepSeek 128x128 weight blocks, along N). Every other module
+(quantizers, layouts, validation, kernels, reference) reads these descriptors instead of
+re-deriving the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ElementFormat",
+    "OperandFormat",
+    "Format",
+    "FORMATS",
+    "E2M1",
+    "E4M3",
+    "BF16",
+    "get_format",
+]
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """How one element is stored."""
+
+    name: str
+    bits: int
+    max_finite: float
+    storage_dtype: torch.dtype  # dtype of the tensor that holds the elements
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit elements share one byte: element 2i in the low nibble, 2i+1 in the high."""
+        return self.bits == 4
+
+
+BF16 = ElementFormat("bf16", 16, float(torch.finfo(torch.bfloat16).max), torch.bfloat16)
+E4M3 = ElementFormat("e4m3", 8, 448.0, torch.float8_e4m3fn)
+E2M1 = ElementFormat("e2m1", 4, 6.0, torch.uint8)
+
+# Scale encodings. "fp32": arbitrary fp32 factor; "e8m0": a power of two 2^(b-127);
+# "e4m3": an fp8 factor (NVFP4's first level).
+SCALE_DTYPES = {
+    "fp32": torch.float32,
+    "e8m0": torch.float8_e8m0fnu,
+    "e4m3": torch.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True)
+class OperandFormat:
+    """One operand (A or B) of a format."""
+
+    element: ElementFormat
+    scale: str | None = None  # key of SCALE_DTYPES, or None for unscaled bf16
+    block_k: int = 1  # elements along K that share one scale
+    block_n: int = 1  # rows (tokens for A, output columns for B) that share one scale
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return None if self.scale is None else SCALE_DTYPES[self.scale]
+
+    @property
+    def accepted_scale_dtypes(self) -> tuple[torch.dtype, ...]:
+        """e8m0 scales may also come as uint8 holding the same bytes (SPEC section 4)."""
+        if self.scale is None:
+            return ()
+        if self.scale == "e8m0":
+            return (torch.float8_e8m0fnu, torch.uint8)
+        return (SCALE_DTYPES[self.scale],)
+
+    def stored_k(self, k: int) -> int:
+        """Length of the stored K dimension for a logical K (packed fp4 holds K/2 bytes)."""
+        return k // 2 if self.element.packed else k
+
+    def logical_k(self, stored_k: int) -> int:
+        return stored_k * 2 if self.element.packed else stored_k
+
+
+@dataclass(frozen=True)
+class Format:
+    """A grouped-matmul format: what A and B hold and which scale layouts apply."""
+
+    name: str
+    a: OperandFormat
+    b: OperandFormat
+    k_multiple: int  # K must be a multiple of this (scale block, or 16 for TMA alignment)
+    swizzle_capable: bool  # the 128x4 swizzled layout is defined for the MX/NV block formats
+    global_scale: bool = False  # NVFP4: a per-expert fp32 factor that goes into expert_scales
+
+    @property
+    def scaled(self) -> bool:
+        return self.a.scale is not None
+
+    @property
+    def scale_vec(self) -> int:
+        """Elements along K per scale (same for A and B in every format)."""
+        return self.a.block_k
+
+
+_MXFP8 = OperandFormat(E4M3, "e8m0", block_k=32)
+_MXFP4 = OperandFormat(E2M1, "e8m0", block_k=32)
+_NVFP4 = OperandFormat(E2M1, "e4m3", block_k=16)
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("bf16", OperandFormat(BF16), OperandFormat(BF16), k_multiple=16, swizzle_capable=False),
+        Format(
+            "fp8_block",
+            OperandFormat(E4M3, "fp32", block_k=128, block_n=1),
+            OperandFormat(E4M3, "fp32", block_k=128, block_n=128),
+            k_multiple=16,
+            swizzle_capable=False,
+        ),
+        Format("mxfp8", _MXFP8, _MXFP8, k_multiple=32, swizzle_capable=True),
+        Format("mxfp4", _MXFP4, _MXFP4, k_multiple=32, swizzle_capable=True),
+        Format("nvfp4", _NVFP4, _NVFP4, k_multiple=16, swizzle_capable=True, global_scale=True),
+        Format("w4a8", _MXFP8, _MXFP4, k_multiple=32, swizzle_capable=True),
+    )
+}
+
+
+def get_format(fmt: str | Format) -> Format:
+    """Look up a format by name; the error lists the valid names."""
+    if isinstance(fmt, Format):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt: expected a format name (str), got {type(fmt).__name__}")
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"fmt: expected one of {sorted(FORMATS)}, got {fmt!r}") from None

@@ -1,0 +1,1 @@
+"""Private kernel families: portable (tl, GPU and CPU interpreter)."""

@@ -1,0 +1,227 @@
+"""Portable Triton (tl) grouped block-scaled matmul: runs compiled on a GPU and under the
+Triton interpreter on the CPU.
+
+This file is executed twice by kernels/portable.py, once with the interpreter knob off and
+once with it on, so CPU tensors never need TRITON_INTERPRET=1 set by the user. For that to
+work it must not call Triton's standard library (tl.zeros, tl.cdiv, tl.interleave, tl.sum ...):
+those are @triton.jit functions bound to whichever mode Triton was imported in.
+
+Schedule (persistent): every program walks the group slots in order, keeps a running count of
+the tiles before the current slot, and takes the tiles t of each slot with t % nprog == pid.
+Inside a slot the M-tiles are fastest, so neighbouring programs share a B tile in L2. Slots
+with expert_id outside [0, E) or no rows have no tiles. Offsets are clamped into [0, M] so no
+input can make a program write outside `out`; stores are masked to the slot's rows [s, t).
+
+Numerics: every element is decoded from its bits to fp32 (exact), MX/NV block scales (powers
+of two, or e4m3 times e2m1) are folded into the operands, which stay exact in bf16, and the
+dot accumulates in fp32. fp8_block multiplies each K step's partial product by its fp32
+scales (promotion; a step never straddles a 128-wide scale block), as SPEC section 1 writes it.
+"""
+
+import triton
+import triton.language as tl
+
+# Element kinds (formats.ElementFormat) and scale kinds, as kernel constexprs.
+ELEM_BF16 = tl.constexpr(0)
+ELEM_E4M3 = tl.constexpr(1)
+ELEM_E2M1 = tl.constexpr(2)
+SCALE_NONE = tl.constexpr(0)
+SCALE_FP32_BLOCK = tl.constexpr(1)  # fp8_block: one fp32 per 1x128 (A) / 128x128 (B)
+SCALE_E8M0 = tl.constexpr(2)
+SCALE_E4M3 = tl.constexpr(3)
+
+
+@triton.jit
+def _f32_from_bits(bits):
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_e4m3(byte, BY_BITS: tl.constexpr):
+    """uint8 e4m3fn bits -> fp32 (0x7F/0xFF are NaN; subnormals are man * 2^-9).
+
+    BY_BITS decodes with integer ops: the interpreter's fp8 cast turns NaN into 480. On the
+    GPU the hardware conversion is exact and needs fewer registers.
+    """
+    if not BY_BITS:
+        return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    b = byte.to(tl.int32)
+    mag = b & 0x7F
+    exp = mag >> 3
+    man = mag & 7
+    normal = _f32_from_bits(((exp + 120) << 23) | (man << 20))
+    val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
+    val = tl.where(mag == 0x7F, _f32_from_bits(tl.full(val.shape, 0x7FC00000, tl.int32)), val)
+    return tl.where(b >= 0x80, -val, val)
+
+
+@triton.jit
+def _decode_e2m1(nibble):
+    """e2m1 code (int32, 0..15) -> fp32."""
+    mag = nibble & 7
+    exp = mag >> 1
+    man = mag & 1
+    normal = _f32_from_bits(((exp + 126) << 23) | (man << 22))
+    val = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
+    return tl.where((nibble & 8) != 0, -val, val)
+
+
+@triton.jit
+def _decode_e8m0(byte):
+    """uint8 e8m0 -> fp32 2^(b-127); 0 -> 2^-127 (an fp32 subnormal), 0xFF -> NaN."""
+    b = byte.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return _f32_from_bits(bits)
+
+
+@triton.jit
+def _to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, in integer arithmetic.
+
+    The interpreter's fp32->bf16 cast truncates; doing it by hand gives one rounding on both
+    the GPU and the CPU. NaN stays a quiet NaN; overflow rounds to inf as the hardware does.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    """Rows `rows` (int64) x columns [k0, k0 + BLOCK_K) of a row-major operand, decoded to fp32.
+
+    Out-of-range rows and columns read as zero.
+    """
+    if ELEM == ELEM_E2M1:
+        half_k = K // 2
+        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = row_mask[:, None] & (cols[None, :] < half_k)
+        packed = tl.load(ptr + rows[:, None] * half_k + cols[None, :], mask=mask, other=0).to(tl.int32)
+        low = _decode_e2m1(packed & 15)  # element 2i
+        high = _decode_e2m1(packed >> 4)  # element 2i + 1
+        return tl.join(low, high).reshape(BLOCK_R, BLOCK_K)
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (cols[None, :] < K)
+        x = tl.load(ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0)
+        if ELEM == ELEM_E4M3:
+            return _decode_e4m3(x, INTERPRETED)
+        else:
+            return x.to(tl.float32)
+
+
+@triton.jit
+def _apply_block_scales(x, scale_ptr, scale_rows, row_mask, k0, NUM_KB, KB4,
+                        SCALE: tl.constexpr, SWIZZLED: tl.constexpr, VEC: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Multiply x [BLOCK_R, BLOCK_K] by its per-(row, VEC-wide K block) scales.
+
+    plain: scale (r, kb) at r * NUM_KB + kb. swizzled (128x4 atom):
+    (r // 128) * KB4 * 512 + (kb // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb % 4.
+    """
+    kb = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
+    mask = row_mask[:, None] & (kb[None, :] < NUM_KB)
+    r = scale_rows[:, None]
+    if SWIZZLED:
+        offs = (r // 128) * (KB4 * 512) + (kb[None, :] // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb[None, :] % 4
+    else:
+        offs = r * NUM_KB + kb[None, :]
+    raw = tl.load(scale_ptr + offs, mask=mask, other=0)
+    if SCALE == SCALE_E8M0:
+        s = _decode_e8m0(raw)
+    else:
+        s = _decode_e4m3(raw, INTERPRETED)
+    x = x.reshape(BLOCK_R, BLOCK_K // VEC, VEC) * s[:, :, None]
+    return x.reshape(BLOCK_R, BLOCK_K)
+
+
+@triton.jit
+def grouped_matmul_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr,
+    a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr,
+    expert_scales_ptr, row_scales_ptr, out_ptr,
+    M, N, K, E, G,
+    NUM_KB, KB4, NUM_SCALE_ROWS,
+    A_ELEM: tl.constexpr, B_ELEM: tl.constexpr, SCALE: tl.constexpr, VEC: tl.constexpr,
+    SWIZZLED: tl.constexpr, HAS_EXPERT_SCALES: tl.constexpr, HAS_ROW_SCALES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """C[s:t] = decode(A[s:t]) @ decode(B[e]).T * expert_scales[e] * row_scales[s:t] per valid slot."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    b_row_elems = K // 2 if B_ELEM == ELEM_E2M1 else K
+    # Per-expert strides of the B scales: plain [E, N, NUM_KB] (fp8_block: [E, ceil(N/128), NUM_KB]),
+    # swizzled [E, ceil(N/128), KB4, 512].
+    if SCALE == SCALE_FP32_BLOCK:
+        b_scale_expert_stride = ((N + 127) // 128) * NUM_KB
+    elif SWIZZLED:
+        b_scale_expert_stride = ((N + 127) // 128) * KB4 * 512
+    else:
+        b_scale_expert_stride = N * NUM_KB
+
+    tile_base = pid * 0  # tiles in the slots before g (an int32 tensor, carried by the loop)
+    for g in range(0, G):
+        s = tl.load(a_offsets_ptr + g)
+        t = tl.load(a_offsets_ptr + g + 1)
+        e = tl.load(expert_ids_ptr + g)
+        s = tl.minimum(tl.maximum(s, 0), M)
+        t = tl.minimum(tl.maximum(t, s), M)
+        m_tiles = tl.where((e >= 0) & (e < E), (t - s + BLOCK_M - 1) // BLOCK_M, 0)
+        group_tiles = m_tiles * n_tiles
+        first = tile_base + (pid - tile_base % nprog + nprog) % nprog
+        if SWIZZLED:
+            scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
+        else:
+            scale_row_base = s * 0
+        for tile in range(first, tile_base + group_tiles, nprog):
+            local = tile - tile_base
+            m_block = local % m_tiles
+            n_block = local // m_tiles
+            rows = s + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < t
+            rows = rows.to(tl.int64)
+            cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            cols = cols.to(tl.int64)
+            expert = e.to(tl.int64)
+            b_base = b_ptr + expert * N * b_row_elems
+            a_scale_rows = rows + scale_row_base
+            a_scale_mask = row_mask & (a_scale_rows >= 0) & (a_scale_rows < NUM_SCALE_ROWS)
+
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = _load_operand(a_ptr, rows, row_mask, k0, K, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED)
+                b = _load_operand(b_base, cols, col_mask, k0, K, B_ELEM, BLOCK_N, BLOCK_K, INTERPRETED)
+                if SCALE == SCALE_E8M0 or SCALE == SCALE_E4M3:
+                    a = _apply_block_scales(a, a_scale_ptr, a_scale_rows, a_scale_mask, k0, NUM_KB, KB4,
+                                            SCALE, SWIZZLED, VEC, BLOCK_M, BLOCK_K, INTERPRETED)
+                    b = _apply_block_scales(b, b_scale_ptr + expert * b_scale_expert_stride, cols, col_mask,
+                                            k0, NUM_KB, KB4, SCALE, SWIZZLED, VEC, BLOCK_N, BLOCK_K, INTERPRETED)
+                if SCALE == SCALE_FP32_BLOCK:
+                    part = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), input_precision=DOT_PRECISION,
+                                  out_dtype=tl.float32)
+                    kb = k0 // 128  # BLOCK_K divides 128: the step lies inside one scale block
+                    sa = tl.load(a_scale_ptr + rows * NUM_KB + kb, mask=row_mask, other=0.0)
+                    sb = tl.load(b_scale_ptr + expert * b_scale_expert_stride + (cols // 128) * NUM_KB + kb,
+                                 mask=col_mask, other=0.0)
+                    acc += part * sa[:, None] * sb[None, :]
+                else:
+                    acc = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION,
+                                 out_dtype=tl.float32)
+
+            if HAS_EXPERT_SCALES:
+                acc = acc * tl.load(expert_scales_ptr + expert)
+            if HAS_ROW_SCALES:
+                acc = acc * tl.load(row_scales_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
+            out_mask = row_mask[:, None] & col_mask[None, :]
+            if out_ptr.dtype.element_ty == tl.bfloat16:
+                tl.store(out_ptrs, _to_bf16_rne(acc), mask=out_mask)
+            else:
+                tl.store(out_ptrs, acc, mask=out_mask)
+        tile_base += group_tiles

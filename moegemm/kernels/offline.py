@@ -1,0 +1,43 @@
+"""Compile kernels for sm_90 without a GPU and read their SASS (tests and design work).
+
+triton.compile with a GPUTarget needs no device; the Triton wheel ships ptxas and cuobjdump,
+so the machine code of every kernel variant can be checked on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict):
+    """Compile a @triton.jit function for sm_90; returns triton's CompiledKernel."""
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return triton.compile(ASTSource(jit_fn, sig, constexprs), target=SM90, options=options)
+
+
+def sass(compiled) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def opcode_counts(sass_text: str) -> collections.Counter:
+    """Opcode (first word of each instruction, predicate and modifiers stripped) -> count."""
+    counts = collections.Counter()
+    for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass_text):
+        counts[match.group(1)] += 1
+    return counts

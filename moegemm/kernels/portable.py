@@ -1,0 +1,118 @@
+"""Host side of the portable tl kernel: pick the compiled or interpreted build, size the
+persistent grid, launch. No device value is read: the grid comes from an upper bound on
+the tile count, and the kernel itself skips the tiles that do not exist.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+import triton
+
+from .. import layouts
+from ..config import portable_config
+from ..formats import E2M1, E4M3
+from ..validation import GroupedProblem
+
+_SOURCE = Path(__file__).with_name("_portable_tl.py")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_module(interpret: bool):
+    """Execute _portable_tl.py with Triton's interpreter knob set as asked.
+
+    triton.jit reads the knob when it decorates, so loading the source twice gives one build
+    for CUDA tensors and one for CPU tensors, whatever TRITON_INTERPRET says.
+    """
+    name = f"moegemm.kernels._portable_tl_{'interpreted' if interpret else 'compiled'}"
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = interpret
+        spec = importlib.util.spec_from_file_location(name, _SOURCE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def _elem_code(element, module) -> int:
+    if element is E4M3:
+        return module.ELEM_E4M3.value
+    if element is E2M1:
+        return module.ELEM_E2M1.value
+    return module.ELEM_BF16.value
+
+
+def _scale_code(scale: str | None, module) -> int:
+    code = {None: module.SCALE_NONE, "fp32": module.SCALE_FP32_BLOCK, "e8m0": module.SCALE_E8M0,
+            "e4m3": module.SCALE_E4M3}[scale]
+    return code.value
+
+
+def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """1-byte fp8 tensors travel as uint8: the kernel decodes the bits itself."""
+    if t is not None and t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t
+
+
+def _num_programs(device: torch.device, upper_bound_tiles: int, programs_per_sm: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 1
+    return max(1, min(sms * programs_per_sm, upper_bound_tiles))
+
+
+def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
+    """The compile-time arguments of one launch (also used by the offline sm_90 compile test)."""
+    module = kernel_module(interpret)
+    f = p.fmt
+    return dict(
+        A_ELEM=_elem_code(f.a.element, module), B_ELEM=_elem_code(f.b.element, module),
+        SCALE=_scale_code(f.a.scale, module), VEC=max(f.scale_vec, 1),
+        SWIZZLED=f.scaled and p.scale_layout == "swizzled",
+        # The CPU interpreter's bf16 dot multiplies raw bits: it gets fp32 operands, which hold
+        # the same (exactly decoded) values.
+        DOT_DTYPE=module.tl.float32 if interpret else module.tl.bfloat16,
+        DOT_PRECISION="ieee",
+        INTERPRETED=interpret,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    )
+
+
+def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
+                   expert_scales, row_scales, out):
+    """Launch the portable kernel into `out` (already allocated, [M, N])."""
+    if p.num_groups == 0 or p.m == 0 or p.n == 0:
+        return out
+    interpret = a.device.type == "cpu"
+    module = kernel_module(interpret)
+    cfg = portable_config(p.fmt, p.n, p.k, a.device.type)
+    constexprs = kernel_constexprs(p, cfg, interpret)
+    swizzled = constexprs["SWIZZLED"]
+    num_kb = p.num_k_scales
+    if swizzled and a_scale_offsets is None:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)  # device ops, no host read
+    # Valid tiles <= sum_g ceil(tokens_g / BLOCK_M) * n_tiles <= (ceil(M / BLOCK_M) + G) * n_tiles.
+    upper_tiles = (math.ceil(p.m / cfg.block_m) + p.num_groups) * math.ceil(p.n / cfg.block_n)
+    grid = (_num_programs(a.device, upper_tiles, cfg.programs_per_sm),)
+    dummy = a_offsets  # stands in for absent optional pointers; never read
+    module.grouped_matmul_kernel[grid](
+        _bytes(a), _bytes(b),
+        _bytes(a_scales) if a_scales is not None else dummy,
+        _bytes(b_scales) if b_scales is not None else dummy,
+        a_offsets, expert_ids,
+        a_scale_offsets if a_scale_offsets is not None else dummy,
+        expert_scales if expert_scales is not None else dummy,
+        row_scales if row_scales is not None else dummy,
+        out,
+        p.m, p.n, p.k, p.num_experts, p.num_groups,
+        num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if swizzled else p.m,
+        HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
+        **constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,288 @@
+"""Block quantizers and dequantizers for every format (pure PyTorch, any device).
+
+quantize(x, fmt)          activations [M, K]    -> A operand + A scales
+quantize_weights(w, fmt)  weights     [E, N, K] -> B operand + B scales
+dequantize(q)             either one            -> fp32 values (global scale included)
+
+Encodings per SPEC section 2 (codecs.py holds the element rules):
+- fp8_block: scale = amax / 448 in fp32 per 1x128 (A) or 128x128 (B) block (partial edge
+  blocks use the elements present); element = e4m3(x / scale); an all-zero block has scale 0.
+- mxfp8 / mxfp4 / w4a8: scale = smallest power of two >= amax / max_finite (e8m0);
+  element = encode(x / scale), which is exact division by a power of two.
+- nvfp4: global = amax(tensor or expert) / (448 * 6) (1 if that amax is 0, or user given);
+  block scale = e4m3(amax_block / (6 * global)); element = e2m1(x / (scale * global)).
+  `global_scale` is returned so the caller can fold A's and B's into `expert_scales`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import codecs, layouts
+from .formats import E2M1, E4M3, Format, OperandFormat, get_format
+
+__all__ = ["QuantizedTensor", "quantize", "quantize_weights", "dequantize", "dequantize_operand"]
+
+_NVFP4_GLOBAL_DIVISOR = 448.0 * 6.0  # e4m3 max times e2m1 max
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized operand exactly as `grouped_matmul` consumes it.
+
+    data:          A [M, K] / packed [M, K/2];  B [E, N, K] / packed [E, N, K/2]
+    scales:        None for bf16; otherwise in `scale_layout`
+    global_scale:  nvfp4 only: fp32 scalar (A) or [E] (B); fold into expert_scales
+    a_offsets:     swizzled A only: the group offsets the scale rows were placed by
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    fmt: str
+    operand: str  # "a" or "b"
+    scale_layout: str = "plain"
+    global_scale: torch.Tensor | None = None
+    a_offsets: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        operand = get_format(self.fmt).a if self.operand == "a" else get_format(self.fmt).b
+        return operand.logical_k(self.data.shape[-1])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _blocks_along_k(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """[..., K] -> [..., ceil(K/block_k), block_k], zero-padded (zeros never raise an amax)."""
+    k = x.shape[-1]
+    pad = _cdiv(k, block_k) * block_k - k
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block_k, block_k)
+
+
+def _encode_elements(values: torch.Tensor, operand: OperandFormat) -> torch.Tensor:
+    """Scaled fp32 values [..., K] -> stored elements (e4m3 tensor or packed e2m1 bytes)."""
+    if operand.element is E4M3:
+        return codecs.encode_e4m3(values)
+    return codecs.pack_fp4(codecs.encode_e2m1(values))
+
+
+def _decode_elements(data: torch.Tensor, operand: OperandFormat) -> torch.Tensor:
+    if operand.element is E4M3:
+        return codecs.decode_e4m3(data)
+    if operand.element is E2M1:
+        return codecs.decode_e2m1(codecs.unpack_fp4(data))
+    return data.float()
+
+
+def _nvfp4_global(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """amax / (448 * 6) over `dims` (all dims when empty); 1 where the amax is 0 or nothing is there."""
+    if x.numel() == 0:
+        shape = [size for d, size in enumerate(x.shape) if dims and d not in dims]
+        return torch.ones(shape, dtype=torch.float32, device=x.device)
+    amax = x.abs().amax(dim=dims) if dims else x.abs().amax()
+    return torch.where(amax > 0, amax / _NVFP4_GLOBAL_DIVISOR, torch.ones_like(amax))
+
+
+def _quantize_rows(x: torch.Tensor, operand: OperandFormat, global_scale: torch.Tensor | None):
+    """Quantize [..., R, K] with one scale per (row, K block); returns (data, plain scales).
+
+    global_scale (nvfp4) broadcasts against [..., R, nkb].
+    """
+    blocks = _blocks_along_k(x, operand.block_k)  # [..., R, nkb, vec]
+    amax = blocks.abs().amax(dim=-1)  # [..., R, nkb]
+    maxf = operand.element.max_finite
+    if operand.scale == "e8m0":
+        scale_bytes = codecs.encode_e8m0(amax, maxf)
+        scale = codecs.decode_e8m0(scale_bytes)
+        scaled = blocks * scale.unsqueeze(-1).reciprocal()  # exact: a power of two
+        stored_scales = scale_bytes.view(torch.float8_e8m0fnu)
+    elif operand.scale == "e4m3":
+        stored_scales = codecs.encode_e4m3(amax / (global_scale * 6.0))
+        denom = (codecs.decode_e4m3(stored_scales) * global_scale).unsqueeze(-1)
+        scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
+    else:  # fp8_block activations: fp32 amax / 448
+        scale = amax / maxf
+        denom = scale.unsqueeze(-1)
+        scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
+        stored_scales = scale
+    k = x.shape[-1]
+    scaled = scaled.reshape(*scaled.shape[:-2], scaled.shape[-2] * scaled.shape[-1])[..., :k]
+    return _encode_elements(scaled, operand), stored_scales
+
+
+def _quantize_fp8_block_weights(w: torch.Tensor, operand: OperandFormat):
+    """[E, N, K] with one fp32 scale per 128x128 (N x K) block -> (e4m3 data, [E, nN, nK])."""
+    e, n, k = w.shape
+    bn, bk = operand.block_n, operand.block_k
+    pn, pk = _cdiv(n, bn) * bn - n, _cdiv(k, bk) * bk - k
+    padded = torch.nn.functional.pad(w, (0, pk, 0, pn))
+    tiles = padded.reshape(e, _cdiv(n, bn), bn, _cdiv(k, bk), bk)
+    scale = tiles.abs().amax(dim=(2, 4)) / operand.element.max_finite  # [E, nN, nK]
+    denom = scale[:, :, None, :, None]
+    scaled = torch.where(denom > 0, tiles / denom, torch.zeros_like(tiles))
+    scaled = scaled.reshape(e, padded.shape[1], padded.shape[2])[:, :n, :k]
+    return codecs.encode_e4m3(scaled), scale
+
+
+def _check_float_input(x: torch.Tensor, name: str, ndim: int, fmt: Format, operand: OperandFormat):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    k = x.shape[-1]
+    if k % fmt.k_multiple:
+        raise ValueError(f"{name}: K must be a multiple of {fmt.k_multiple} for {fmt.name}, got K={k}")
+
+
+def _check_global_scale(global_scale, expected_numel: int, device) -> torch.Tensor:
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+    if g.numel() != expected_numel:
+        raise ValueError(f"global_scale: expected {expected_numel} value(s), got shape {tuple(g.shape)}")
+    return g.reshape(-1) if expected_numel > 1 else g.reshape(())
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    scale_layout: str = "plain",
+    a_offsets: torch.Tensor | None = None,
+    num_scale_blocks: int | None = None,
+    global_scale: torch.Tensor | float | None = None,
+) -> QuantizedTensor:
+    """Quantize activations [M, K] into the A operand of `fmt`.
+
+    scale_layout="swizzled" places each group's scale rows by `a_offsets` (required); rows
+    outside every slot get no scales. num_scale_blocks may give the first dimension (an upper
+    bound) so that no device value is read. nvfp4 uses one global scale for the whole tensor
+    (computed, or `global_scale`).
+    """
+    f = get_format(fmt)
+    operand = f.a
+    _check_float_input(x, "x", 2, f, operand)
+    _check_layout(f, scale_layout)
+    x = x.float()
+    if operand.scale is None:
+        return QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, "a", scale_layout)
+    gscale = None
+    if f.global_scale:
+        gscale = _nvfp4_global(x, ()) if global_scale is None else _check_global_scale(global_scale, 1, x.device)
+    data, scales = _quantize_rows(x, operand, gscale)
+    if scale_layout == "swizzled":
+        if a_offsets is None:
+            raise ValueError("a_offsets: required to place activation scales in the swizzled layout")
+        scales = layouts.swizzle_a_scales(scales, a_offsets, num_scale_blocks)
+    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale, a_offsets)
+
+
+def quantize_weights(
+    w: torch.Tensor,
+    fmt: str,
+    *,
+    scale_layout: str = "plain",
+    global_scale: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """Quantize expert weights [E, N, K] into the B operand of `fmt`.
+
+    nvfp4 uses one global scale per expert (computed from the expert's amax, or given as [E]).
+    """
+    f = get_format(fmt)
+    operand = f.b
+    _check_float_input(w, "w", 3, f, operand)
+    _check_layout(f, scale_layout)
+    w = w.float()
+    if operand.scale is None:
+        return QuantizedTensor(w.to(torch.bfloat16).contiguous(), None, f.name, "b", scale_layout)
+    if operand.block_n > 1:
+        data, scales = _quantize_fp8_block_weights(w, operand)
+        return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", scale_layout)
+    gscale = None
+    if f.global_scale:
+        e = w.shape[0]
+        gscale = _nvfp4_global(w, (1, 2)) if global_scale is None else _check_global_scale(global_scale, e, w.device)
+    data, scales = _quantize_rows(w, operand, None if gscale is None else gscale.reshape(-1, 1, 1))
+    if scale_layout == "swizzled":
+        scales = layouts.swizzle_b_scales(scales)
+    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", scale_layout, gscale)
+
+
+def _check_layout(f: Format, scale_layout: str):
+    if scale_layout not in ("plain", "swizzled"):
+        raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
+    if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:
+        raise ValueError(
+            f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'"
+        )
+
+
+def dequantize_operand(
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: str | Format,
+    operand: str,
+    *,
+    scale_layout: str = "plain",
+    a_offsets: torch.Tensor | None = None,
+    a_scale_offsets: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode an operand as `grouped_matmul` reads it: elements times block scales (times global).
+
+    A in the swizzled layout needs `a_offsets` (and honours `a_scale_offsets`); rows outside
+    every slot have no scales and decode to zero.
+    """
+    f = get_format(fmt)
+    op = f.a if operand == "a" else f.b
+    values = _decode_elements(data, op).to(dtype)
+    if op.scale is None:
+        return values
+    k = values.shape[-1]
+    nkb = _cdiv(k, op.block_k)
+    if op.block_n > 1:  # fp8_block weights: [E, nN, nK] -> per element
+        s = scales.to(dtype).repeat_interleave(op.block_n, dim=1)[:, : values.shape[1]]
+    else:
+        if scale_layout == "swizzled":
+            if operand == "a":
+                s = layouts.unswizzle_a_scales(scales, a_offsets, values.shape[0], nkb, a_scale_offsets)
+            else:
+                s = layouts.unswizzle_b_scales(scales, values.shape[1], nkb)
+        else:
+            s = scales
+        s = _decode_scales(s, op).to(dtype)
+    s = s.repeat_interleave(op.block_k, dim=-1)[..., :k]
+    out = values * s
+    if global_scale is not None:
+        g = global_scale.to(dtype)
+        out = out * (g.reshape(-1, 1, 1) if g.dim() == 1 else g)
+    return out
+
+
+def _decode_scales(s: torch.Tensor, op: OperandFormat) -> torch.Tensor:
+    if op.scale == "e8m0":
+        return codecs.decode_e8m0(s)
+    if op.scale == "e4m3":
+        return codecs.decode_e4m3(s)
+    return s.float()
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode a QuantizedTensor back to real values (its global scale included)."""
+    return dequantize_operand(
+        q.data,
+        q.scales,
+        q.fmt,
+        q.operand,
+        scale_layout=q.scale_layout,
+        a_offsets=q.a_offsets,
+        global_scale=q.global_scale,
+        dtype=dtype,
+    )

@@ -1,0 +1,63 @@
+"""The fp32 (or fp64) oracle of the grouped matmul: SPEC section 1, written plainly.
+
+Tests and benchmarks compare every backend against this one function. It decodes both
+operands with the bit-exact codecs (dequantize_operand), then runs one matmul per valid
+group. It reads offsets on the host and loops over groups in Python: it is an oracle, not a
+fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantize import dequantize_operand
+
+__all__ = ["grouped_matmul"]
+
+
+def grouped_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    b_scales: torch.Tensor | None,
+    a_offsets: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    fmt: str,
+    a_scale_offsets: torch.Tensor | None = None,
+    expert_scales: torch.Tensor | None = None,
+    row_scales: torch.Tensor | None = None,
+    scale_layout: str = "plain",
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """For every slot g with e = expert_ids[g] >= 0 and rows [s, t) = a_offsets[g:g+2]:
+
+        C[s:t] = round(decode(A[s:t]) @ decode(B[e]).T * expert_scales[e] * row_scales[s:t])
+
+    decode() applies the block scales; rows outside valid groups of `out` are not touched
+    (a fresh `out` starts as zeros). compute_dtype=torch.float64 gives the exact-product
+    oracle used by the tests.
+    """
+    m = a.shape[0]
+    a_values = dequantize_operand(
+        a, a_scales, fmt, "a", scale_layout=scale_layout, a_offsets=a_offsets,
+        a_scale_offsets=a_scale_offsets, dtype=compute_dtype,
+    )
+    b_values = dequantize_operand(b, b_scales, fmt, "b", scale_layout=scale_layout, dtype=compute_dtype)
+    n = b_values.shape[1]
+    if out is None:
+        out = torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    offsets = a_offsets.tolist()
+    for g, e in enumerate(expert_ids.tolist()):
+        s, t = offsets[g], offsets[g + 1]
+        if e < 0 or t <= s:
+            continue
+        acc = a_values[s:t] @ b_values[e].T
+        if expert_scales is not None:
+            acc = acc * expert_scales[e].to(compute_dtype)
+        if row_scales is not None:
+            acc = acc * row_scales[s:t, None].to(compute_dtype)
+        out[s:t] = acc.to(out.dtype)
+    return out

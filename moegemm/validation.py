@@ -1,0 +1,204 @@
+"""Argument checks of the public grouped matmul (SPEC section 5).
+
+Every check here reads only shapes, dtypes, devices and strides, so it never synchronizes
+the GPU. Checks that need tensor *values* (offsets, expert ids, finite expert scales, enough
+swizzled scale rows) run when the tensors live on the CPU, where reading them is free, and on
+the GPU only in debug mode (MOEGEMM_DEBUG=1). Without debug mode the kernels still clamp
+offsets to [0, M] and skip expert ids outside [0, E), so bad values can never make them
+write outside `out` or read outside `b`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import layouts
+from .formats import Format, get_format
+
+__all__ = ["GroupedProblem", "validate_grouped_matmul", "debug_mode"]
+
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def debug_mode() -> bool:
+    """MOEGEMM_DEBUG=1 turns on the checks that read device values (they synchronize)."""
+    return os.environ.get("MOEGEMM_DEBUG", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class GroupedProblem:
+    """The validated sizes of one grouped matmul call."""
+
+    fmt: Format
+    m: int
+    n: int
+    k: int
+    num_experts: int
+    num_groups: int
+    scale_layout: str
+    out_dtype: torch.dtype
+
+    @property
+    def num_k_scales(self) -> int:
+        return math.ceil(self.k / self.fmt.scale_vec) if self.fmt.scaled else 0
+
+
+def _tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _dtype(x: torch.Tensor, name: str, allowed: tuple[torch.dtype, ...]):
+    if x.dtype not in allowed:
+        want = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+
+
+def _shape(x: torch.Tensor, name: str, expected: tuple[int, ...], what: str = ""):
+    if tuple(x.shape) != tuple(expected):
+        detail = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected shape {tuple(expected)}{detail}, got {tuple(x.shape)}")
+
+
+def _device(x: torch.Tensor, name: str, device: torch.device):
+    if x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of a), got {x.device}")
+
+
+def _contiguous(x: torch.Tensor, name: str):
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(x.stride())}")
+
+
+def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Tensor:
+    x = _tensor(x, name)
+    _dtype(x, name, dtypes)
+    _device(x, name, device)
+    if shape is not None:
+        _shape(x, name, shape, what)
+    _contiguous(x, name)
+    return x
+
+
+def validate_grouped_matmul(
+    a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
+    row_scales, scale_layout, out, out_dtype,
+) -> GroupedProblem:
+    """Raise TypeError/ValueError naming the first bad argument; return the problem sizes."""
+    f = get_format(fmt)
+    if scale_layout not in ("plain", "swizzled"):
+        raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
+    if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:
+        raise ValueError(
+            f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'"
+        )
+
+    a = _tensor(a, "a")
+    device = a.device
+    _dtype(a, "a", (f.a.element.storage_dtype,))
+    if a.dim() != 2:
+        raise ValueError(f"a: expected 2 dimensions [M, K{'/2' if f.a.element.packed else ''}], got shape {tuple(a.shape)}")
+    _contiguous(a, "a")
+    b = _check(b, "b", (f.b.element.storage_dtype,), device)
+    if b.dim() != 3:
+        raise ValueError(f"b: expected 3 dimensions [E, N, K{'/2' if f.b.element.packed else ''}], got shape {tuple(b.shape)}")
+
+    m = a.shape[0]
+    k = f.a.logical_k(a.shape[1])
+    e, n = b.shape[0], b.shape[1]
+    if f.b.logical_k(b.shape[2]) != k:
+        raise ValueError(
+            f"b: expected K={k} (from a: shape {tuple(a.shape)}), got shape {tuple(b.shape)} meaning K={f.b.logical_k(b.shape[2])}"
+        )
+    if k % f.k_multiple:
+        raise ValueError(f"a: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
+
+    a_offsets = _check(a_offsets, "a_offsets", (torch.int32,), device)
+    if a_offsets.dim() != 1 or a_offsets.numel() < 1:
+        raise ValueError(f"a_offsets: expected a 1-D tensor [G+1] with G >= 0, got shape {tuple(a_offsets.shape)}")
+    g = a_offsets.numel() - 1
+    _check(expert_ids, "expert_ids", (torch.int32,), device, (g,), "G = len(a_offsets) - 1")
+
+    problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype)
+    _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device)
+
+    if expert_scales is not None:
+        _check(expert_scales, "expert_scales", (torch.float32,), device, (e,), "one per expert")
+    if row_scales is not None:
+        _check(row_scales, "row_scales", (torch.float32, torch.bfloat16), device, (m,), "one per row of a")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    if out is not None:
+        _check(out, "out", (out_dtype,), device, (m, n), "[M, N]")
+
+    if device.type == "cpu" or debug_mode():
+        _validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets)
+    return problem
+
+
+def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, device):
+    f = p.fmt
+    if not f.scaled:
+        for name, s in (("a_scales", a_scales), ("b_scales", b_scales), ("a_scale_offsets", a_scale_offsets)):
+            if s is not None:
+                raise ValueError(f"{name}: bf16 takes no scales, got a {type(s).__name__}")
+        return
+    nkb = p.num_k_scales
+    if p.scale_layout == "plain":
+        a_shape = (p.m, nkb)
+        if f.b.block_n > 1:
+            b_shape = (p.num_experts, math.ceil(p.n / f.b.block_n), nkb)
+        else:
+            b_shape = (p.num_experts, p.n, nkb)
+        b_what = "plain layout [E, ceil(N/128), ceil(K/128)]" if f.b.block_n > 1 else "plain layout [E, N, K/vec]"
+        _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device, a_shape, "plain layout [M, K/vec]")
+        _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device, b_shape, b_what)
+        if a_scale_offsets is not None:
+            raise ValueError("a_scale_offsets: only used with scale_layout='swizzled', got a tensor with 'plain'")
+        return
+    a_scales = _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device)
+    atom = layouts.swizzled_a_shape(0, nkb)[1:]
+    if a_scales.dim() != 5 or tuple(a_scales.shape[1:]) != atom:
+        raise ValueError(
+            f"a_scales: expected the swizzled shape (row_blocks, {', '.join(map(str, atom))}), got {tuple(a_scales.shape)}"
+        )
+    _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device,
+           layouts.swizzled_b_shape(p.num_experts, p.n, nkb), "swizzled layout")
+    if a_scale_offsets is not None:
+        _check(a_scale_offsets, "a_scale_offsets", (torch.int32,), device, (p.num_groups,), "one per group slot")
+
+
+def _validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets):
+    """Checks that read tensor values: free on the CPU, debug mode only on the GPU."""
+    offsets = a_offsets.long().cpu()
+    if offsets.numel() and offsets[0] < 0:
+        raise ValueError(f"a_offsets: expected a_offsets[0] >= 0, got {int(offsets[0])}")
+    if p.num_groups and bool((offsets[1:] < offsets[:-1]).any()):
+        bad = int(torch.nonzero(offsets[1:] < offsets[:-1])[0])
+        raise ValueError(
+            f"a_offsets: expected non-decreasing values, got a_offsets[{bad}]={int(offsets[bad])} > "
+            f"a_offsets[{bad + 1}]={int(offsets[bad + 1])}"
+        )
+    if int(offsets[-1]) > p.m:
+        raise ValueError(f"a_offsets: expected a_offsets[G] <= M={p.m}, got {int(offsets[-1])}")
+    ids = expert_ids.cpu()
+    if p.num_groups and int(ids.max()) >= p.num_experts:
+        raise ValueError(f"expert_ids: expected ids < E={p.num_experts} (or < 0 to skip), got {int(ids.max())}")
+    if expert_scales is not None and not bool(torch.isfinite(expert_scales).all()):
+        raise ValueError("expert_scales: expected finite values, got NaN or inf")
+    if p.fmt.scaled and p.scale_layout == "swizzled" and p.num_groups:
+        _, scale_rows, slot = layouts.a_scale_rows(
+            a_offsets.cpu(), None if a_scale_offsets is None else a_scale_offsets.cpu()
+        )
+        scale_rows = scale_rows[ids.long()[slot] >= 0]  # skipped slots are never read
+        rows_available = a_scales.shape[0] * layouts.ROWS_PER_BLOCK
+        if scale_rows.numel() and (int(scale_rows.min()) < 0 or int(scale_rows.max()) >= rows_available):
+            raise ValueError(
+                f"a_scales: the groups need scale rows up to {int(scale_rows.max())}, but the swizzled tensor "
+                f"holds {a_scales.shape[0]} blocks of 128 rows"
+            )

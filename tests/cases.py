@@ -1,0 +1,209 @@
+"""Shared test material: the token patterns of SPEC section 7, input builders, tolerances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import moegemm
+from moegemm.formats import FORMATS
+
+
+@dataclass(frozen=True)
+class TokenPattern:
+    name: str
+    tokens: tuple[int, ...]
+    ids: tuple[int, ...] | None = None  # default 0..G-1
+    start: int = 0  # a_offsets[0]
+    tail: int = 0  # rows after a_offsets[G] that belong to no group
+    why: str = ""
+
+    @property
+    def expert_ids(self) -> tuple[int, ...]:
+        return self.ids if self.ids is not None else tuple(range(len(self.tokens)))
+
+    @property
+    def num_experts(self) -> int:
+        """E >= number of groups, plus one expert no slot names."""
+        ids = self.expert_ids
+        return max([len(ids)] + [i + 1 for i in ids]) + 1
+
+
+TOKEN_PATTERNS = [
+    TokenPattern("large", (512, 1000, 2000, 3000), why="many tiles per group, partial last tiles"),
+    TokenPattern("ragged", (65, 1027, 386), why="group ends inside a tile; a 1-row overhang"),
+    TokenPattern("aligned", (128, 256, 1024), why="every group 128-aligned: no partial tiles"),
+    TokenPattern("mixed", (256, 519, 1037, 129), why="aligned and unaligned neighbours"),
+    TokenPattern("one_less", (127, 257, 513, 1025), why="one row short/over of a power of two"),
+    TokenPattern("small", (31, 97, 63), why="groups smaller than one tile"),
+    TokenPattern("tiny", (0, 1, 2, 3), why="an empty group and 1-3 row groups"),
+    TokenPattern("skip_first", (128, 256, 512), (-1, 0, 2), why="expert_id -1 on a full group: never written"),
+    TokenPattern("skip_some", (0, 3, 1, 2), (-1, 2, -1, 0), why="skips and empty groups interleaved"),
+    TokenPattern("skip_empty", (0, 64, 128, 0), (-1, 2, 4, -1), why="empty skipped slots at both ends"),
+    TokenPattern("all_skipped", (40, 70), (-1, -1), why="nothing valid: output untouched"),
+    TokenPattern("no_groups", (), why="G = 0: a no-op"),
+    TokenPattern("repeated_unsorted", (50, 130, 70, 20), (3, 1, 3, 0), why="same expert twice, ids unsorted"),
+    TokenPattern("offset_start", (90, 200, 33), start=37, tail=21, why="a_offsets[0] > 0 and rows after the end"),
+]
+
+FORMAT_LAYOUTS = [
+    (name, layout)
+    for name, f in FORMATS.items()
+    for layout in (("plain", "swizzled") if f.swizzle_capable else ("plain",))
+]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Kernel vs the fp64 reference on the same quantized inputs.
+
+    Decoding is exact (e2m1, e4m3, bf16 and the e8m0/e4m3 scale products are all exact in
+    bf16 and fp32), so every format differs from the oracle only by fp32 accumulation order
+    (acc_rtol, relative to sum |a*b|), by fp8_block's per-block fp32 promotion, and by the
+    final rounding of the output (bf16: at most half an ulp, 2^-8 relative).
+    normalized: bound on ||out - ref|| / ||ref|| over the valid rows.
+    """
+
+    normalized_bf16: float
+    normalized_fp32: float
+    acc_rtol: float
+
+
+TOLERANCES = {
+    "bf16": Tolerance(4e-3, 1e-5, 2e-6),
+    "fp8_block": Tolerance(4e-3, 1e-5, 4e-6),
+    "mxfp8": Tolerance(4e-3, 1e-5, 2e-6),
+    "mxfp4": Tolerance(4e-3, 1e-5, 2e-6),
+    "nvfp4": Tolerance(4e-3, 1e-5, 2e-6),
+    "w4a8": Tolerance(4e-3, 1e-5, 2e-6),
+}
+
+
+def offsets_for(pattern: TokenPattern, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    bounds = [pattern.start]
+    for t in pattern.tokens:
+        bounds.append(bounds[-1] + t)
+    m = bounds[-1] + pattern.tail
+    a_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
+    expert_ids = torch.tensor(pattern.expert_ids, dtype=torch.int32, device=device)
+    return a_offsets, expert_ids, m
+
+
+def random_activations(m: int, k: int, device) -> torch.Tensor:
+    """Rows of very different magnitudes (exercise the scales), some all-zero 32-blocks."""
+    x = torch.randn(m, k, device=device) * torch.exp2(torch.randint(-6, 7, (m, 1), device=device).float())
+    if k >= 64 and m:
+        x[torch.rand(m, device=device) < 0.1, 32:64] = 0
+    return x
+
+
+def random_weights(e: int, n: int, k: int, device) -> torch.Tensor:
+    return torch.randn(e, n, k, device=device) * torch.exp2(torch.randint(-3, 4, (e, n, 1), device=device).float())
+
+
+@dataclass
+class Problem:
+    fmt: str
+    layout: str
+    a: moegemm.QuantizedTensor
+    w: moegemm.QuantizedTensor
+    a_offsets: torch.Tensor
+    expert_ids: torch.Tensor
+    expert_scales: torch.Tensor | None
+    row_scales: torch.Tensor | None
+    m: int
+    n: int
+
+    def args(self):
+        return (self.a.data, self.w.data, self.a.scales, self.w.scales, self.a_offsets, self.expert_ids)
+
+    def kwargs(self):
+        return dict(fmt=self.fmt, scale_layout=self.layout, expert_scales=self.expert_scales,
+                    row_scales=self.row_scales)
+
+    def valid_rows(self) -> torch.Tensor:
+        mask = torch.zeros(self.m, dtype=torch.bool)
+        offsets = self.a_offsets.tolist()
+        for g, e in enumerate(self.expert_ids.tolist()):
+            if e >= 0:
+                mask[offsets[g]:offsets[g + 1]] = True
+        return mask
+
+
+def make_problem(fmt: str, layout: str, pattern: TokenPattern, n: int, k: int, device,
+                 with_scales: bool = True) -> Problem:
+    a_offsets, expert_ids, m = offsets_for(pattern, device)
+    e = pattern.num_experts
+    qa = moegemm.quantize(random_activations(m, k, device), fmt, scale_layout=layout, a_offsets=a_offsets)
+    qw = moegemm.quantize_weights(random_weights(e, n, k, device), fmt, scale_layout=layout)
+    expert_scales = None
+    if with_scales:
+        expert_scales = torch.rand(e, device=device) + 0.5
+    if qa.global_scale is not None:  # nvfp4: the global scales ride in expert_scales
+        base = expert_scales if expert_scales is not None else torch.ones(e, device=device)
+        expert_scales = base * qa.global_scale * qw.global_scale
+    row_scales = torch.rand(m, device=device) + 0.5 if with_scales else None
+    return Problem(fmt, layout, qa, qw, a_offsets, expert_ids, expert_scales, row_scales, m, n)
+
+
+def reference_and_bound(p: Problem):
+    """fp64 oracle, and sum |a*b| * |scales| per element (the scale of the accumulation error)."""
+    ref64 = moegemm.reference.grouped_matmul(
+        *p.args(), **p.kwargs(), out_dtype=torch.float32, compute_dtype=torch.float64
+    ).double()
+    a_abs = moegemm.dequantize(p.a, torch.float64).abs()
+    w_abs = moegemm.dequantize(p.w, torch.float64).abs()
+    if p.a.global_scale is not None:  # dequantize() included the globals; the call has them in expert_scales
+        a_abs = a_abs / p.a.global_scale.double()
+        w_abs = w_abs / p.w.global_scale.double().reshape(-1, 1, 1)
+    bound = torch.zeros(p.m, p.n, dtype=torch.float64, device=ref64.device)
+    offsets = p.a_offsets.tolist()
+    for g, e in enumerate(p.expert_ids.tolist()):
+        s, t = offsets[g], offsets[g + 1]
+        if e < 0 or t <= s:
+            continue
+        acc = a_abs[s:t] @ w_abs[e].T
+        if p.expert_scales is not None:
+            acc = acc * p.expert_scales[e].double()
+        if p.row_scales is not None:
+            acc = acc * p.row_scales[s:t, None].double().abs()
+        bound[s:t] = acc
+    return ref64, bound
+
+
+def poison_like(m: int, n: int, dtype, device) -> torch.Tensor:
+    """Random bit patterns, NaNs included: any unwritten valid element fails the comparison."""
+    bits = torch.randint(-(2**15), 2**15, (m, n * (4 if dtype == torch.float32 else 2) // 2), dtype=torch.int16)
+    out = bits.view(dtype).to(device)
+    out[:, : min(n, 3)] = float("nan")
+    return out.contiguous()
+
+
+def check_output(p: Problem, out: torch.Tensor, poisoned: torch.Tensor):
+    """Valid rows within the tolerance, elementwise and normalized; all other rows bit-identical."""
+    tol = TOLERANCES[p.fmt]
+    valid = p.valid_rows().to(out.device)
+    untouched_now = out[~valid].view(torch.int16 if out.dtype == torch.bfloat16 else torch.int32)
+    untouched_before = poisoned[~valid].view(untouched_now.dtype)
+    assert torch.equal(untouched_now, untouched_before), "rows outside valid groups were written"
+    if not bool(valid.any()) or p.n == 0:
+        return
+    ref, bound = reference_and_bound(p)
+    got = out[valid].double()
+    ref, bound = ref[valid], bound[valid]
+    assert not bool(torch.isnan(got).any()), "NaN in a valid row (unwritten or wrong)"
+    out_rel = 2.0**-8 if out.dtype == torch.bfloat16 else 2.0**-23
+    limit = out_rel * ref.abs() + tol.acc_rtol * bound + 1e-30
+    excess = (got - ref).abs() - limit
+    worst = int(torch.argmax(excess))
+    assert float(excess.max()) <= 0, (
+        f"elementwise: |out-ref|={float((got - ref).abs().flatten()[worst]):.3e} > {float(limit.flatten()[worst]):.3e} "
+        f"(ref={float(ref.flatten()[worst]):.4e}, got={float(got.flatten()[worst]):.4e})"
+    )
+    norm_ref = float(ref.norm())
+    if norm_ref > 0:
+        normalized = float((got - ref).norm()) / norm_ref
+        limit_n = tol.normalized_bf16 if out.dtype == torch.bfloat16 else tol.normalized_fp32
+        assert normalized <= limit_n, f"normalized error {normalized:.3e} > {limit_n:.1e}"
+

@@ -1,0 +1,89 @@
+"""Scale layouts: positions checked against the SPEC formulas element by element, round
+trips, zero padding, a_scale_offsets."""
+
+import math
+
+import pytest
+import torch
+
+from moegemm import layouts
+
+
+def distinct_bytes(*shape) -> torch.Tensor:
+    """Non-zero, mostly distinct bytes, so a misplaced or dropped entry shows."""
+    return (torch.randperm(math.prod(shape)) % 255 + 1).to(torch.uint8).reshape(shape)
+
+
+def test_b_swizzle_positions_and_padding():
+    e, n, nkb = 2, 200, 6  # N and nkb not multiples of 128 and 4
+    plain = distinct_bytes(e, n, nkb)
+    swz = layouts.swizzle_b_scales(plain)
+    assert swz.shape == (2, 2, 2, 32, 4, 4)
+    for ei in range(e):
+        for r in range(n):
+            for kb in range(nkb):
+                assert swz[ei, r // 128, kb // 4, r % 32, (r % 128) // 32, kb % 4] == plain[ei, r, kb]
+    assert int((swz != 0).sum()) == e * n * nkb  # every other entry is padding, written as zero
+    assert torch.equal(layouts.unswizzle_b_scales(swz, n, nkb), plain)
+
+
+def test_swizzle_keeps_fp8_dtypes():
+    plain = distinct_bytes(1, 130, 4).view(torch.float8_e8m0fnu)
+    swz = layouts.swizzle_b_scales(plain)
+    assert swz.dtype == torch.float8_e8m0fnu
+    assert torch.equal(layouts.unswizzle_b_scales(swz, 130, 4).view(torch.uint8), plain.view(torch.uint8))
+    with pytest.raises(TypeError, match="scales"):
+        layouts.swizzle_b_scales(torch.ones(1, 4, 4))
+
+
+PATTERNS = [
+    ([0, 100, 100, 356, 357], "ragged with an empty group"),
+    ([37, 37, 165, 420], "a_offsets[0] > 0, first group empty"),
+    ([0, 128, 256, 512], "aligned"),
+    ([5], "zero groups"),
+]
+
+
+@pytest.mark.parametrize("bounds,why", PATTERNS)
+def test_a_swizzle_positions_offsets_and_padding(bounds, why):
+    a_offsets = torch.tensor(bounds, dtype=torch.int32)
+    m, nkb = bounds[-1] + 9, 5
+    plain = distinct_bytes(m, nkb)
+    tokens = [t - s for s, t in zip(bounds, bounds[1:])]
+    blocks = [0]
+    for t in tokens:
+        blocks.append(blocks[-1] + math.ceil(t / 128))
+    assert layouts.num_a_scale_blocks(a_offsets) == blocks[-1]
+    assert layouts.a_scale_offsets(a_offsets).tolist() == [blocks[g] - bounds[g] // 128 for g in range(len(tokens))]
+    swz = layouts.swizzle_a_scales(plain, a_offsets)
+    assert swz.shape == (blocks[-1], 2, 32, 4, 4)
+    for g, (s, t) in enumerate(zip(bounds, bounds[1:])):
+        for row in range(s, t):
+            r = 128 * blocks[g] + (row - s)
+            for kb in range(nkb):
+                assert swz[r // 128, kb // 4, r % 32, (r % 128) // 32, kb % 4] == plain[row, kb]
+    assert int((swz != 0).sum()) == sum(tokens) * nkb
+    back = layouts.unswizzle_a_scales(swz, a_offsets, m, nkb)
+    inside = torch.zeros(m, dtype=torch.bool)
+    inside[bounds[0]:bounds[-1]] = True
+    assert torch.equal(back[inside], plain[inside]) and bool((back[~inside] == 0).all())
+
+
+def test_a_scale_offsets_locate_rows_as_the_kernel_does():
+    # The consumer's formula: row = 128 * (a_scale_offsets[g] + s // 128) + (m - s).
+    a_offsets = torch.tensor([300, 301, 555, 555, 1000], dtype=torch.int32)
+    _, rows, _ = layouts.a_scale_rows(a_offsets)
+    aso = layouts.a_scale_offsets(a_offsets)
+    bounds = a_offsets.tolist()
+    want = [128 * (int(aso[g]) + s // 128) + (m - s) for g, (s, t) in enumerate(zip(bounds, bounds[1:])) for m in range(s, t)]
+    assert rows.tolist() == want
+
+
+def test_a_swizzle_with_an_upper_bound_of_blocks():
+    a_offsets = torch.tensor([0, 10, 20], dtype=torch.int32)
+    plain = distinct_bytes(20, 3)
+    swz = layouts.swizzle_a_scales(plain, a_offsets, num_blocks=5)
+    assert swz.shape[0] == 5 and bool((swz[2:] == 0).all())
+    assert torch.equal(layouts.unswizzle_a_scales(swz, a_offsets, 20, 3), plain)
+    with pytest.raises(ValueError, match="num_blocks"):
+        layouts.swizzle_a_scales(plain, a_offsets, num_blocks=1)
