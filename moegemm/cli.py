@@ -1,4 +1,4 @@
-"""Command line: `python -m moegemm demo | info`."""
+"""Command line: `python -m moegemm demo | info | bench`."""
 
 from __future__ import annotations
 
@@ -113,6 +113,19 @@ def info(args) -> int:
     return 0
 
 
+def bench(args) -> int:
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU (the CPU path is `python -m moegemm demo`)")
+        return 2
+    from . import benchmark
+
+    rows = benchmark.default_rows(tuple(args.formats.split(",")))
+    if args.only:
+        rows = [r for r in rows if any(word in f"{r[0]} {r[1]} {r[2]}x{r[3]}" for word in args.only.split(","))]
+    benchmark.run(rows, out_dir=args.out, tag=args.tag)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moegemm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     p_demo.set_defaults(func=demo)
     sub.add_parser("info", help="versions, devices, backends").set_defaults(func=info)
+    p_bench = sub.add_parser("bench", help="grouped products on model shapes vs baselines and ceilings (GPU)")
+    p_bench.add_argument("--formats", default="fp8_block,bf16")
+    p_bench.add_argument("--only", default="", help="comma-separated substrings of 'fmt shape GxT' to keep")
+    p_bench.add_argument("--out", default="bench/results")
+    p_bench.add_argument("--tag", default="")
+    p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,7 +1,7 @@
 """Kernel configurations: frozen data from a pure function of (format, shape, device).
 
-MOEGEMM_PRINT_CONFIG=1 prints each choice once. Tests may override the choice with
-`override_portable_config`.
+MOEGEMM_PRINT_CONFIG=1 prints each choice once. Tests may force a choice with
+`override_config(cfg)` (per config type).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .formats import Format
 
-__all__ = ["PortableConfig", "portable_config", "override_portable_config"]
+__all__ = ["PortableConfig", "Sm90Config", "portable_config", "sm90_config", "override_config"]
 
 
 @dataclass(frozen=True)
@@ -39,26 +39,113 @@ class PortableConfig:
             raise ValueError(f"config: block_k={self.block_k} must be a multiple of the scale block {fmt.scale_vec}")
 
 
-_override: PortableConfig | None = None
+@dataclass(frozen=True)
+class Sm90Config:
+    """Tile shape and pipeline depth of the sm90 Gluon kernel.
+
+    The wgmma M side is always 128 rows (two consumer warpgroups of 64). Non-swapped: 128
+    token rows x block_n weight rows. Swapped (few tokens per expert): 128 weight rows x
+    block_n token rows, so the weights stream through the wide side of wgmma.
+    """
+
+    block_n: int
+    block_k: int
+    stages: int
+    group_m: int  # token blocks per band of the tile order (L2 reuse)
+    swap: bool
+    consumer_regs: int = 232
+
+    @property
+    def token_tile(self) -> int:
+        return self.block_n if self.swap else 128
+
+    @property
+    def weight_tile(self) -> int:
+        return 128 if self.swap else self.block_n
+
+    def smem_bytes(self, element_bytes: int, out_bytes: int) -> int:
+        stage = (self.token_tile + self.weight_tile) * self.block_k * element_bytes
+        return self.stages * stage + 2 * 64 * self.block_n * out_bytes + 2 * 8 * self.stages
+
+    def check(self, fmt: Format, out_bytes: int = 2):
+        if self.block_n not in (16, 32, 64, 128, 256):
+            raise ValueError(f"config: block_n must be 16, 32, 64, 128 or 256, got {self.block_n}")
+        if fmt.name == "fp8_block" and (self.block_k != 128 or self.weight_tile > 128):
+            raise ValueError("config: fp8_block promotes per 128x128 block: block_k = 128, weight tile <= 128")
+        element = 1 if fmt.name == "fp8_block" else 2
+        if self.block_k * element != 128:
+            raise ValueError(f"config: block_k rows must be 128 bytes (the TMA swizzle), got block_k={self.block_k}")
+        if self.smem_bytes(element, out_bytes) > SM90_SMEM_BYTES:
+            raise ValueError(f"config: {self.smem_bytes(element, out_bytes)} bytes of shared memory > {SM90_SMEM_BYTES}")
+
+
+SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
+
+_overrides: dict[type, object] = {}
 
 
 @contextlib.contextmanager
-def override_portable_config(config: PortableConfig):
-    """Force a config inside the block (for tests that must cover tile edge cases)."""
-    global _override
-    previous, _override = _override, config
+def override_config(config):
+    """Force a config of this type inside the block (for tests that must cover edge cases)."""
+    kind = type(config)
+    previous = _overrides.get(kind)
+    _overrides[kind] = config
     try:
         yield
     finally:
-        _override = previous
+        if previous is None:
+            del _overrides[kind]
+        else:
+            _overrides[kind] = previous
+
+
+def _print_choice(kind: str, key: str, config):
+    if os.environ.get("MOEGEMM_PRINT_CONFIG", "0") not in ("", "0"):
+        print(f"[moegemm] {kind} config {key}: {config}")
 
 
 def portable_config(fmt: Format, n: int, k: int, device_type: str) -> PortableConfig:
-    if _override is not None:
-        config = _override
-    else:
-        config = _portable_config(fmt.name, fmt.scale_vec, n, k, device_type)
+    config = _overrides.get(PortableConfig) or _portable_config(fmt.name, fmt.scale_vec, n, k, device_type)
     config.check(fmt)
+    return config
+
+
+def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: int = 2) -> Sm90Config:
+    """Pure function of (format, N, K, token regime); the regime is M / G, known on the host."""
+    config = _overrides.get(Sm90Config) or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes)
+    config.check(fmt, out_bytes)
+    return config
+
+
+def _regime(tokens_per_slot: float) -> int:
+    """Bucket the mean tokens per slot, so the config cache stays small: 16, 32, 64 or 'many' (0)."""
+    for bound in (12, 24, 48):
+        if tokens_per_slot <= bound:
+            return {12: 16, 24: 32, 48: 64}[bound]
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> Sm90Config:
+    fp8 = fmt_name == "fp8_block"
+    block_k = 128 if fp8 else 64
+    if regime:
+        # Few tokens per expert: weights are the 128-row wgmma side, the tokens of a group
+        # (one tile of 16/32/64, sized for +-30% around the mean) the narrow side. The run
+        # streams the weights, so the ring is as deep as shared memory allows.
+        cfg = Sm90Config(block_n=regime, block_k=block_k, stages=2, group_m=1, swap=True)
+    elif fp8:
+        # Two fp32 accumulators (running + one K block) of 64x128 per warpgroup.
+        cfg = Sm90Config(block_n=128, block_k=128, stages=2, group_m=16, swap=False)
+    else:
+        cfg = Sm90Config(block_n=128 if n <= 128 else 256, block_k=64, stages=2, group_m=16, swap=False)
+    element = 1 if fp8 else 2
+    stages = cfg.stages
+    while Sm90Config(**{**cfg.__dict__, "stages": stages + 1}).smem_bytes(element, out_bytes) <= SM90_SMEM_BYTES \
+            and stages < 12:
+        stages += 1
+    config = Sm90Config(**{**cfg.__dict__, "stages": stages})
+    _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", config)
     return config
 
 
@@ -78,6 +165,5 @@ def _portable_config(fmt_name: str, scale_vec: int, n: int, k: int, device_type:
         block_m, block_n = (128, 64) if fmt_name == "mxfp8" else (64, 64 if n <= 64 else 128)
         config = PortableConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=8, num_stages=3,
                                 programs_per_sm=2)
-    if os.environ.get("MOEGEMM_PRINT_CONFIG", "0") not in ("", "0"):
-        print(f"[moegemm] portable config fmt={fmt_name} N={n} K={k} device={device_type}: {config}")
+    _print_choice("portable", f"fmt={fmt_name} N={n} K={k} device={device_type}", config)
     return config

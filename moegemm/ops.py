@@ -3,7 +3,9 @@
 Backends:
     reference  the fp32 oracle (moegemm.reference), any device; reads offsets on the host
     triton     the portable tl kernel: compiled on CUDA, Triton's interpreter on the CPU
-    auto       triton on CUDA, reference on the CPU (the interpreter is for testing, not speed)
+    sm90       the Hopper Gluon kernel (fp8_block, bf16): TMA, warp specialization, wgmma
+    auto       sm90 where it applies on Hopper, else triton on CUDA; reference on the CPU
+               (the interpreter is for testing, not speed)
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import numpy
 import torch
 
 from . import reference
-from .kernels import portable
-from .validation import validate_grouped_matmul
+from .kernels import portable, sm90
+from .validation import GroupedProblem, validate_grouped_matmul
 
 __all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usable"]
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "sm90")
 
 
 def interpreter_usable() -> bool:
@@ -26,22 +28,35 @@ def interpreter_usable() -> bool:
     return (major, minor) < (2, 4)
 
 
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """The concrete backends that can run tensors on `device`."""
     device = torch.device(device)
     names = ["reference"]
     if (device.type == "cpu" and interpreter_usable()) or (device.type == "cuda" and torch.cuda.is_available()):
         names.append("triton")
+    if _is_hopper(device):
+        names.append("sm90")
     return names
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, problem: GroupedProblem, device: torch.device) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        if device.type != "cuda":
+            return "reference"
+        return "sm90" if _is_hopper(device) and sm90.supports(problem) else "triton"
     if backend not in available_backends(device):
         raise ValueError(f"backend: {backend!r} cannot run tensors on {device}; available: {available_backends(device)}")
+    if backend == "sm90" and not sm90.supports(problem):
+        raise ValueError(
+            f"backend: 'sm90' runs fp8_block and bf16 with 16-byte aligned rows of a, b and out; got fmt="
+            f"{problem.fmt.name}, K={problem.k}, N={problem.n}, out_dtype={problem.out_dtype}"
+        )
     return backend
 
 
@@ -80,7 +95,7 @@ def grouped_matmul(
         expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout, out=out,
         out_dtype=out_dtype,
     )
-    chosen = _resolve_backend(backend, a.device)
+    chosen = _resolve_backend(backend, problem, a.device)
     if out is None:
         out = torch.zeros(problem.m, problem.n, dtype=out_dtype, device=a.device)
     if chosen == "reference":
@@ -89,5 +104,7 @@ def grouped_matmul(
             a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
             scale_layout=scale_layout, out=out,
         )
+    if chosen == "sm90":
+        return sm90.launch(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out)
     return portable.grouped_matmul(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
                                    expert_scales, row_scales, out)

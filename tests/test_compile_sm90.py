@@ -42,3 +42,38 @@ def test_portable_kernel_compiles_for_sm90(fmt, layout):
     ops = offline.opcode_counts(offline.sass(compiled))
     assert ops["HGMMA"] > 0, f"no wgmma in the SASS: {ops.most_common(12)}"
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+
+
+SM90_CASES = [
+    (fmt, tokens_per_slot, out_dtype)
+    for fmt in ("fp8_block", "bf16")
+    for tokens_per_slot in (8, 16, 32, 128, 8192)
+    for out_dtype in (torch.bfloat16, torch.float32)
+]
+
+
+@pytest.mark.parametrize("fmt,tokens_per_slot,out_dtype", SM90_CASES)
+def test_sm90_kernel_compiles_for_sm90(fmt, tokens_per_slot, out_dtype):
+    from moegemm.config import SM90_SMEM_BYTES, sm90_config
+    from moegemm.kernels import sm90
+
+    cfg = sm90_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, 4 if out_dtype == torch.float32 else 2)
+    dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
+    out = "fp32" if out_dtype == torch.float32 else "bf16"
+    signature = {
+        "a_desc": offline.tensordesc_signature(dt, [cfg.token_tile, cfg.block_k]),
+        "b_desc": offline.tensordesc_signature(dt, [cfg.weight_tile, cfg.block_k]),
+        "c_desc": offline.tensordesc_signature(out, [64, cfg.block_n]),
+        "out_ptr": "*" + out, "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "a_offsets_ptr": "*i32",
+        "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
+        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB")},
+    }
+    constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=fmt == "fp8_block",
+                      HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=True, CONSUMER_REGS=cfg.consumer_regs)
+    compiled = offline.gluon_compile_for_sm90(sm90.grouped_matmul_sm90_kernel, signature, constexprs, {"num_warps": 4})
+    ops = offline.opcode_counts(offline.sass(compiled))
+    mma = "QGMMA" if fmt == "fp8_block" else "HGMMA"
+    assert ops[mma] > 0, f"no {mma} in the SASS: {ops.most_common(12)}"
+    assert ops["UTMALDG"] > 0 and (cfg.swap or ops["UTMASTG"] > 0), "TMA loads (and stores) expected"
+    assert ops["LDL"] == 0 and ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+    assert compiled.metadata.shared <= SM90_SMEM_BYTES

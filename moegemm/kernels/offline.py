@@ -41,3 +41,22 @@ def opcode_counts(sass_text: str) -> collections.Counter:
     for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass_text):
         counts[match.group(1)] += 1
     return counts
+
+
+def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict):
+    """Compile a @gluon.jit function for sm_90 (descriptor arguments: see tensordesc_signature)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return triton.compile(GluonASTSource(jit_fn, sig, constexprs), target=SM90, options=options)
+
+
+def tensordesc_signature(dtype_name: str, block: list[int]) -> str:
+    """The signature string of a host TensorDescriptor argument ("fp8e4nv", "bf16", "fp32")."""
+    from triton.experimental.gluon import language as gl
+
+    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32}[dtype_name]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return "tensordesc<%s[%s],%s>" % (dtype_name, ", ".join(map(str, block)), layout)

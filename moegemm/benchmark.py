@@ -1,0 +1,315 @@
+"""`python -m moegemm bench`: grouped products on named model shapes against the best
+baselines available in the same run, with ceilings measured in that run.
+
+Per row: median ms (triton.testing.do_bench, which flushes L2 before every timed call),
+TFLOP/s counting valid tokens only, GB/s counting the weights of the experts used, the
+activations and the output once each, the percent of the measured ceilings (copy bandwidth,
+dense GEMM of the same input type at 8192^3), and ratios to torch's grouped kernels
+(`torch._scaled_grouped_mm`, FP8 rowwise; `torch._grouped_mm`, BF16) on the same groups, and to
+DeepGEMM (`deep_gemm.m_grouped_fp8_gemm_nt_contiguous`, 128-row padded groups) when it imports.
+Group sizes are drawn +-30% around the nominal count and nudged off multiples of 128.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .ops import grouped_matmul
+
+# (N, K) of real expert projections.
+MODEL_SHAPES = {
+    "dsv3-up": (4096, 7168),  # DeepSeek-V3 / Kimi K2 gate+up
+    "dsv3-down": (7168, 2048),
+    "k2.5-tp8-up": (512, 7168),  # Kimi K2.5 at TP8
+    "k2.5-tp8-down": (7168, 256),
+    "qwen3-235b-up": (3072, 4096),
+    "qwen3-235b-down": (4096, 1536),
+    "gptoss-up": (5760, 2880),  # gpt-oss-120b
+    "gptoss-down": (2880, 2880),
+    "qwen3-tp8-up": (192, 4096),  # Qwen3 at TP8
+}
+# The shapes and DeepGEMM 2.6.1 figures of the fp8_block issue (valid-token TFLOP/s; TB/s for decode).
+TARGET_SHAPES = {"t-6144x7168": (6144, 7168), "t-7168x3072": (7168, 3072), "t-4096x4096": (4096, 4096),
+                 "t-4096x2048": (4096, 2048)}
+DEEPGEMM_ISSUE_FIGURES = {
+    ("t-6144x7168", 4, 8192): 1260, ("t-7168x3072", 4, 8192): 1248, ("t-4096x4096", 4, 8192): 1202,
+    ("t-4096x2048", 4, 8192): 1206, ("t-6144x7168", 8, 4096): 1345, ("t-7168x3072", 8, 4096): 1241,
+    ("t-4096x4096", 8, 4096): 1185, ("t-4096x2048", 8, 4096): 1154, ("t-6144x7168", 32, 256): 869,
+    ("t-7168x3072", 32, 256): 827, ("t-4096x4096", 32, 256): 793, ("t-4096x2048", 32, 256): 756,
+    ("t-6144x7168", 64, 128): 522, ("t-7168x3072", 64, 128): 520, ("t-4096x4096", 64, 128): 500,
+    ("t-4096x2048", 64, 128): 503,
+    ("dsv3-up", 256, 16): 2.71, ("dsv3-down", 256, 16): 2.73, ("dsv3-up", 32, 32): 2.76, ("dsv3-down", 32, 32): 2.57,
+}
+PREFILL = [(4, 8192), (8, 4096), (32, 256), (64, 128)]
+DECODE = [(256, 16), (32, 32)]
+
+
+def default_rows(fmts=("fp8_block", "bf16")) -> list[tuple[str, str, int, int]]:
+    """(format, shape name, groups, nominal tokens per group)."""
+    rows = []
+    for fmt in fmts:
+        rows += [(fmt, name, g, t) for name in TARGET_SHAPES for g, t in PREFILL]
+        rows += [(fmt, name, g, t) for name in ("dsv3-up", "dsv3-down") for g, t in DECODE]
+        rows += [(fmt, name, 8, 4096) for name in MODEL_SHAPES if name not in ("dsv3-up",)]
+        rows += [(fmt, name, g, t) for name in ("k2.5-tp8-up", "gptoss-up", "gptoss-down", "qwen3-tp8-up")
+                 for g, t in DECODE]
+    return rows
+
+
+def group_sizes(groups: int, nominal: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    sizes = []
+    for _ in range(groups):
+        size = max(1, round(nominal * rng.uniform(0.7, 1.3)))
+        sizes.append(size + 1 if size % 128 == 0 else size)
+    return sizes
+
+
+@dataclass
+class Row:
+    fmt: str
+    shape: str
+    n: int
+    k: int
+    groups: int
+    nominal: int
+    valid_tokens: int
+    ms: float = math.nan
+    tflops: float = math.nan
+    gbps: float = math.nan
+    pct_copy_bw: float = math.nan
+    pct_dense: float = math.nan
+    torch_ms: float = math.nan
+    vs_torch: float = math.nan
+    deepgemm_ms: float = math.nan
+    vs_deepgemm: float = math.nan
+    issue_deepgemm: float = math.nan
+    vs_issue_deepgemm: float = math.nan
+    notes: list = field(default_factory=list)
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def measure_ceilings(device) -> dict:
+    """Copy bandwidth (bytes read + written) and dense 8192^3 GEMMs, measured now."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    flops = 2 * 8192**3
+    bf16_ms = _bench(lambda: a @ b.T)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa = torch.ones(8192, 1, device=device)
+    sb = torch.ones(1, 8192, device=device)
+    fp8_ms = _bench(lambda: torch._scaled_mm(a8, b8.T, sa, sb, out_dtype=torch.bfloat16))
+    return {"copy_tbps": 2 * n / copy_ms / 1e9, "bf16_tflops": flops / bf16_ms / 1e9,
+            "fp8_rowwise_tflops": flops / fp8_ms / 1e9}
+
+
+def _random_fp8(shape, device) -> torch.Tensor:
+    """Random e4m3 values of unit scale, built in slices to keep the fp32 temporaries small."""
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    flat = out.view(-1, shape[-1])
+    step = max(1, (1 << 26) // shape[-1])
+    for i in range(0, flat.shape[0], step):
+        flat[i:i + step] = torch.randn(flat[i:i + step].shape, device=device).to(torch.float8_e4m3fn)
+    return out
+
+
+class Inputs:
+    """One row's operands in both our layout and the baselines' layouts."""
+
+    def __init__(self, fmt: str, n: int, k: int, sizes: list[int], device):
+        self.fmt, self.n, self.k, self.sizes = fmt, n, k, sizes
+        g = len(sizes)
+        m = sum(sizes)
+        bounds = [0]
+        for s in sizes:
+            bounds.append(bounds[-1] + s)
+        self.a_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.expert_ids = torch.arange(g, dtype=torch.int32, device=device)
+        self.torch_offs = self.a_offsets[1:].contiguous()
+        if fmt == "fp8_block":
+            self.a = _random_fp8((m, k), device)
+            self.b = _random_fp8((g, n, k), device)
+            self.a_scales = torch.rand(m, math.ceil(k / 128), device=device) + 0.5
+            self.b_scales = torch.rand(g, math.ceil(n / 128), math.ceil(k / 128), device=device) + 0.5
+            self.row_a = torch.rand(m, device=device) + 0.5  # torch rowwise baseline scales
+            self.row_b = torch.rand(g, n, device=device) + 0.5
+        else:
+            self.a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            self.b = torch.randn(g, n, k, device=device, dtype=torch.bfloat16)
+            self.a_scales = self.b_scales = None
+        self.out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+
+    def ours(self):
+        return grouped_matmul(self.a, self.b, self.a_scales, self.b_scales, self.a_offsets, self.expert_ids,
+                              fmt=self.fmt, out=self.out)
+
+    def torch_baseline(self):
+        if self.fmt == "fp8_block":
+            return torch._scaled_grouped_mm(self.a, self.b.transpose(-2, -1), self.row_a, self.row_b,
+                                            offs=self.torch_offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+        return torch._grouped_mm(self.a, self.b.transpose(-2, -1), offs=self.torch_offs, out_dtype=torch.bfloat16)
+
+    def bytes_moved(self) -> int:
+        elem = 1 if self.fmt == "fp8_block" else 2
+        m = sum(self.sizes)
+        used = len([s for s in self.sizes if s > 0])
+        return used * self.n * self.k * elem + m * self.k * elem + m * self.n * 2
+
+
+def _deepgemm_runner(inp: Inputs):
+    """DeepGEMM's contiguous grouped FP8 GEMM on 128-row padded groups, or None."""
+    if inp.fmt != "fp8_block":
+        return None
+    try:
+        import deep_gemm
+    except Exception:
+        return None
+    device = inp.a.device
+    padded = [math.ceil(s / 128) * 128 for s in inp.sizes]
+    mp = sum(padded)
+    a = torch.zeros(mp, inp.k, dtype=torch.float8_e4m3fn, device=device)
+    sa = torch.ones(mp, math.ceil(inp.k / 128), device=device)
+    m_indices = torch.full((mp,), -1, dtype=torch.int32, device=device)
+    src = dst = 0
+    for g, (s, p) in enumerate(zip(inp.sizes, padded)):
+        a[dst:dst + s] = inp.a[src:src + s]
+        sa[dst:dst + s] = inp.a_scales[src:src + s]
+        m_indices[dst:dst + s] = g
+        src, dst = src + s, dst + p
+    out = torch.empty(mp, inp.n, dtype=torch.bfloat16, device=device)
+    fn = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or \
+        getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
+    return lambda: fn((a, sa), (inp.b, inp.b_scales), out, m_indices)
+
+
+def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progress: bool = True) -> list[Row]:
+    device = torch.device("cuda")
+    rows = rows or default_rows()
+    ceilings = measure_ceilings(device)
+    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "moegemm": __version__, "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), **{k: round(v, 3) for k, v in ceilings.items()}}
+    print(f"# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | copy {ceilings['copy_tbps']:.2f} TB/s"
+          f" | dense bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s | dense fp8 {ceilings['fp8_rowwise_tflops']:.0f} TFLOP/s",
+          flush=True)
+    results = []
+    start = time.time()
+    for i, (fmt, shape, groups, nominal) in enumerate(rows):
+        n, k = {**MODEL_SHAPES, **TARGET_SHAPES}[shape]
+        sizes = group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+        row = Row(fmt, shape, n, k, groups, nominal, sum(sizes))
+        torch.cuda.empty_cache()  # one row's operands on the GPU at a time (decode weights are GBs)
+        inp = Inputs(fmt, n, k, sizes, device)
+        try:
+            row.ms = _bench(inp.ours)
+        except Exception as exc:  # recorded, the run goes on
+            row.notes.append(f"ours failed: {type(exc).__name__}: {str(exc)[:120]}")
+        flops = 2.0 * row.valid_tokens * n * k
+        row.tflops = flops / row.ms / 1e9
+        row.gbps = inp.bytes_moved() / row.ms / 1e6
+        row.pct_copy_bw = 100 * row.gbps / 1e3 / ceilings["copy_tbps"]
+        dense = ceilings["fp8_rowwise_tflops" if fmt == "fp8_block" else "bf16_tflops"]
+        row.pct_dense = 100 * row.tflops / dense
+        try:
+            row.torch_ms = _bench(inp.torch_baseline)
+            row.vs_torch = row.torch_ms / row.ms
+        except Exception as exc:
+            row.notes.append(f"torch baseline failed: {type(exc).__name__}: {str(exc)[:120]}")
+        deepgemm = _deepgemm_runner(inp)
+        if deepgemm is not None:
+            try:
+                row.deepgemm_ms = _bench(deepgemm)
+                row.vs_deepgemm = row.deepgemm_ms / row.ms
+            except Exception as exc:
+                row.notes.append(f"deep_gemm failed: {type(exc).__name__}: {str(exc)[:120]}")
+        issue = DEEPGEMM_ISSUE_FIGURES.get((shape, groups, nominal)) if fmt == "fp8_block" else None
+        if issue is not None:
+            row.issue_deepgemm = issue
+            ours_figure = row.gbps / 1e3 if nominal <= 32 else row.tflops  # decode figures are TB/s
+            row.vs_issue_deepgemm = ours_figure / issue
+        results.append(row)
+        del inp
+        if progress:
+            done = i + 1
+            bar = "#" * (30 * done // len(rows))
+            eta = (time.time() - start) / done * (len(rows) - done)
+            print(f"\r[{bar:<30}] {done}/{len(rows)} {fmt} {shape} {groups}x{nominal}  eta {eta:4.0f}s",
+                  end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    print_table(results)
+    write_results(results, env, Path(out_dir), tag)
+    return results
+
+
+def print_table(results: list[Row]):
+    head = (f"{'fmt':<9} {'shape':<15} {'N':>5} {'K':>5} {'groups':>9} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>7} "
+            f"{'%bw':>5} {'%dense':>6} {'torch ms':>8} {'xtorch':>6} {'xDG':>5} {'issueDG':>7} {'xissue':>6}")
+    print(head)
+    for r in results:
+        print(f"{r.fmt:<9} {r.shape:<15} {r.n:>5} {r.k:>5} {f'{r.groups}x{r.nominal}':>9} {r.ms:>8.3f} "
+              f"{r.tflops:>8.1f} {r.gbps:>7.0f} {r.pct_copy_bw:>5.1f} {r.pct_dense:>6.1f} {r.torch_ms:>8.3f} "
+              f"{r.vs_torch:>6.2f} {r.vs_deepgemm:>5.2f} {r.issue_deepgemm:>7.2f} {r.vs_issue_deepgemm:>6.2f}"
+              + (f"  {'; '.join(r.notes)}" if r.notes else ""))
+
+
+def write_results(results: list[Row], env: dict, out_dir: Path, tag: str):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = env["gpu"].replace(" ", "-")
+    stem = out_dir / f"bench-{gpu}{('-' + tag) if tag else ''}"
+    data = {"env": env, "rows": [asdict(r) for r in results]}
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    with stem.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0]).keys()))
+        writer.writeheader()
+        for r in results:
+            writer.writerow({**asdict(r), "notes": "; ".join(r.notes)})
+    try:
+        plot(results, env, stem.with_suffix(".png"))
+    except Exception as exc:  # matplotlib missing: the table and files are the result
+        print(f"(no plot: {exc})")
+    print(f"wrote {stem}.json, .csv, .png")
+
+
+def plot(results: list[Row], env: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6))
+    for ax, fmt in zip(axes, ("fp8_block", "bf16")):
+        rows = [r for r in results if r.fmt == fmt]
+        labels = [f"{r.shape}\n{r.groups}x{r.nominal}" for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r.tflops for r in rows], width=0.4, label="moegemm")
+        ax.bar([i + 0.2 for i in x], [2.0 * r.valid_tokens * r.n * r.k / r.torch_ms / 1e9 for r in rows],
+               width=0.4, label="torch grouped")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, rotation=90, fontsize=6)
+        ax.set_ylabel("TFLOP/s (valid tokens)")
+        ax.set_title(f"{fmt} on {env['gpu']}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

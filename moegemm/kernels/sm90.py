@@ -1,0 +1,311 @@
+"""Hopper (sm_90) grouped matmul for `fp8_block` and `bf16`: a persistent, warp-specialized
+Gluon kernel fed by TMA.
+
+Warp roles (one CTA per SM, persistent over the tiles of all valid groups):
+    producer  (worker, 1 warp)    TMA loads of the A tile [BLOCK_M, BLOCK_K] and the B tile
+                                  [BLOCK_N, BLOCK_K] of every K step into a STAGES-deep ring
+    consumer0 (default, 4 warps)  wgmma on rows [0, 64) of the A tile, promotion, epilogue
+    consumer1 (worker, 4 warps)   the same on rows [64, 128)
+The two consumers are separate partitions so that one warpgroup's promotion (fp32 FMAs)
+overlaps the other's wgmma.
+
+Barriers (STAGES each):
+    ready[s]  count 1   producer: expect(A + B bytes), TMA completes it; consumers wait
+    empty[s]  count 2   each consumer arrives once its wgmma reading stage s has retired;
+                        the producer waits before reusing stage s
+Phases: k-step `it` uses stage it % STAGES with phase (it // STAGES) & 1; the producer waits
+`empty` with the inverted phase, so its first lap passes.
+
+Steady state of one consumer, fp8_block (PROMOTE):
+    load sa (1x128 scales of its 64 rows) and sb (the 128x128 block scale) for step k
+    wait ready[s]; part = wgmma(A[s] rows, B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
+    acc += part * (sa * sb)          # fp32 promotion per 128-wide K block, SPEC section 1
+bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
+
+Schedule: every partition walks the group slots in order (scalar loads of a_offsets and
+expert_ids; no host read, no pre-pass), counts the tiles of earlier slots, and takes tile t
+when t % nprog == pid. Within a slot, tiles go in bands of GROUP_M m-blocks, m fastest, so
+a wave of CTAs shares few B and A tiles in L2. Offsets are clamped to [0, M]; a slot whose
+expert id is outside [0, E) has no tiles.
+
+Epilogue: C = acc * expert_scales[e] * row_scales[m] in fp32, rounded to the output dtype.
+A 64-row half that lies inside its group goes out by TMA store (clipped at M and N); a half
+that crosses the group's end is stored with a row mask, so no row outside [s, t) is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..config import sm90_config
+from ..validation import GroupedProblem
+
+WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma
+
+
+@gluon.jit
+def _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE: gl.constexpr):
+    """Rows [s, t), expert e and token-tile count of slot g (0 when e is outside [0, E))."""
+    s = gl.load(a_offsets_ptr + g)
+    t = gl.load(a_offsets_ptr + g + 1)
+    e = gl.load(expert_ids_ptr + g)
+    s = gl.minimum(gl.maximum(s, 0), M)
+    t = gl.minimum(gl.maximum(t, s), M)
+    tok_tiles = gl.where((e >= 0) & (e < E), (t - s + TOK_TILE - 1) // TOK_TILE, 0)
+    return s, t, e, tok_tiles
+
+
+@gluon.jit
+def _first_tile(tile_base, pid, nprog):
+    """The first tile index >= tile_base that belongs to program pid."""
+    return tile_base + (pid - tile_base % nprog + nprog) % nprog
+
+
+@gluon.jit
+def _band_coords(local, tok_tiles, w_tiles, GROUP_M: gl.constexpr):
+    """Local tile index of a slot -> (token block, weight block): bands of GROUP_M token
+    blocks, token blocks fastest, so neighbouring CTAs share weight tiles in L2."""
+    per_band = GROUP_M * w_tiles
+    band = local // per_band
+    first = band * GROUP_M
+    band_tok = gl.minimum(tok_tiles - first, GROUP_M)
+    within = local - band * per_band
+    return first + within % band_tok, within // band_tok
+
+
+@gluon.jit
+def _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim: gl.constexpr, w_dim: gl.constexpr):
+    """C[tok, n] = result, only for tokens of the group (tok_mask) and n < N."""
+    ptrs = out_ptr + gl.expand_dims(toks.to(gl.int64) * N, tok_dim) + gl.expand_dims(ns, w_dim)
+    mask = gl.expand_dims(tok_mask, tok_dim) & gl.expand_dims(ns < N, w_dim)
+    gl.store(ptrs, result, mask=mask)
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
+                    a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
+                    TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    w_tiles = gl.cdiv(N, W_TILE)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    tile_base = 0
+    for g in range(G):
+        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
+        group_tiles = tok_tiles * w_tiles
+        for tile in range(_first_tile(tile_base, pid, nprog), tile_base + group_tiles, nprog):
+            tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
+            a_row = s + tok_block * TOK_TILE
+            b_row = e * N + w_block * W_TILE
+            for kk in range(k_steps):
+                stage = it % STAGES
+                mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(stage), stage_bytes)
+                tma.async_copy_global_to_shared(a_desc, [a_row, kk * BLOCK_K], ready.index(stage), a_bufs.index(stage))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(stage), b_bufs.index(stage))
+                it += 1
+        tile_base += group_tiles
+
+
+@gluon.jit
+def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
+                        a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
+                        M, N, K, E, G, NUM_KB,
+                        WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
+                        PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
+                        INSTR_K: gl.constexpr):
+    # acc is [64, BLOCK_N]: rows are tokens (weight rows when SWAP), columns weight rows (tokens).
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, INSTR_K])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tok_dim: gl.constexpr = 0 if SWAP else 1  # expand_dims axis that broadcasts a per-token vector
+    w_dim: gl.constexpr = 1 if SWAP else 0
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    w_tiles = gl.cdiv(N, W_TILE)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    n_blocks128 = gl.cdiv(N, 128)
+    zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
+    if SWAP:
+        tok_offsets = gl.arange(0, BLOCK_N, layout=col_layout)
+        w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
+    else:
+        tok_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
+        w_offsets = gl.arange(0, BLOCK_N, layout=col_layout)
+    it = 0
+    tile_base = 0
+    for g in range(G):
+        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
+        group_tiles = tok_tiles * w_tiles
+        for tile in range(_first_tile(tile_base, pid, nprog), tile_base + group_tiles, nprog):
+            tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
+            toks = s + tok_block * TOK_TILE + tok_offsets
+            tok_mask = toks < t
+            ns = w_block * W_TILE + w_offsets
+            acc = zero
+            if SWAP:
+                m_op = b_bufs  # weights are the wgmma M operand, tokens the narrow N
+                n_op = a_bufs
+            else:
+                m_op = a_bufs
+                n_op = b_bufs
+            if PROMOTE:
+                # fp8_block: the 128x128 block scale of this weight tile (W_TILE divides 128 or is 128).
+                b_scale_row = b_scale_ptr + (e * n_blocks128 + (w_block * W_TILE) // 128) * NUM_KB
+                a_scale_rows = a_scale_ptr + toks.to(gl.int64) * NUM_KB
+                for kk in range(k_steps):
+                    stage = it % STAGES
+                    sa = gl.load(a_scale_rows + kk, mask=tok_mask, other=0.0)  # in flight during the wait
+                    sb = gl.load(b_scale_row + kk)
+                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+                    part = warpgroup_mma(m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS),
+                                         n_op.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+                    part = warpgroup_mma_wait(0, deps=(part, ))
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    acc = acc + part * gl.expand_dims(sa * sb, tok_dim)
+                    it += 1
+            else:
+                prev = 0
+                for kk in range(k_steps):
+                    stage = it % STAGES
+                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+                    acc = warpgroup_mma(m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS),
+                                        n_op.index(stage).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))  # the wgmma of step kk-1 has retired
+                    mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
+                    prev = stage
+                    it += 1
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(empty.index(prev), count=1)
+
+            # Epilogue: scales, rounding, store.
+            if HAS_EXPERT_SCALES:
+                acc = acc * gl.load(expert_scales_ptr + e)
+            if HAS_ROW_SCALES:
+                rs = gl.load(row_scales_ptr + toks, mask=tok_mask, other=0.0).to(gl.float32)
+                acc = acc * gl.expand_dims(rs, tok_dim)
+            result = acc.to(out_ptr.dtype.element_ty)
+            if SWAP:
+                _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
+            else:
+                half_row = s + tok_block * TOK_TILE + WG * WG_ROWS
+                if half_row + WG_ROWS <= t:
+                    # A whole 64-row half inside the group: TMA store (clipped at M and N).
+                    tma.store_wait(pendings=0)  # the previous TMA store has finished reading c_smem
+                    c_smem.store(result)
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(c_desc, [half_row, w_block * W_TILE], c_smem)
+                else:
+                    _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
+        tile_base += group_tiles
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
+                               a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                               expert_scales_ptr, row_scales_ptr,
+                               M, N, K, E, G, NUM_KB,
+                               STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
+                               PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+                               HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """See the module docstring. a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight
+    tiles [W_TILE, BLOCK_K] of B viewed as [E*N, K]; c_desc: [64, BLOCK_N] tiles of C (unused
+    when SWAP). Non-swapped: TOK_TILE = 128, W_TILE = BLOCK_N; swapped: TOK_TILE = BLOCK_N,
+    W_TILE = 128."""
+    TOK_TILE: gl.constexpr = a_desc.block_type.shape[0]
+    W_TILE: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = TOK_TILE if SWAP else W_TILE
+    INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
+    gl.static_assert((W_TILE if SWAP else TOK_TILE) == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(0), out_ptr,
+                               a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
+                               row_scales_ptr, M, N, K, E, G, NUM_KB, 0, TOK_TILE, W_TILE, BLOCK_N, BLOCK_K,
+                               STAGES, GROUP_M, SWAP, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES, INSTR_K)),
+        (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(1), out_ptr,
+                               a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
+                               row_scales_ptr, M, N, K, E, G, NUM_KB, 1, TOK_TILE, W_TILE, BLOCK_N, BLOCK_K,
+                               STAGES, GROUP_M, SWAP, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES, INSTR_K)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, 40])
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}
+
+
+def _layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def supports(p: GroupedProblem) -> bool:
+    """Shapes the TMA descriptors can describe: 16-byte aligned rows of A, B and C."""
+    if p.fmt.name not in ("bf16", "fp8_block"):
+        return False
+    elem = 2 if p.fmt.name == "bf16" else 1
+    out_elem = 2 if p.out_dtype == torch.bfloat16 else 4
+    return (p.k * elem) % 16 == 0 and (p.n * out_elem) % 16 == 0
+
+
+def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out):
+    """Choose the config and grid, launch into `out` ([M, N]); the caller checked `supports(p)`.
+
+    Nothing here reads a device value: the grid is min(SMs, an upper bound of the tiles).
+    """
+    if p.num_groups == 0 or p.m == 0 or p.n == 0:
+        return out
+    cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size())
+    upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
+    num_programs = min(_sm_count(out.device), upper_tiles)
+    bk = cfg.block_k
+    a_block = [cfg.token_tile, bk]
+    a_desc = TensorDescriptor.from_tensor(a, a_block, _layout(a_block, a.dtype))
+    b_block = [cfg.weight_tile, bk]
+    b_desc = TensorDescriptor.from_tensor(b.reshape(p.num_experts * p.n, p.k), b_block, _layout(b_block, b.dtype))
+    c_block = [WG_ROWS.value, cfg.block_n]
+    c_desc = TensorDescriptor.from_tensor(out, c_block, _layout(c_block, out.dtype))
+    promote = p.fmt.name == "fp8_block"
+    dummy = a_offsets
+    grouped_matmul_sm90_kernel[(num_programs, )](
+        a_desc, b_desc, c_desc, out,
+        a_scales if promote else dummy, b_scales if promote else dummy, a_offsets, expert_ids,
+        expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
+        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales if promote else 0,
+        STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
+        HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+    )
+    return out
