@@ -17,9 +17,9 @@ Phases: k-step `it` uses stage it % STAGES with phase (it // STAGES) & 1; the pr
 `empty` with the inverted phase, so its first lap passes.
 
 Steady state of one consumer, fp8_block (PROMOTE):
-    load sa (1x128 scales of its 64 rows) and sb (the 128x128 block scale) for step k
+    load sa (1x128 scales of its 64 rows) and sb (the 128x128 block scale) of step k+1
     wait ready[s]; part = wgmma(A[s] rows, B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
-    acc += part * (sa * sb)          # fp32 promotion per 128-wide K block, SPEC section 1
+    acc += part * (sa * sb)[k]       # fp32 promotion per 128-wide K block, SPEC section 1
 bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
 
 Schedule: every partition walks the group slots in order (scalar loads of a_offsets and
@@ -124,13 +124,46 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
+def _issue_block(m_op, n_op, ready, it, zero, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for k-step `it`'s stage and start a fresh wgmma on it (4 x k32 for fp8)."""
+    stage = it % STAGES
+    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+    return warpgroup_mma(m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS), n_op.index(stage).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promote_serial(m_op, n_op, ready, empty, acc, zero, a_scale_rows, tok_mask, b_scale_row, it, k_steps,
+                    WG: gl.constexpr, STAGES: gl.constexpr, tok_dim: gl.constexpr):
+    """acc += sum_k wgmma(block k) * scale(k), one block at a time: issue, wait, promote.
+
+    The other consumer warpgroup's wgmma runs while this one promotes. The scales of block k
+    are loaded during block k-1: loaded in the same step, the compiler placed their product
+    ahead of the wgmma, stalling its issue on the global-load latency (seen in the SASS).
+    """
+    sa_next = gl.load(a_scale_rows, mask=tok_mask, other=0.0)
+    sb_next = gl.load(b_scale_row)
+    for kk in range(k_steps):
+        scale = gl.expand_dims(sa_next * sb_next, tok_dim)
+        more = kk + 1 < k_steps
+        sa_next = gl.load(a_scale_rows + kk + 1, mask=tok_mask & more, other=0.0)
+        sb_next = gl.load(b_scale_row + kk + 1, mask=more, other=0.0)
+        part = _issue_block(m_op, n_op, ready, it, zero, WG, STAGES)
+        part = warpgroup_mma_wait(0, deps=(part, ))
+        mbarrier.arrive(empty.index(it % STAGES), count=1)
+        acc = acc + part * scale
+        it += 1
+    return acc, it
+
+
+@gluon.jit
 def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
                         a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
                         M, N, K, E, G, NUM_KB,
                         WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
-                        PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
-                        INSTR_K: gl.constexpr):
+                        PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+                        HAS_ROW_SCALES: gl.constexpr, INSTR_K: gl.constexpr):
     # acc is [64, BLOCK_N]: rows are tokens (weight rows when SWAP), columns weight rows (tokens).
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, INSTR_K])
@@ -171,17 +204,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
                 # fp8_block: the 128x128 block scale of this weight tile (W_TILE divides 128 or is 128).
                 b_scale_row = b_scale_ptr + (e * n_blocks128 + (w_block * W_TILE) // 128) * NUM_KB
                 a_scale_rows = a_scale_ptr + toks.to(gl.int64) * NUM_KB
-                for kk in range(k_steps):
-                    stage = it % STAGES
-                    sa = gl.load(a_scale_rows + kk, mask=tok_mask, other=0.0)  # in flight during the wait
-                    sb = gl.load(b_scale_row + kk)
-                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-                    part = warpgroup_mma(m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS),
-                                         n_op.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-                    part = warpgroup_mma_wait(0, deps=(part, ))
-                    mbarrier.arrive(empty.index(stage), count=1)
-                    acc = acc + part * gl.expand_dims(sa * sb, tok_dim)
-                    it += 1
+                acc, it = _promote_serial(m_op, n_op, ready, empty, acc, zero, a_scale_rows, tok_mask,
+                                          b_scale_row, it, k_steps, WG, STAGES, tok_dim)
             else:
                 prev = 0
                 for kk in range(k_steps):

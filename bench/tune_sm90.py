@@ -1,0 +1,79 @@
+"""Time sm90 configurations on a few shapes (the measurements behind config.sm90_config).
+
+python3 bench/tune_sm90.py [out.json]: for each (format, shape, regime) below, every listed
+config via override_config, median of do_bench; prints TFLOP/s (valid tokens) and TB/s.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moegemm import benchmark  # noqa: E402
+from moegemm.config import Sm90Config, override_config  # noqa: E402
+
+
+def cfgs(fmt, swap_ns=(), normal_ns=(), stages=None, swap_stages=(8, 12), group_ms=(16,)):
+    bk = 128 if fmt == "fp8_block" else 64
+    out = []
+    for bn in normal_ns:
+        for st in stages or ([6] if fmt == "fp8_block" else [3]):
+            for gm in group_ms:
+                cfg = Sm90Config(bn, bk, st, gm, False)
+                try:
+                    cfg.check(__import__("moegemm").FORMATS[fmt])
+                    out.append(cfg)
+                except ValueError:
+                    pass
+    for bn in swap_ns:
+        for st in swap_stages:
+            cfg = Sm90Config(bn, bk, st, 1, True)
+            try:
+                cfg.check(__import__("moegemm").FORMATS[fmt])
+                out.append(cfg)
+            except ValueError:
+                pass
+    return out
+
+
+PLAN = [
+    ("fp8_block", "t-6144x7168", 4, 8192, cfgs("fp8_block", normal_ns=(128,), stages=[5, 6], group_ms=(8, 16, 32))
+     + cfgs("fp8_block", normal_ns=(64,))),
+    ("fp8_block", "t-4096x2048", 8, 4096, cfgs("fp8_block", normal_ns=(128,))),
+    ("fp8_block", "t-6144x7168", 32, 256, cfgs("fp8_block", swap_ns=(128,), normal_ns=(128,), swap_stages=(6,))),
+    ("fp8_block", "t-6144x7168", 64, 128, cfgs("fp8_block", swap_ns=(64, 128), normal_ns=(128,), swap_stages=(6,))),
+    ("fp8_block", "dsv3-up", 256, 16, cfgs("fp8_block", swap_ns=(16, 32))),
+    ("fp8_block", "dsv3-down", 32, 32, cfgs("fp8_block", swap_ns=(32, 64))),
+    ("bf16", "t-6144x7168", 64, 128, cfgs("bf16", swap_ns=(64, 128), normal_ns=(128, 256), swap_stages=(6,))),
+    ("bf16", "dsv3-down", 32, 32, cfgs("bf16", swap_ns=(64,))),
+]
+
+rows = []
+device = torch.device("cuda")
+for fmt, shape, groups, nominal, configs in PLAN:
+    n, k = {**benchmark.MODEL_SHAPES, **benchmark.TARGET_SHAPES}[shape]
+    sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+    torch.cuda.empty_cache()
+    inp = benchmark.Inputs(fmt, n, k, sizes, device)
+    flops = 2.0 * sum(sizes) * n * k
+    best = None
+    for cfg in configs:
+        with override_config(cfg):
+            try:
+                ms = benchmark._bench(inp.ours)
+            except Exception as exc:
+                print(f"{fmt} {shape} {groups}x{nominal} {cfg}: failed {type(exc).__name__} {str(exc)[:100]}")
+                continue
+        tflops, tbps = flops / ms / 1e9, inp.bytes_moved() / ms / 1e9
+        rows.append(dict(fmt=fmt, shape=shape, groups=groups, nominal=nominal, config=cfg.__dict__, ms=ms,
+                         tflops=tflops, tbps=tbps))
+        best = max(best or (0, None), (tflops, cfg), key=lambda b: b[0])
+        print(f"{fmt:<9} {shape:<12} {groups:>3}x{nominal:<5} bn={cfg.block_n:<3} st={cfg.stages:<2} gm={cfg.group_m:<2} "
+              f"{'swap' if cfg.swap else 'norm'}  {ms:7.3f} ms  {tflops:7.1f} TFLOP/s  {tbps:5.2f} TB/s", flush=True)
+    print(f"BEST {fmt} {shape} {groups}x{nominal}: {best[1]} {best[0]:.1f} TFLOP/s", flush=True)
+    del inp
+if len(sys.argv) > 1:
+    Path(sys.argv[1]).write_text(json.dumps(rows, indent=1))
