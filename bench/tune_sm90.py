@@ -16,39 +16,21 @@ from moegemm import benchmark  # noqa: E402
 from moegemm.config import Sm90Config, override_config  # noqa: E402
 
 
-def cfgs(fmt, swap_ns=(), normal_ns=(), stages=None, swap_stages=(8, 12), group_ms=(16,)):
-    bk = 128 if fmt == "fp8_block" else 64
-    out = []
-    for bn in normal_ns:
-        for st in stages or ([6] if fmt == "fp8_block" else [3]):
-            for gm in group_ms:
-                cfg = Sm90Config(bn, bk, st, gm, False)
-                try:
-                    cfg.check(__import__("moegemm").FORMATS[fmt])
-                    out.append(cfg)
-                except ValueError:
-                    pass
-    for bn in swap_ns:
-        for st in swap_stages:
-            cfg = Sm90Config(bn, bk, st, 1, True)
-            try:
-                cfg.check(__import__("moegemm").FORMATS[fmt])
-                out.append(cfg)
-            except ValueError:
-                pass
-    return out
+def C(fmt, block_n, stages, group_m=8, swap=False, split_n=False):
+    return Sm90Config(block_n, 128 if fmt == "fp8_block" else 64, stages, group_m, swap, split_n)
 
 
+F, B = "fp8_block", "bf16"
 PLAN = [
-    ("fp8_block", "t-6144x7168", 4, 8192, cfgs("fp8_block", normal_ns=(128,), stages=[5, 6], group_ms=(8, 16, 32))
-     + cfgs("fp8_block", normal_ns=(64,))),
-    ("fp8_block", "t-4096x2048", 8, 4096, cfgs("fp8_block", normal_ns=(128,))),
-    ("fp8_block", "t-6144x7168", 32, 256, cfgs("fp8_block", swap_ns=(128,), normal_ns=(128,), swap_stages=(6,))),
-    ("fp8_block", "t-6144x7168", 64, 128, cfgs("fp8_block", swap_ns=(64, 128), normal_ns=(128,), swap_stages=(6,))),
-    ("fp8_block", "dsv3-up", 256, 16, cfgs("fp8_block", swap_ns=(16, 32))),
-    ("fp8_block", "dsv3-down", 32, 32, cfgs("fp8_block", swap_ns=(32, 64))),
-    ("bf16", "t-6144x7168", 64, 128, cfgs("bf16", swap_ns=(64, 128), normal_ns=(128, 256), swap_stages=(6,))),
-    ("bf16", "dsv3-down", 32, 32, cfgs("bf16", swap_ns=(64,))),
+    (F, "t-6144x7168", 4, 8192, [C(F, 256, 4, 8), C(F, 256, 4, 16), C(F, 256, 3, 8), C(F, 128, 5, 8)]),
+    (F, "t-4096x2048", 8, 4096, [C(F, 256, 4, 8), C(F, 128, 5, 8)]),
+    (F, "t-6144x7168", 32, 256, [C(F, 256, 4, 8), C(F, 128, 5, 8), C(F, 128, 4, 8, split_n=True)]),
+    (F, "t-6144x7168", 64, 128, [C(F, 128, 4, 8, split_n=True), C(F, 128, 5, 8), C(F, 256, 4, 8)]),
+    (F, "t-4096x2048", 64, 128, [C(F, 128, 4, 8, split_n=True), C(F, 128, 5, 8)]),
+    (F, "dsv3-down", 32, 32, [C(F, 64, 8, 1, swap=True), C(F, 32, 8, 1, swap=True)]),
+    (B, "t-6144x7168", 4, 8192, [C(B, 256, 3, 8), C(B, 256, 3, 16)]),
+    (B, "t-6144x7168", 64, 128, [C(B, 128, 4, 8, split_n=True), C(B, 256, 3, 8)]),
+    (B, "t-6144x7168", 32, 256, [C(B, 128, 4, 8, split_n=True), C(B, 256, 3, 8)]),
 ]
 
 rows = []

@@ -41,38 +41,45 @@ class PortableConfig:
 
 @dataclass(frozen=True)
 class Sm90Config:
-    """Tile shape and pipeline depth of the sm90 Gluon kernel.
+    """Tile shape and pipeline depth of the sm90 Gluon kernel (two consumer warpgroups).
 
-    The wgmma M side is always 128 rows (two consumer warpgroups of 64). Non-swapped: 128
-    token rows x block_n weight rows. Swapped (few tokens per expert): 128 weight rows x
-    block_n token rows, so the weights stream through the wide side of wgmma.
+    normal   (default)   128 tokens x block_n weights; warpgroups split the tokens
+    split_n              64 tokens x 2*block_n weights; warpgroups split the weights
+    swap                 block_n tokens x 128 weights; weights are the wgmma M side (decode)
     """
 
     block_n: int
     block_k: int
     stages: int
     group_m: int  # token blocks per band of the tile order (L2 reuse)
-    swap: bool
+    swap: bool = False
+    split_n: bool = False
     consumer_regs: int = 232
 
     @property
     def token_tile(self) -> int:
-        return self.block_n if self.swap else 128
+        return self.block_n if self.swap else (64 if self.split_n else 128)
 
     @property
     def weight_tile(self) -> int:
-        return 128 if self.swap else self.block_n
+        return 128 if self.swap else (2 * self.block_n if self.split_n else self.block_n)
+
+    def epilogue_n(self, promote: bool) -> int:
+        """Columns of one accumulator: fp8_block computes a normal 256-wide tile as two halves."""
+        return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
 
     def smem_bytes(self, element_bytes: int, out_bytes: int) -> int:
         stage = (self.token_tile + self.weight_tile) * self.block_k * element_bytes
-        return self.stages * stage + 2 * 64 * self.block_n * out_bytes + 2 * 8 * self.stages
+        epilogue = 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
+        return self.stages * stage + epilogue + 2 * 8 * self.stages
 
     def check(self, fmt: Format, out_bytes: int = 2):
-        if self.block_n not in (16, 32, 64, 128, 256):
-            raise ValueError(f"config: block_n must be 16, 32, 64, 128 or 256, got {self.block_n}")
-        if fmt.name == "fp8_block" and (self.block_k != 128 or self.weight_tile > 128):
-            raise ValueError("config: fp8_block promotes per 128x128 block: block_k = 128, weight tile <= 128")
-        element = 1 if fmt.name == "fp8_block" else 2
+        if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
+            raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
+        fp8 = fmt.name == "fp8_block"
+        if fp8 and (self.block_k != 128 or min(self.epilogue_n(True), self.weight_tile) > 128 and not self.swap):
+            raise ValueError(f"config: fp8_block promotes per 128x128 block; an accumulator spans <= 128 weights: {self}")
+        element = 1 if fp8 else 2
         if self.block_k * element != 128:
             raise ValueError(f"config: block_k rows must be 128 bytes (the TMA swizzle), got block_k={self.block_k}")
         if self.smem_bytes(element, out_bytes) > SM90_SMEM_BYTES:
@@ -118,10 +125,11 @@ def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: 
 
 
 def _regime(tokens_per_slot: float) -> int:
-    """Bucket the mean tokens per slot, so the config cache stays small: 16, 32, 64 or 'many' (0)."""
-    for bound in (12, 24, 48):
+    """Bucket the mean tokens per slot so the config cache stays small: 16, 32, 64 (decode:
+    the token tile that holds a group of +-30% around the mean), 192 (small groups) or 0 (many)."""
+    for bound, regime in ((12, 16), (24, 32), (48, 64), (192, 192)):
         if tokens_per_slot <= bound:
-            return {12: 16, 24: 32, 48: 64}[bound]
+            return regime
     return 0
 
 
@@ -129,16 +137,19 @@ def _regime(tokens_per_slot: float) -> int:
 def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> Sm90Config:
     fp8 = fmt_name == "fp8_block"
     block_k = 128 if fp8 else 64
-    if regime:
+    if regime in (16, 32, 64):
         # Few tokens per expert: weights are the 128-row wgmma side, the tokens of a group
-        # (one tile of 16/32/64, sized for +-30% around the mean) the narrow side. The run
-        # streams the weights, so the ring is as deep as shared memory allows.
+        # (one tile of 16/32/64) the narrow side. The run streams the weights, so the ring is
+        # as deep as shared memory allows.
         cfg = Sm90Config(block_n=regime, block_k=block_k, stages=2, group_m=1, swap=True)
-    elif fp8:
-        # Two fp32 accumulators (running + one K block) of 64x128 per warpgroup.
-        cfg = Sm90Config(block_n=128, block_k=128, stages=2, group_m=16, swap=False)
+    elif regime == 192:
+        # Small groups: 64-token tiles waste less on ragged group ends than 128-token tiles.
+        cfg = Sm90Config(block_n=128, block_k=block_k, stages=2, group_m=8, split_n=True)
     else:
-        cfg = Sm90Config(block_n=128 if n <= 128 else 256, block_k=64, stages=2, group_m=16, swap=False)
+        # 128 x 256 tiles: fp8_block as two 128-wide halves (two fp32 accumulators and one
+        # block in flight per warpgroup); the wider tile cuts L2 traffic per flop, which bound
+        # the 128 x 128 tile (L2 throughput 87% in Nsight Compute, 2026-11-22).
+        cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=8)
     element = 1 if fp8 else 2
     stages = cfg.stages
     while Sm90Config(**{**cfg.__dict__, "stages": stages + 1}).smem_bytes(element, out_bytes) <= SM90_SMEM_BYTES \

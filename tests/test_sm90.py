@@ -15,11 +15,17 @@ pytestmark = pytest.mark.gpu
 SM90_FORMATS = ("fp8_block", "bf16")
 
 
-def forced_config(fmt: str, swap: bool) -> Sm90Config:
-    fp8 = fmt == "fp8_block"
-    if swap:
-        return Sm90Config(block_n=32, block_k=128 if fp8 else 64, stages=6, group_m=1, swap=True)
-    return Sm90Config(block_n=128, block_k=128 if fp8 else 64, stages=4, group_m=4, swap=False)
+ARRANGEMENTS = ["normal128", "normal256", "split_n", "swapped"]
+
+
+def forced_config(fmt: str, arrangement: str) -> Sm90Config:
+    bk = 128 if fmt == "fp8_block" else 64
+    return {
+        "normal128": Sm90Config(block_n=128, block_k=bk, stages=4, group_m=4),
+        "normal256": Sm90Config(block_n=256, block_k=bk, stages=3, group_m=2),
+        "split_n": Sm90Config(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True),
+        "swapped": Sm90Config(block_n=32, block_k=bk, stages=6, group_m=1, swap=True),
+    }[arrangement]
 
 
 def run_sm90(fmt, pattern, n, k, out_dtype=torch.bfloat16, with_scales=True, config=None):
@@ -34,12 +40,13 @@ def run_sm90(fmt, pattern, n, k, out_dtype=torch.bfloat16, with_scales=True, con
     check_output(p, out, poisoned, tolerance(fmt, "sm90"))
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["normal", "swapped"])
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
 @pytest.mark.parametrize("fmt", SM90_FORMATS)
-def test_sm90_matches_reference(fmt, pattern, swap):
-    # N=320: a partial last N tile; K=576: a partial last K block (fp8_block: 4.5 x 128).
-    run_sm90(fmt, pattern, n=320, k=576, config=forced_config(fmt, swap))
+def test_sm90_matches_reference(fmt, pattern, arrangement):
+    # N=320: a partial last N tile (and a 256-wide tile whose upper half is past N); K=576: a
+    # partial last K block (fp8_block: 4.5 x 128).
+    run_sm90(fmt, pattern, n=320, k=576, config=forced_config(fmt, arrangement))
 
 
 @pytest.mark.parametrize("fmt", SM90_FORMATS)
@@ -51,10 +58,12 @@ def test_sm90_default_config_partial_blocks(fmt, pattern):
 
 
 @pytest.mark.parametrize("fmt", SM90_FORMATS)
-@pytest.mark.parametrize("swap", [False, True], ids=["normal", "swapped"])
-def test_sm90_fp32_output_without_scales(fmt, swap):
-    run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False,
-             config=forced_config(fmt, swap))
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+def test_sm90_fp32_output_without_scales(fmt, arrangement):
+    config = forced_config(fmt, arrangement)
+    if config.smem_bytes(1 if fmt == "fp8_block" else 2, 4) > 232448:
+        config = Sm90Config(**{**config.__dict__, "stages": config.stages - 1})
+    run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False, config=config)
 
 
 @pytest.mark.parametrize("fmt", SM90_FORMATS)

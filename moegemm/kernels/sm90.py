@@ -2,12 +2,20 @@
 Gluon kernel fed by TMA.
 
 Warp roles (one CTA per SM, persistent over the tiles of all valid groups):
-    producer  (worker, 1 warp)    TMA loads of the A tile [BLOCK_M, BLOCK_K] and the B tile
-                                  [BLOCK_N, BLOCK_K] of every K step into a STAGES-deep ring
-    consumer0 (default, 4 warps)  wgmma on rows [0, 64) of the A tile, promotion, epilogue
-    consumer1 (worker, 4 warps)   the same on rows [64, 128)
-The two consumers are separate partitions so that one warpgroup's promotion (fp32 FMAs)
-overlaps the other's wgmma.
+    producer  (worker, 1 warp)    TMA loads of the token tile [TOK_TILE, BLOCK_K] of A and the
+                                  weight tile [W_TILE, BLOCK_K] of B for every K step into a
+                                  STAGES-deep ring
+    consumer0 (default, 4 warps)  wgmma on its part of the tile, promotion, epilogue
+    consumer1 (worker, 4 warps)   the same on the other part
+The two consumers are separate partitions, so one warpgroup's promotion (fp32 FMAs) overlaps
+the other's wgmma. How the tile is shared (config.Sm90Config):
+    normal   128 tokens x W_TILE weights: warpgroup w takes tokens [64w, 64w+64)
+    split-n   64 tokens x W_TILE weights: warpgroup w takes weight rows [w, w+1) * W_TILE/2
+             (small groups: a 64-row token tile wastes less on a group's ragged end)
+    swapped  TOK_TILE tokens x 128 weights: weights are the wgmma M side, warpgroup w takes
+             weight rows [64w, 64w+64), tokens the narrow N side (decode)
+fp8_block promotes per 128x128 block, so a normal tile 256 weights wide runs as two 128-wide
+halves, each with its own accumulator.
 
 Barriers (STAGES each):
     ready[s]  count 1   producer: expect(A + B bytes), TMA completes it; consumers wait
@@ -17,20 +25,21 @@ Phases: k-step `it` uses stage it % STAGES with phase (it // STAGES) & 1; the pr
 `empty` with the inverted phase, so its first lap passes.
 
 Steady state of one consumer, fp8_block (PROMOTE):
-    load sa (1x128 scales of its 64 rows) and sb (the 128x128 block scale) of step k+1
-    wait ready[s]; part = wgmma(A[s] rows, B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
+    load sa (1x128 scales of its tokens) and sb (128x128 block scales) of step k+1
+    wait ready[s]; part = wgmma(A[s], B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
     acc += part * (sa * sb)[k]       # fp32 promotion per 128-wide K block, SPEC section 1
 bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
 
 Schedule: every partition walks the group slots in order (scalar loads of a_offsets and
 expert_ids; no host read, no pre-pass), counts the tiles of earlier slots, and takes tile t
-when t % nprog == pid. Within a slot, tiles go in bands of GROUP_M m-blocks, m fastest, so
-a wave of CTAs shares few B and A tiles in L2. Offsets are clamped to [0, M]; a slot whose
-expert id is outside [0, E) has no tiles.
+when t % nprog == pid. Within a slot, tiles go in bands of GROUP_M token blocks, token
+blocks fastest, so a wave of CTAs shares few A and B tiles in L2. Offsets are clamped to
+[0, M]; a slot whose expert id is outside [0, E) has no tiles.
 
 Epilogue: C = acc * expert_scales[e] * row_scales[m] in fp32, rounded to the output dtype.
-A 64-row half that lies inside its group goes out by TMA store (clipped at M and N); a half
-that crosses the group's end is stored with a row mask, so no row outside [s, t) is written.
+A warpgroup's 64 token rows that lie inside the group go out by TMA store (clipped at M and
+N); rows that cross the group's end, and every swapped tile, are stored with masks, so no row
+outside [s, t) is written.
 """
 
 from __future__ import annotations
@@ -124,49 +133,122 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
 
 
 @gluon.jit
-def _issue_block(m_op, n_op, ready, it, zero, WG: gl.constexpr, STAGES: gl.constexpr):
-    """Wait for k-step `it`'s stage and start a fresh wgmma on it (4 x k32 for fp8)."""
-    stage = it % STAGES
-    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-    return warpgroup_mma(m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS), n_op.index(stage).permute((1, 0)), zero,
-                         use_acc=False, is_async=True)
+def _wgmma_operands(m_op, n_op, stage, col, WG: gl.constexpr, SPLIT_N: gl.constexpr, SUB_N: gl.constexpr):
+    """This warpgroup's wgmma operands in ring stage `stage`: A [64, K] and B^T [K, SUB_N]
+    (weight columns [col, col + SUB_N) of its share)."""
+    if SPLIT_N:
+        a = m_op.index(stage)
+        b = n_op.index(stage).slice(WG * SUB_N + col, SUB_N)
+    else:
+        a = m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS)
+        b = n_op.index(stage).slice(col, SUB_N)
+    return a, b.permute((1, 0))
 
 
 @gluon.jit
-def _promote_serial(m_op, n_op, ready, empty, acc, zero, a_scale_rows, tok_mask, b_scale_row, it, k_steps,
-                    WG: gl.constexpr, STAGES: gl.constexpr, tok_dim: gl.constexpr):
-    """acc += sum_k wgmma(block k) * scale(k), one block at a time: issue, wait, promote.
+def _promote(m_op, n_op, ready, empty, zero, a_scale_rows, tok_mask, b_scale_row, NUM_KB, high_valid, it, k_steps,
+             WG: gl.constexpr, STAGES: gl.constexpr, SPLIT_N: gl.constexpr, SUB_N: gl.constexpr,
+             N_SUB: gl.constexpr, tok_dim: gl.constexpr):
+    """fp8_block main loop: acc_h = sum_k wgmma(block k, half h) * sa(k) * sb(k, h), one block at
+    a time (issue, wait, promote) for N_SUB (1 or 2) 128-wide weight halves.
 
-    The other consumer warpgroup's wgmma runs while this one promotes. The scales of block k
-    are loaded during block k-1: loaded in the same step, the compiler placed their product
-    ahead of the wgmma, stalling its issue on the global-load latency (seen in the SASS).
+    The other consumer warpgroup's wgmma runs while this one promotes. Keeping this
+    warpgroup's next wgmma in flight instead needs a third accumulator, and the loop-carried
+    in-flight tile made ptxas serialize every wgmma (C7514/C7515), so it is not done. The
+    scales of block k are loaded during block k-1: loaded in the same step, the compiler
+    placed their product ahead of the wgmma, stalling its issue on the load latency (SASS).
     """
+    acc0 = zero
+    acc1 = zero
     sa_next = gl.load(a_scale_rows, mask=tok_mask, other=0.0)
-    sb_next = gl.load(b_scale_row)
+    sb0_next = gl.load(b_scale_row)
+    sb1_next = gl.load(b_scale_row + NUM_KB, mask=high_valid, other=0.0)
     for kk in range(k_steps):
-        scale = gl.expand_dims(sa_next * sb_next, tok_dim)
+        scale0 = gl.expand_dims(sa_next * sb0_next, tok_dim)
+        scale1 = gl.expand_dims(sa_next * sb1_next, tok_dim)
         more = kk + 1 < k_steps
         sa_next = gl.load(a_scale_rows + kk + 1, mask=tok_mask & more, other=0.0)
-        sb_next = gl.load(b_scale_row + kk + 1, mask=more, other=0.0)
-        part = _issue_block(m_op, n_op, ready, it, zero, WG, STAGES)
+        sb0_next = gl.load(b_scale_row + kk + 1, mask=more, other=0.0)
+        if N_SUB == 2:
+            sb1_next = gl.load(b_scale_row + NUM_KB + kk + 1, mask=more & high_valid, other=0.0)
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N)
+        part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part, ))
-        mbarrier.arrive(empty.index(it % STAGES), count=1)
-        acc = acc + part * scale
+        if N_SUB == 2:
+            acc0 = acc0 + part * scale0
+            a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, SPLIT_N, SUB_N)
+            part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty.index(stage), count=1)
+            acc1 = acc1 + part * scale1
+        else:
+            mbarrier.arrive(empty.index(stage), count=1)
+            acc0 = acc0 + part * scale0
         it += 1
+    return acc0, acc1, it
+
+
+@gluon.jit
+def _chain(m_op, n_op, ready, empty, zero, it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr,
+           SPLIT_N: gl.constexpr, SUB_N: gl.constexpr):
+    """bf16 main loop: acc = sum_k wgmma(block k), chained with one wgmma in flight; a stage is
+    released once the wgmma after it has been issued and the one reading it has retired."""
+    acc = zero
+    prev = 0
+    for kk in range(k_steps):
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # the wgmma of step kk-1 has retired
+        mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
+        prev = stage
+        it += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(empty.index(prev), count=1)
     return acc, it
+
+
+@gluon.jit
+def _epilogue(acc, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
+              row0, col0, t, SWAP: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+              HAS_ROW_SCALES: gl.constexpr, tok_dim: gl.constexpr, w_dim: gl.constexpr):
+    """C = acc * expert_scales[e] * row_scales[tok], rounded; TMA store when this warpgroup's
+    64 token rows (from row0) all lie inside the group (the store is clipped at M and N), else
+    masked stores."""
+    if HAS_EXPERT_SCALES:
+        acc = acc * gl.load(expert_scales_ptr + e)
+    if HAS_ROW_SCALES:
+        rs = gl.load(row_scales_ptr + toks, mask=tok_mask, other=0.0).to(gl.float32)
+        acc = acc * gl.expand_dims(rs, tok_dim)
+    result = acc.to(out_ptr.dtype.element_ty)
+    if SWAP:
+        _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
+    else:
+        if row0 + WG_ROWS <= t:
+            tma.store_wait(pendings=0)  # the previous TMA store has finished reading c_smem
+            c_smem.store(result)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row0, col0], c_smem)
+        else:
+            _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
 
 
 @gluon.jit
 def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
                         a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
                         M, N, K, E, G, NUM_KB,
-                        WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_N: gl.constexpr,
+                        WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, SUB_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
-                        PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+                        SPLIT_N: gl.constexpr, PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                         HAS_ROW_SCALES: gl.constexpr, INSTR_K: gl.constexpr):
-    # acc is [64, BLOCK_N]: rows are tokens (weight rows when SWAP), columns weight rows (tokens).
+    # An accumulator is [64, SUB_N]: rows are this warpgroup's tokens (weight rows when
+    # SWAP), columns its weight rows (tokens when SWAP).
+    N_SUB: gl.constexpr = 2 if (PROMOTE and not SWAP and not SPLIT_N and W_TILE > 128) else 1
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, INSTR_K])
+                                                         instr_shape=[16, SUB_N, INSTR_K])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     tok_dim: gl.constexpr = 0 if SWAP else 1  # expand_dims axis that broadcasts a per-token vector
@@ -176,13 +258,21 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
     w_tiles = gl.cdiv(N, W_TILE)
     k_steps = gl.cdiv(K, BLOCK_K)
     n_blocks128 = gl.cdiv(N, 128)
-    zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
+    zero = gl.zeros([WG_ROWS, SUB_N], gl.float32, acc_layout)
     if SWAP:
-        tok_offsets = gl.arange(0, BLOCK_N, layout=col_layout)
+        m_op = b_bufs  # weights are the wgmma M operand, tokens the narrow N
+        n_op = a_bufs
+        tok_offsets = gl.arange(0, SUB_N, layout=col_layout)
         w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
     else:
-        tok_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
-        w_offsets = gl.arange(0, BLOCK_N, layout=col_layout)
+        m_op = a_bufs
+        n_op = b_bufs
+        if SPLIT_N:
+            tok_offsets = gl.arange(0, WG_ROWS, layout=row_layout)
+            w_offsets = WG * SUB_N + gl.arange(0, SUB_N, layout=col_layout)
+        else:
+            tok_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=row_layout)
+            w_offsets = gl.arange(0, SUB_N, layout=col_layout)
     it = 0
     tile_base = 0
     for g in range(G):
@@ -192,53 +282,24 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             toks = s + tok_block * TOK_TILE + tok_offsets
             tok_mask = toks < t
-            ns = w_block * W_TILE + w_offsets
-            acc = zero
-            if SWAP:
-                m_op = b_bufs  # weights are the wgmma M operand, tokens the narrow N
-                n_op = a_bufs
-            else:
-                m_op = a_bufs
-                n_op = b_bufs
+            ns = w_block * W_TILE + w_offsets  # this warpgroup's first (or only) weight columns
+            row0 = s + tok_block * TOK_TILE + (0 if SPLIT_N else WG * WG_ROWS)
+            col0 = w_block * W_TILE + (WG * SUB_N if SPLIT_N else 0)
             if PROMOTE:
-                # fp8_block: the 128x128 block scale of this weight tile (W_TILE divides 128 or is 128).
-                b_scale_row = b_scale_ptr + (e * n_blocks128 + (w_block * W_TILE) // 128) * NUM_KB
+                first_block = col0 // 128 if not SWAP else (w_block * W_TILE) // 128
+                b_scale_row = b_scale_ptr + (e * n_blocks128 + first_block) * NUM_KB
                 a_scale_rows = a_scale_ptr + toks.to(gl.int64) * NUM_KB
-                acc, it = _promote_serial(m_op, n_op, ready, empty, acc, zero, a_scale_rows, tok_mask,
-                                          b_scale_row, it, k_steps, WG, STAGES, tok_dim)
+                acc0, acc1, it = _promote(m_op, n_op, ready, empty, zero, a_scale_rows, tok_mask, b_scale_row,
+                                          NUM_KB, first_block + 1 < n_blocks128, it, k_steps, WG, STAGES,
+                                          SPLIT_N, SUB_N, N_SUB, tok_dim)
+                if N_SUB == 2:
+                    _epilogue(acc1, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask,
+                              ns + SUB_N, N, row0, col0 + SUB_N, t, SWAP, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
+                              tok_dim, w_dim)
             else:
-                prev = 0
-                for kk in range(k_steps):
-                    stage = it % STAGES
-                    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-                    acc = warpgroup_mma(m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS),
-                                        n_op.index(stage).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))  # the wgmma of step kk-1 has retired
-                    mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)
-                    prev = stage
-                    it += 1
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(empty.index(prev), count=1)
-
-            # Epilogue: scales, rounding, store.
-            if HAS_EXPERT_SCALES:
-                acc = acc * gl.load(expert_scales_ptr + e)
-            if HAS_ROW_SCALES:
-                rs = gl.load(row_scales_ptr + toks, mask=tok_mask, other=0.0).to(gl.float32)
-                acc = acc * gl.expand_dims(rs, tok_dim)
-            result = acc.to(out_ptr.dtype.element_ty)
-            if SWAP:
-                _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
-            else:
-                half_row = s + tok_block * TOK_TILE + WG * WG_ROWS
-                if half_row + WG_ROWS <= t:
-                    # A whole 64-row half inside the group: TMA store (clipped at M and N).
-                    tma.store_wait(pendings=0)  # the previous TMA store has finished reading c_smem
-                    c_smem.store(result)
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(c_desc, [half_row, w_block * W_TILE], c_smem)
-                else:
-                    _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
+                acc0, it = _chain(m_op, n_op, ready, empty, zero, it, k_steps, WG, STAGES, SPLIT_N, SUB_N)
+            _epilogue(acc0, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
+                      row0, col0, t, SWAP, HAS_EXPERT_SCALES, HAS_ROW_SCALES, tok_dim, w_dim)
         tile_base += group_tiles
     tma.store_wait(pendings=0)
 
@@ -252,15 +313,16 @@ def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
                                PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                                HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """See the module docstring. a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight
-    tiles [W_TILE, BLOCK_K] of B viewed as [E*N, K]; c_desc: [64, BLOCK_N] tiles of C (unused
-    when SWAP). Non-swapped: TOK_TILE = 128, W_TILE = BLOCK_N; swapped: TOK_TILE = BLOCK_N,
-    W_TILE = 128."""
+    tiles [W_TILE, BLOCK_K] of B viewed as [E*N, K]; c_desc: [64, SUB_N] tiles of C (unused when
+    SWAP). The tile arrangement follows from the descriptor shapes: TOK_TILE = 64 is split-n."""
     TOK_TILE: gl.constexpr = a_desc.block_type.shape[0]
     W_TILE: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = TOK_TILE if SWAP else W_TILE
+    SPLIT_N: gl.constexpr = (not SWAP) and TOK_TILE == WG_ROWS
+    SUB_N: gl.constexpr = c_desc.block_type.shape[1]
     INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
-    gl.static_assert((W_TILE if SWAP else TOK_TILE) == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
+    gl.static_assert((W_TILE if SWAP else TOK_TILE) == 2 * WG_ROWS or SPLIT_N, "two warpgroups of 64 rows")
+    gl.static_assert((not SPLIT_N) or W_TILE == 2 * SUB_N, "split-n: each warpgroup takes half the weights")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
@@ -272,12 +334,14 @@ def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(0), out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
-                               row_scales_ptr, M, N, K, E, G, NUM_KB, 0, TOK_TILE, W_TILE, BLOCK_N, BLOCK_K,
-                               STAGES, GROUP_M, SWAP, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES, INSTR_K)),
+                               row_scales_ptr, M, N, K, E, G, NUM_KB, 0, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
+                               STAGES, GROUP_M, SWAP, SPLIT_N, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
+                               INSTR_K)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(1), out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
-                               row_scales_ptr, M, N, K, E, G, NUM_KB, 1, TOK_TILE, W_TILE, BLOCK_N, BLOCK_K,
-                               STAGES, GROUP_M, SWAP, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES, INSTR_K)),
+                               row_scales_ptr, M, N, K, E, G, NUM_KB, 1, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
+                               STAGES, GROUP_M, SWAP, SPLIT_N, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
+                               INSTR_K)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                            M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -314,14 +378,14 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, e
     cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size())
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
+    promote = p.fmt.name == "fp8_block"
     bk = cfg.block_k
     a_block = [cfg.token_tile, bk]
     a_desc = TensorDescriptor.from_tensor(a, a_block, _layout(a_block, a.dtype))
     b_block = [cfg.weight_tile, bk]
     b_desc = TensorDescriptor.from_tensor(b.reshape(p.num_experts * p.n, p.k), b_block, _layout(b_block, b.dtype))
-    c_block = [WG_ROWS.value, cfg.block_n]
+    c_block = [WG_ROWS.value, cfg.epilogue_n(promote)]
     c_desc = TensorDescriptor.from_tensor(out, c_block, _layout(c_block, out.dtype))
-    promote = p.fmt.name == "fp8_block"
     dummy = a_offsets
     grouped_matmul_sm90_kernel[(num_programs, )](
         a_desc, b_desc, c_desc, out,
