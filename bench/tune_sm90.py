@@ -22,15 +22,10 @@ def C(fmt, block_n, stages, group_m=8, swap=False, split_n=False):
 
 F, B = "fp8_block", "bf16"
 PLAN = [
-    (F, "t-6144x7168", 4, 8192, [C(F, 256, 4, 8), C(F, 256, 4, 16), C(F, 256, 3, 8), C(F, 128, 5, 8)]),
-    (F, "t-4096x2048", 8, 4096, [C(F, 256, 4, 8), C(F, 128, 5, 8)]),
-    (F, "t-6144x7168", 32, 256, [C(F, 256, 4, 8), C(F, 128, 5, 8), C(F, 128, 4, 8, split_n=True)]),
-    (F, "t-6144x7168", 64, 128, [C(F, 128, 4, 8, split_n=True), C(F, 128, 5, 8), C(F, 256, 4, 8)]),
-    (F, "t-4096x2048", 64, 128, [C(F, 128, 4, 8, split_n=True), C(F, 128, 5, 8)]),
-    (F, "dsv3-down", 32, 32, [C(F, 64, 8, 1, swap=True), C(F, 32, 8, 1, swap=True)]),
-    (B, "t-6144x7168", 4, 8192, [C(B, 256, 3, 8), C(B, 256, 3, 16)]),
-    (B, "t-6144x7168", 64, 128, [C(B, 128, 4, 8, split_n=True), C(B, 256, 3, 8)]),
-    (B, "t-6144x7168", 32, 256, [C(B, 128, 4, 8, split_n=True), C(B, 256, 3, 8)]),
+    (F, "t-7168x3072", 4, 8192, [C(F, 256, 4, gm) for gm in (4, 8, 16, 32)]),
+    (F, "t-7168x3072", 8, 4096, [C(F, 256, 4, 4), C(F, 256, 4, 32)]),
+    (F, "t-6144x7168", 8, 4096, [C(F, 256, 4, 4), C(F, 256, 4, 8), C(F, 256, 4, 32)]),
+    (B, "t-7168x3072", 4, 8192, [C(B, 256, 3, gm) for gm in (4, 8, 32)] + [C(B, 128, 4, 8, split_n=True)]),
 ]
 
 rows = []
@@ -54,7 +49,7 @@ for fmt, shape, groups, nominal, configs in PLAN:
                          tflops=tflops, tbps=tbps))
         best = max(best or (0, None), (tflops, cfg), key=lambda b: b[0])
         print(f"{fmt:<9} {shape:<12} {groups:>3}x{nominal:<5} bn={cfg.block_n:<3} st={cfg.stages:<2} gm={cfg.group_m:<2} "
-              f"{'swap' if cfg.swap else 'norm'}  {ms:7.3f} ms  {tflops:7.1f} TFLOP/s  {tbps:5.2f} TB/s", flush=True)
+              f"{'swap' if cfg.swap else 'split' if cfg.split_n else 'norm'}  {ms:7.3f} ms  {tflops:7.1f} TFLOP/s  {tbps:5.2f} TB/s", flush=True)
     print(f"BEST {fmt} {shape} {groups}x{nominal}: {best[1]} {best[0]:.1f} TFLOP/s", flush=True)
     del inp
 if len(sys.argv) > 1:
