@@ -11,7 +11,8 @@ import torch
 
 from . import __version__, ops, reference
 from .formats import FORMATS
-from .quantize import dequantize, quantize, quantize_weights
+from .quantize import quantize, quantize_weights
+from .validation import validate_grouped_matmul
 
 # A DeepSeek-V3-like up projection (N=4096, K=7168) over a few experts with ragged, unaligned
 # token counts, one skipped slot (-1) and one empty group. The CPU run keeps the ragged
@@ -37,7 +38,8 @@ def _time_call(fn, device: torch.device) -> float:
 def demo(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     shape = DEMO_GPU if device.type == "cuda" else DEMO_CPU
-    backend = "triton" if "triton" in ops.available_backends(device) else "reference"
+    # The GPU runs what `auto` picks; the CPU runs the portable kernel under the interpreter.
+    backend = "auto" if device.type == "cuda" else ("triton" if "triton" in ops.available_backends(device) else "reference")
     n, k, e = shape["n"], shape["k"], shape["experts"]
     bounds = [0]
     for t in shape["tokens"]:
@@ -49,12 +51,13 @@ def demo(args) -> int:
     torch.manual_seed(0)
     x = torch.randn(m, k, device=device)
     w = torch.randn(e, n, k, device=device) / k**0.5
-    print(f"moegemm {__version__} demo on {_device_name(device)}: backend={backend}, N={n}, K={k}, "
+    print(f"moegemm {__version__} demo on {_device_name(device)}: N={n}, K={k}, "
           f"E={e}, tokens per slot {list(shape['tokens'])}, expert_ids {list(shape['ids'])}")
     print("  error vs reference: ||C - reference(C)|| / ||reference(C)|| on the same quantized inputs (fp64 oracle;")
     print("                      the bf16 rounding of C alone gives about 1.6e-3)")
     print("  quantization error: the same against the unquantized fp32 product")
-    print(f"{'format':<10} {'layout':<9} {'error vs reference':>18} {'quantization error':>18} {'time ms':>9} {'TFLOP/s':>8}")
+    print(f"{'format':<10} {'layout':<9} {'backend':<9} {'error vs reference':>18} {'quantization error':>18} "
+          f"{'time ms':>9} {'TFLOP/s':>8}")
     full = _unquantized(x, w, bounds, shape["ids"])
     for name, f in FORMATS.items():
         layout = "swizzled" if f.swizzle_capable else "plain"
@@ -66,13 +69,16 @@ def demo(args) -> int:
         call_args = (qa.data, qw.data, qa.scales, qw.scales, a_offsets, expert_ids)
         kwargs = dict(fmt=name, scale_layout=layout, expert_scales=expert_scales)
         out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        problem = validate_grouped_matmul(*call_args, **kwargs, a_scale_offsets=None, row_scales=None, out=out,
+                                          out_dtype=torch.bfloat16)
+        chosen = ops.resolve_backend(backend, problem, device)
         ms = _time_call(lambda: ops.grouped_matmul(*call_args, **kwargs, out=out, backend=backend), device)
         got = ops.grouped_matmul(*call_args, **kwargs, out=torch.zeros_like(out), backend=backend).double()
         ref = reference.grouped_matmul(*call_args, **kwargs, out_dtype=torch.float32, compute_dtype=torch.float64)
         err = float((got - ref.double()).norm() / ref.double().norm())
         qerr = float((got - full).norm() / full.norm())
         tflops = 2.0 * valid_rows * n * k / (ms * 1e-3) / 1e12
-        print(f"{name:<10} {layout:<9} {err:>18.2e} {qerr:>18.2e} {ms:>9.3f} {tflops:>8.1f}")
+        print(f"{name:<10} {layout:<9} {chosen:<9} {err:>18.2e} {qerr:>18.2e} {ms:>9.3f} {tflops:>8.1f}")
     return 0
 
 

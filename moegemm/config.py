@@ -144,12 +144,14 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> 
         cfg = Sm90Config(block_n=regime, block_k=block_k, stages=2, group_m=1, swap=True)
     elif regime == 192:
         # Small groups: 64-token tiles waste less on ragged group ends than 128-token tiles.
-        cfg = Sm90Config(block_n=128, block_k=block_k, stages=2, group_m=8, split_n=True)
+        cfg = Sm90Config(block_n=128, block_k=block_k, stages=2, group_m=4, split_n=True)
     else:
         # 128 x 256 tiles: fp8_block as two 128-wide halves (two fp32 accumulators and one
         # block in flight per warpgroup); the wider tile cuts L2 traffic per flop, which bound
-        # the 128 x 128 tile (L2 throughput 87% in Nsight Compute, 2026-11-22).
-        cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=8)
+        # the 128 x 128 tile (L2 throughput 87% in Nsight Compute; 976 -> 1218 TFLOP/s at
+        # 4 x 8192 x (6144, 7168)). Bands of 4 token blocks measured best of 4/8/16/32
+        # (bench/tune_sm90.py, H100, 2026-11-22).
+        cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
     element = 1 if fp8 else 2
     stages = cfg.stages
     while Sm90Config(**{**cfg.__dict__, "stages": stages + 1}).smem_bytes(element, out_bytes) <= SM90_SMEM_BYTES \

@@ -17,7 +17,7 @@ from . import reference
 from .kernels import portable, sm90
 from .validation import GroupedProblem, validate_grouped_matmul
 
-__all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usable"]
+__all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usable", "resolve_backend"]
 
 BACKENDS = ("auto", "reference", "triton", "sm90")
 
@@ -43,7 +43,8 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return names
 
 
-def _resolve_backend(backend: str, problem: GroupedProblem, device: torch.device) -> str:
+def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device) -> str:
+    """The concrete backend a call with these arguments runs on (what `auto` picks)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
@@ -95,7 +96,7 @@ def grouped_matmul(
         expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout, out=out,
         out_dtype=out_dtype,
     )
-    chosen = _resolve_backend(backend, problem, a.device)
+    chosen = resolve_backend(backend, problem, a.device)
     if out is None:
         out = torch.zeros(problem.m, problem.n, dtype=out_dtype, device=a.device)
     if chosen == "reference":

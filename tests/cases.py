@@ -81,10 +81,11 @@ TOLERANCES = {
 
 # The sm90 kernel multiplies fp8 on Hopper's tensor cores, whose fp8 accumulator keeps fewer
 # bits than fp32 inside each 128-wide K block (the block is then promoted into fp32, as in
-# DeepGEMM). bf16 wgmma accumulates in fp32 like the portable kernel.
+# DeepGEMM): measured on an H100 (bench/accuracy.py), normalized 1.3e-4 with fp32 output and
+# 3.4e-5 of sum |a*b| elementwise. bf16 wgmma accumulates in fp32 like the portable kernel.
 SM90_TOLERANCES = {
     "bf16": TOLERANCES["bf16"],
-    "fp8_block": Tolerance(4e-3, 1e-3, 1e-3),
+    "fp8_block": Tolerance(4e-3, 5e-4, 2e-4),
 }
 
 

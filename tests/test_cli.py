@@ -23,5 +23,5 @@ def test_demo_on_cpu_reports_every_format():
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
     for fmt in ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8"):
-        err = float(rows[fmt][2])
+        err = float(rows[fmt][3])
         assert err < 4e-3, f"{fmt}: error vs reference {err}"

@@ -160,12 +160,10 @@ def _promote(m_op, n_op, ready, empty, zero, a_scale_rows, tok_mask, b_scale_row
     """
     acc0 = zero
     acc1 = zero
-    sa_next = gl.load(a_scale_rows, mask=tok_mask, other=0.0)
-    sb0_next = gl.load(b_scale_row)
-    sb1_next = gl.load(b_scale_row + NUM_KB, mask=high_valid, other=0.0)
+    sa = gl.load(a_scale_rows, mask=tok_mask, other=0.0)
+    sb0 = gl.load(b_scale_row)
+    sb1 = gl.load(b_scale_row + NUM_KB, mask=high_valid, other=0.0)
     for kk in range(k_steps):
-        scale0 = gl.expand_dims(sa_next * sb0_next, tok_dim)
-        scale1 = gl.expand_dims(sa_next * sb1_next, tok_dim)
         more = kk + 1 < k_steps
         sa_next = gl.load(a_scale_rows + kk + 1, mask=tok_mask & more, other=0.0)
         sb0_next = gl.load(b_scale_row + kk + 1, mask=more, other=0.0)
@@ -175,17 +173,22 @@ def _promote(m_op, n_op, ready, empty, zero, a_scale_rows, tok_mask, b_scale_row
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N)
         part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+        scale0 = gl.expand_dims(sa * sb0, tok_dim)
         part = warpgroup_mma_wait(0, deps=(part, ))
         if N_SUB == 2:
             acc0 = acc0 + part * scale0
             a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, SPLIT_N, SUB_N)
             part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+            scale1 = gl.expand_dims(sa * sb1, tok_dim)
             part = warpgroup_mma_wait(0, deps=(part, ))
             mbarrier.arrive(empty.index(stage), count=1)
             acc1 = acc1 + part * scale1
+            sb1 = sb1_next
         else:
             mbarrier.arrive(empty.index(stage), count=1)
             acc0 = acc0 + part * scale0
+        sa = sa_next
+        sb0 = sb0_next
         it += 1
     return acc0, acc1, it
 
