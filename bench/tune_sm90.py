@@ -22,10 +22,10 @@ def C(fmt, block_n, stages, group_m=8, swap=False, split_n=False):
 
 F, B = "fp8_block", "bf16"
 PLAN = [
-    (F, "t-7168x3072", 4, 8192, [C(F, 256, 4, gm) for gm in (4, 8, 16, 32)]),
-    (F, "t-7168x3072", 8, 4096, [C(F, 256, 4, 4), C(F, 256, 4, 32)]),
-    (F, "t-6144x7168", 8, 4096, [C(F, 256, 4, 4), C(F, 256, 4, 8), C(F, 256, 4, 32)]),
-    (B, "t-7168x3072", 4, 8192, [C(B, 256, 3, gm) for gm in (4, 8, 32)] + [C(B, 128, 4, 8, split_n=True)]),
+    (F, "dsv3-up", 256, 16, [C(F, 32, 10, 1, swap=True), C(F, 32, 11, 1, swap=True), C(F, 16, 12, 1, swap=True)]),
+    (F, "dsv3-down", 256, 16, [C(F, 32, 10, 1, swap=True), C(F, 32, 11, 1, swap=True)]),
+    (F, "dsv3-up", 32, 32, [C(F, 64, 8, 1, swap=True), C(F, 64, 9, 1, swap=True), C(F, 32, 11, 1, swap=True)]),
+    (F, "dsv3-down", 32, 32, [C(F, 64, 8, 1, swap=True), C(F, 64, 9, 1, swap=True), C(F, 32, 11, 1, swap=True)]),
 ]
 
 rows = []

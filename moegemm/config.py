@@ -70,7 +70,7 @@ class Sm90Config:
 
     def smem_bytes(self, element_bytes: int, out_bytes: int) -> int:
         stage = (self.token_tile + self.weight_tile) * self.block_k * element_bytes
-        epilogue = 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
+        epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
         return self.stages * stage + epilogue + 2 * 8 * self.stages
 
     def check(self, fmt: Format, out_bytes: int = 2):

@@ -328,7 +328,10 @@ def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
     gl.static_assert((not SPLIT_N) or W_TILE == 2 * SUB_N, "split-n: each warpgroup takes half the weights")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    # Swapped tiles store with masks: their epilogue buffer is a token one, leaving the shared
+    # memory to the ring.
+    c_rows: gl.constexpr = 1 if SWAP else WG_ROWS
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, c_rows, SUB_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
