@@ -122,13 +122,16 @@ def _time_both(fn) -> tuple[float, float]:
     return _bench_graph(fn), eager
 
 
+def _copy_ms(n: int, device) -> float:
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return _bench(lambda: dst.copy_(src))
+
+
 def measure_ceilings(device) -> dict:
     """Copy bandwidth (bytes read + written) and dense 8192^3 GEMMs, measured now."""
     n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = _bench(lambda: dst.copy_(src))
-    del src, dst
+    copy_ms = _copy_ms(n, device)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     flops = 2 * 8192**3
