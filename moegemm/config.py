@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .formats import Format
 
@@ -152,12 +152,11 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> 
         # 4 x 8192 x (6144, 7168)). Bands of 4 token blocks measured best of 4/8/16/32
         # (bench/tune_sm90.py, H100, 2026-11-22).
         cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
+    # The ring is as deep as shared memory allows, up to 12 stages.
     element = 1 if fp8 else 2
-    stages = cfg.stages
-    while Sm90Config(**{**cfg.__dict__, "stages": stages + 1}).smem_bytes(element, out_bytes) <= SM90_SMEM_BYTES \
-            and stages < 12:
-        stages += 1
-    config = Sm90Config(**{**cfg.__dict__, "stages": stages})
+    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(element, out_bytes) <= SM90_SMEM_BYTES:
+        cfg = replace(cfg, stages=cfg.stages + 1)
+    config = cfg
     _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", config)
     return config
 

@@ -2,6 +2,8 @@
 every SPEC section 7 token pattern, both operand orders (normal and swapped), partial K and
 N blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,7 +64,7 @@ def test_sm90_default_config_partial_blocks(fmt, pattern):
 def test_sm90_fp32_output_without_scales(fmt, arrangement):
     config = forced_config(fmt, arrangement)
     if config.smem_bytes(1 if fmt == "fp8_block" else 2, 4) > 232448:
-        config = Sm90Config(**{**config.__dict__, "stages": config.stages - 1})
+        config = dataclasses.replace(config, stages=config.stages - 1)
     run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False, config=config)
 
 
