@@ -16,7 +16,7 @@ from cases import TOKEN_PATTERNS, make_problem, reference_and_bound  # noqa: E40
 
 out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench/results")
 results = []
-for backend, fmts in (("triton", list(moegemm.FORMATS)), ("sm90", ["fp8_block", "bf16"])):
+for backend, fmts in (("triton", list(moegemm.FORMATS)), ("sm90", list(moegemm.FORMATS))):
     for fmt in fmts:
         layout = "swizzled" if moegemm.FORMATS[fmt].swizzle_capable else "plain"
         for out_dtype in (torch.bfloat16, torch.float32):

@@ -19,10 +19,16 @@ CASES = [
     ("fp8_block", TOKEN_PATTERNS[9], 320, 576, Sm90Config(32, 128, 4, 1, True)),  # skips, swapped
     ("bf16", TOKEN_PATTERNS[13], 320, 576, None),  # a_offsets[0] > 0, tail rows
     ("bf16", TOKEN_PATTERNS[12], 256, 512, Sm90Config(32, 64, 4, 1, True)),  # repeated experts, swapped
+    # The block-format kernel: decode and prefill tiles, both scale layouts, partial K steps.
+    ("mxfp4", TOKEN_PATTERNS[1], 192, 2880, None),
+    ("nvfp4", TOKEN_PATTERNS[9], 320, 608, Sm90Config(16, 64, 4, 1, True, consumer_regs=192)),
+    ("mxfp8", TOKEN_PATTERNS[13], 320, 608, None),
+    ("w4a8", TOKEN_PATTERNS[12], 256, 512, Sm90Config(128, 64, 4, 4, True, consumer_regs=192)),
 ]
 
-for fmt, pattern, n, k, cfg in CASES:
-    p = make_problem(fmt, "plain", pattern, n, k, "cuda")
+for i, (fmt, pattern, n, k, cfg) in enumerate(CASES):
+    layout = "swizzled" if fmt in ("mxfp4", "nvfp4") else "plain"
+    p = make_problem(fmt, layout, pattern, n, k, "cuda")
     poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
     out = poisoned.clone()
     if cfg is None:

@@ -26,8 +26,11 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, layouts
+from .formats import FORMATS
 from .ops import grouped_matmul
+
+BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 
 # (N, K) of real expert projections.
 MODEL_SHAPES = {
@@ -57,7 +60,7 @@ PREFILL = [(4, 8192), (8, 4096), (32, 256), (64, 128)]
 DECODE = [(256, 16), (32, 32)]
 
 
-def default_rows(fmts=("fp8_block", "bf16")) -> list[tuple[str, str, int, int]]:
+def default_rows(fmts=("fp8_block", "bf16") + BLOCK_FORMATS) -> list[tuple[str, str, int, int]]:
     """(format, shape name, groups, nominal tokens per group)."""
     rows = []
     for fmt in fmts:
@@ -100,6 +103,7 @@ class Row:
     vs_deepgemm: float = math.nan
     issue_deepgemm: float = math.nan
     vs_issue_deepgemm: float = math.nan
+    vs_fp8_block: float = math.nan  # our fp8_block time on the same shape / ours (block formats)
     notes: list = field(default_factory=list)
 
 
@@ -167,7 +171,10 @@ class Inputs:
         self.a_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
         self.expert_ids = torch.arange(g, dtype=torch.int32, device=device)
         self.torch_offs = self.a_offsets[1:].contiguous()
-        if fmt == "fp8_block":
+        self.scale_layout = "plain"
+        if fmt in BLOCK_FORMATS:
+            self._block_format_inputs(m, g, n, k, device)
+        elif fmt == "fp8_block":
             self.a = _random_fp8((m, k), device)
             self.b = _random_fp8((g, n, k), device)
             self.a_scales = torch.rand(m, math.ceil(k / 128), device=device) + 0.5
@@ -180,9 +187,31 @@ class Inputs:
             self.a_scales = self.b_scales = None
         self.out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
 
+    def _block_format_inputs(self, m, g, n, k, device):
+        """Random codes and scales in the swizzled layout (what checkpoints and quantize() give):
+        e8m0 scales around 2^0, nvfp4 e4m3 scales in [1, 2)."""
+        f = FORMATS[self.fmt]
+        self.scale_layout = "swizzled"
+
+        def elements(rows, op):
+            if op.element.packed:
+                return torch.randint(0, 256, (*rows, k // 2), dtype=torch.uint8, device=device)
+            return _random_fp8((*rows, k), device)
+
+        def scales(shape, op):
+            if op.scale == "e8m0":
+                return torch.randint(122, 132, shape, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+            return (torch.rand(shape, device=device) + 1).to(torch.float8_e4m3fn)
+
+        nkb = k // f.scale_vec
+        self.a = elements((m, ), f.a)
+        self.b = elements((g, n), f.b)
+        self.a_scales = scales(layouts.swizzled_a_shape(sum(math.ceil(s / 128) for s in self.sizes), nkb), f.a)
+        self.b_scales = scales(layouts.swizzled_b_shape(g, n, nkb), f.b)
+
     def ours(self):
         return grouped_matmul(self.a, self.b, self.a_scales, self.b_scales, self.a_offsets, self.expert_ids,
-                              fmt=self.fmt, out=self.out)
+                              fmt=self.fmt, out=self.out, scale_layout=self.scale_layout)
 
     def torch_baseline(self):
         if self.fmt == "fp8_block":
@@ -190,11 +219,18 @@ class Inputs:
                                             offs=self.torch_offs, out_dtype=torch.bfloat16, use_fast_accum=True)
         return torch._grouped_mm(self.a, self.b.transpose(-2, -1), offs=self.torch_offs, out_dtype=torch.bfloat16)
 
-    def bytes_moved(self) -> int:
-        elem = 1 if self.fmt == "fp8_block" else 2
+    def bytes_moved(self) -> float:
+        """Weights of the experts used, activations and output once each, compressed: block
+        formats count their elements (1 or 1/2 byte) and their scales (1 byte per block)."""
         m = sum(self.sizes)
         used = len([s for s in self.sizes if s > 0])
-        return used * self.n * self.k * elem + m * self.k * elem + m * self.n * 2
+        if self.fmt in BLOCK_FORMATS:
+            f = FORMATS[self.fmt]
+            a_elem = f.a.element.bits / 8 + 1 / f.scale_vec
+            b_elem = f.b.element.bits / 8 + 1 / f.scale_vec
+        else:
+            a_elem = b_elem = 1 if self.fmt == "fp8_block" else 2
+        return used * self.n * self.k * b_elem + m * self.k * a_elem + m * self.n * 2
 
 
 def _deepgemm_runner(inp: Inputs):
@@ -234,6 +270,8 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
           f" | dense bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s | dense fp8 {ceilings['fp8_rowwise_tflops']:.0f} TFLOP/s",
           flush=True)
     results = []
+    bf16_torch: dict = {}  # (shape, groups, nominal) -> torch._grouped_mm (kernel ms, eager ms)
+    fp8_block_ms: dict = {}  # (shape, groups, nominal) -> our fp8_block kernel ms
     start = time.time()
     for i, (fmt, shape, groups, nominal) in enumerate(rows):
         n, k = {**MODEL_SHAPES, **TARGET_SHAPES}[shape]
@@ -251,11 +289,27 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
         row.pct_copy_bw = 100 * row.gbps / 1e3 / ceilings["copy_tbps"]
         dense = ceilings["fp8_rowwise_tflops" if fmt == "fp8_block" else "bf16_tflops"]
         row.pct_dense = 100 * row.tflops / dense
+        # Block formats compare with BF16 torch._grouped_mm on the same groups (the issue's
+        # baseline): the bf16 row of the same shape measured it already, else it is timed here.
+        key = (shape, groups, nominal)
         try:
-            row.torch_ms, row.torch_eager_ms = _time_both(inp.torch_baseline)
+            if fmt in BLOCK_FORMATS and key in bf16_torch:
+                row.torch_ms, row.torch_eager_ms = bf16_torch[key]
+            else:
+                if fmt in BLOCK_FORMATS:
+                    del inp
+                    torch.cuda.empty_cache()
+                    inp = Inputs("bf16", n, k, sizes, device)
+                row.torch_ms, row.torch_eager_ms = _time_both(inp.torch_baseline)
+                if fmt in BLOCK_FORMATS or fmt == "bf16":
+                    bf16_torch[key] = (row.torch_ms, row.torch_eager_ms)
             row.vs_torch = row.torch_ms / row.ms
         except Exception as exc:
             row.notes.append(f"torch baseline failed: {type(exc).__name__}: {str(exc)[:120]}")
+        if key in fp8_block_ms and fmt != "fp8_block":
+            row.vs_fp8_block = fp8_block_ms[key] / row.ms
+        if fmt == "fp8_block":
+            fp8_block_ms[key] = row.ms
         deepgemm = _deepgemm_runner(inp)
         if deepgemm is not None:
             try:
@@ -285,16 +339,18 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
 
 
 def print_table(results: list[Row]):
-    print("ms: kernel (graph replay); eager: one Python call; xtorch, xDG: speedup over them (kernel time);"
-          " issueDG: the issue's DeepGEMM figure (TFLOP/s, decode TB/s), xissue: ours over it")
+    print("ms: kernel (graph replay); eager: one Python call; xtorch, xDG: speedup over them (kernel time;"
+          " block formats: over BF16 torch._grouped_mm); issueDG: the issue's DeepGEMM figure (TFLOP/s, decode"
+          " TB/s), xissue: ours over it; xfp8b: over our fp8_block on the same shape")
     head = (f"{'fmt':<9} {'shape':<15} {'N':>5} {'K':>5} {'groups':>9} {'ms':>8} {'eager':>7} {'TFLOP/s':>8} "
-            f"{'GB/s':>7} {'%bw':>5} {'%dense':>6} {'torch ms':>8} {'xtorch':>6} {'xDG':>5} {'issueDG':>7} {'xissue':>6}")
+            f"{'GB/s':>7} {'%bw':>5} {'%dense':>6} {'torch ms':>8} {'xtorch':>6} {'xDG':>5} {'issueDG':>7} {'xissue':>6}"
+            f" {'xfp8b':>5}")
     print(head)
     for r in results:
         print(f"{r.fmt:<9} {r.shape:<15} {r.n:>5} {r.k:>5} {f'{r.groups}x{r.nominal}':>9} {r.ms:>8.3f} "
               f"{r.eager_ms:>7.3f} {r.tflops:>8.1f} {r.gbps:>7.0f} {r.pct_copy_bw:>5.1f} {r.pct_dense:>6.1f} "
               f"{r.torch_ms:>8.3f} {r.vs_torch:>6.2f} {r.vs_deepgemm:>5.2f} {r.issue_deepgemm:>7.2f} "
-              f"{r.vs_issue_deepgemm:>6.2f}" + (f"  {'; '.join(r.notes)}" if r.notes else ""))
+              f"{r.vs_issue_deepgemm:>6.2f} {r.vs_fp8_block:>5.2f}" + (f"  {'; '.join(r.notes)}" if r.notes else ""))
 
 
 def write_results(results: list[Row], env: dict, out_dir: Path, tag: str):
@@ -321,8 +377,8 @@ def plot(results: list[Row], env: dict, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(16, 6))
-    for ax, fmt in zip(axes, ("fp8_block", "bf16")):
+    fig, axes = plt.subplots(1, 6, figsize=(40, 6))
+    for ax, fmt in zip(axes, ("fp8_block", "bf16") + BLOCK_FORMATS):
         rows = [r for r in results if r.fmt == fmt]
         labels = [f"{r.shape}\n{r.groups}x{r.nominal}" for r in rows]
         x = range(len(rows))

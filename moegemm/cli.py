@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.set_defaults(func=demo)
     sub.add_parser("info", help="versions, devices, backends").set_defaults(func=info)
     p_bench = sub.add_parser("bench", help="grouped products on model shapes vs baselines and ceilings (GPU)")
-    p_bench.add_argument("--formats", default="fp8_block,bf16")
+    p_bench.add_argument("--formats", default="fp8_block,bf16,mxfp8,mxfp4,nvfp4,w4a8")
     p_bench.add_argument("--only", default="", help="comma-separated substrings of 'fmt shape GxT' to keep")
     p_bench.add_argument("--out", default="bench/results")
     p_bench.add_argument("--tag", default="")

@@ -11,9 +11,9 @@ import functools
 import os
 from dataclasses import dataclass, replace
 
-from .formats import Format
+from .formats import FORMATS, Format
 
-__all__ = ["PortableConfig", "Sm90Config", "portable_config", "sm90_config", "override_config"]
+__all__ = ["PortableConfig", "Sm90Config", "portable_config", "sm90_config", "sm90_mx_config", "override_config"]
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,24 @@ class Sm90Config:
         """Columns of one accumulator: fp8_block computes a normal 256-wide tile as two halves."""
         return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
 
-    def smem_bytes(self, element_bytes: int, out_bytes: int) -> int:
-        stage = (self.token_tile + self.weight_tile) * self.block_k * element_bytes
+    def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None) -> int:
+        """Shared memory of the ring and epilogue; `weight_bytes` per weight element when the
+        weights stay compressed in the ring (MX/NV formats: 1 or 1/2), else `element_bytes`."""
+        weight_bytes = element_bytes if weight_bytes is None else weight_bytes
+        stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.block_k)
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
         return self.stages * stage + epilogue + 2 * 8 * self.stages
 
     def check(self, fmt: Format, out_bytes: int = 2):
         if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
             raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
+        if fmt.name in MX_FORMATS:
+            if not self.swap or self.block_k != 64:
+                raise ValueError(f"config: {fmt.name} runs swapped tiles (weights in registers) with block_k=64: {self}")
+            smem = self.smem_bytes(2, out_bytes, _weight_bytes(fmt))
+            if smem > SM90_SMEM_BYTES:
+                raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
+            return
         fp8 = fmt.name == "fp8_block"
         if fp8 and (self.block_k != 128 or min(self.epilogue_n(True), self.weight_tile) > 128 and not self.swap):
             raise ValueError(f"config: fp8_block promotes per 128x128 block; an accumulator spans <= 128 weights: {self}")
@@ -87,6 +97,11 @@ class Sm90Config:
 
 
 SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
+MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # the block formats of kernels/sm90_mx.py
+
+
+def _weight_bytes(fmt: Format) -> float:
+    return fmt.b.element.bits / 8
 
 _overrides: dict[type, object] = {}
 
@@ -159,6 +174,29 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> 
     config = cfg
     _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", config)
     return config
+
+
+def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float) -> Sm90Config:
+    """The MX/NV kernel's config: a pure function of (format, N, K, token regime)."""
+    config = _overrides.get(Sm90Config) or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot))
+    config.check(fmt)
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
+    # Weights are always the 128-row wgmma side (decoded in registers, the A operand); the
+    # tokens (bf16) the N side: one group's tokens at decode, else 128. A 256-token tile would
+    # amortize the decoding over more tokens, but its accumulator (128 registers) spilled over
+    # 100 registers in every format (sm_90 compile: ptxas allocates within the kernel's 168).
+    tokens = regime if regime in (16, 32, 64) else 128
+    cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
+                     consumer_regs=192)
+    weight_bytes = _weight_bytes(FORMATS[fmt_name])
+    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(2, 2, weight_bytes) <= SM90_SMEM_BYTES:
+        cfg = replace(cfg, stages=cfg.stages + 1)
+    _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)

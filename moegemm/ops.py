@@ -3,7 +3,8 @@
 Backends:
     reference  the fp32 oracle (moegemm.reference), any device; reads offsets on the host
     triton     the portable tl kernel: compiled on CUDA, Triton's interpreter on the CPU
-    sm90       the Hopper Gluon kernel (fp8_block, bf16): TMA, warp specialization, wgmma
+    sm90       the Hopper Gluon kernels: TMA, warp specialization, wgmma (kernels/sm90.py for
+               fp8_block and bf16, kernels/sm90_mx.py for mxfp8, mxfp4, nvfp4, w4a8)
     auto       sm90 where it applies on Hopper, else triton on CUDA; reference on the CPU
                (the interpreter is for testing, not speed)
 """
@@ -14,7 +15,7 @@ import numpy
 import torch
 
 from . import reference
-from .kernels import portable, sm90
+from .kernels import portable, sm90, sm90_mx
 from .validation import GroupedProblem, validate_grouped_matmul
 
 __all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usable", "resolve_backend"]
@@ -26,6 +27,10 @@ def interpreter_usable() -> bool:
     """Triton 3.6's CPU interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses."""
     major, minor = (int(part) for part in numpy.__version__.split(".")[:2])
     return (major, minor) < (2, 4)
+
+
+def sm90_supports(problem: GroupedProblem) -> bool:
+    return sm90.supports(problem) or sm90_mx.supports(problem)
 
 
 def _is_hopper(device: torch.device) -> bool:
@@ -50,12 +55,13 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        return "sm90" if _is_hopper(device) and sm90.supports(problem) else "triton"
+        return "sm90" if _is_hopper(device) and sm90_supports(problem) else "triton"
     if backend not in available_backends(device):
         raise ValueError(f"backend: {backend!r} cannot run tensors on {device}; available: {available_backends(device)}")
-    if backend == "sm90" and not sm90.supports(problem):
+    if backend == "sm90" and not sm90_supports(problem):
         raise ValueError(
-            f"backend: 'sm90' runs fp8_block and bf16 with 16-byte aligned rows of a, b and out; got fmt="
+            f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block) or K % 32 == 0 "
+            f"(mxfp8, mxfp4, nvfp4, w4a8); got fmt="
             f"{problem.fmt.name}, K={problem.k}, N={problem.n}, out_dtype={problem.out_dtype}"
         )
     return backend
@@ -105,6 +111,9 @@ def grouped_matmul(
             a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
             scale_layout=scale_layout, out=out,
         )
+    if chosen == "sm90" and sm90_mx.supports(problem):
+        return sm90_mx.launch(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
+                              row_scales, out)
     if chosen == "sm90":
         return sm90.launch(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out)
     return portable.grouped_matmul(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,

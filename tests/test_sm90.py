@@ -1,6 +1,7 @@
-"""The Hopper Gluon kernel (backend="sm90", fp8_block and bf16) against the fp64 reference:
-every SPEC section 7 token pattern, both operand orders (normal and swapped), partial K and
-N blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
+"""The Hopper Gluon kernels (backend="sm90") against the fp64 reference: every SPEC section 7
+token pattern, every format and scale layout, every tile arrangement (normal, split-n and
+swapped for fp8_block/bf16; token tiles of 16..256 for the block formats), partial K and N
+blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
 
 import dataclasses
 
@@ -15,6 +16,7 @@ from cases import TOKEN_PATTERNS, check_output, make_problem, poison_like, toler
 pytestmark = pytest.mark.gpu
 
 SM90_FORMATS = ("fp8_block", "bf16")
+MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 
 
 ARRANGEMENTS = ["normal128", "normal256", "split_n", "swapped"]
@@ -30,8 +32,8 @@ def forced_config(fmt: str, arrangement: str) -> Sm90Config:
     }[arrangement]
 
 
-def run_sm90(fmt, pattern, n, k, out_dtype=torch.bfloat16, with_scales=True, config=None):
-    p = make_problem(fmt, "plain", pattern, n, k, "cuda", with_scales=with_scales)
+def run_sm90(fmt, pattern, n, k, out_dtype=torch.bfloat16, with_scales=True, config=None, layout="plain"):
+    p = make_problem(fmt, layout, pattern, n, k, "cuda", with_scales=with_scales)
     poisoned = poison_like(p.m, n, out_dtype, "cuda")
     out = poisoned.clone()
     if config is None:
@@ -51,6 +53,39 @@ def test_sm90_matches_reference(fmt, pattern, arrangement):
     run_sm90(fmt, pattern, n=320, k=576, config=forced_config(fmt, arrangement))
 
 
+def mx_config(token_tile: int) -> Sm90Config:
+    return Sm90Config(block_n=token_tile, block_k=64, stages=4, group_m=1 if token_tile < 128 else 4, swap=True,
+                      consumer_regs=192)
+
+
+@pytest.mark.parametrize("token_tile", [16, 128])
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_block_formats_match_reference(fmt, layout, pattern, token_tile):
+    # N=320: a partial last weight tile; K=608: a partial last K step (9.5 x 64).
+    run_sm90(fmt, pattern, n=320, k=608, config=mx_config(token_tile), layout=layout)
+
+
+@pytest.mark.parametrize("token_tile", [32, 64])
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_block_formats_other_token_tiles(fmt, token_tile):
+    run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=512, config=mx_config(token_tile), layout="swizzled")
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.parametrize("tokens", [(16,) * 24, (3000, 500)], ids=["decode", "prefill"])
+def test_sm90_block_formats_default_config(fmt, tokens):
+    # K = 2880 and N = 192 (gpt-oss, Qwen3 at TP8) with the config the op picks for itself.
+    from cases import TokenPattern
+    run_sm90(fmt, TokenPattern("model", tokens), n=192, k=2880, layout="swizzled")
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_block_formats_fp32_output_without_scales(fmt):
+    run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False)
+
+
 @pytest.mark.parametrize("fmt", SM90_FORMATS)
 @pytest.mark.parametrize("pattern", [TOKEN_PATTERNS[0], TOKEN_PATTERNS[13], TOKEN_PATTERNS[12]],
                          ids=["large", "offset_start", "repeated_unsorted"])
@@ -68,7 +103,7 @@ def test_sm90_fp32_output_without_scales(fmt, arrangement):
     run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False, config=config)
 
 
-@pytest.mark.parametrize("fmt", SM90_FORMATS)
+@pytest.mark.parametrize("fmt", SM90_FORMATS + MX_FORMATS)
 def test_auto_picks_sm90_on_hopper(fmt):
     assert "sm90" in moegemm.available_backends("cuda")
     p = make_problem(fmt, "plain", TOKEN_PATTERNS[1], 256, 512, "cuda")
@@ -79,7 +114,7 @@ def test_auto_picks_sm90_on_hopper(fmt):
 
 
 def test_sm90_rejects_what_it_cannot_run():
-    p = make_problem("mxfp8", "plain", TOKEN_PATTERNS[5], 64, 64, "cuda")
+    p = make_problem("nvfp4", "plain", TOKEN_PATTERNS[5], 64, 48, "cuda")  # packed rows of 24 bytes
     with pytest.raises(ValueError, match="^backend:"):
         moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90")
     p = make_problem("bf16", "plain", TOKEN_PATTERNS[5], 36, 64, "cuda")  # N*2 bytes not 16-aligned
@@ -90,11 +125,14 @@ def test_sm90_rejects_what_it_cannot_run():
     assert not bool(out[p.valid_rows().cuda()].isnan().any())
 
 
-@pytest.mark.parametrize("fmt", SM90_FORMATS)
-def test_sm90_cuda_graph_replays_with_new_routing(fmt):
-    # The launch reads no device value: capture once, change offsets and ids, replay.
+@pytest.mark.parametrize("fmt,layout", [("fp8_block", "plain"), ("bf16", "plain"), ("mxfp8", "plain"),
+                                        ("mxfp4", "swizzled"), ("nvfp4", "swizzled"), ("w4a8", "plain")])
+def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout):
+    # The launch reads no device value: capture once, change offsets and ids, replay. (Swizzled
+    # A scales: a_scale_offsets is derived on the device inside the captured call; the new
+    # groups need 17 scale blocks of the 18 the tensor has.)
     pattern = TOKEN_PATTERNS[3]
-    p = make_problem(fmt, "plain", pattern, 256, 512, "cuda")
+    p = make_problem(fmt, layout, pattern, 256, 512, "cuda")
     out = torch.zeros(p.m, 256, dtype=torch.bfloat16, device="cuda")
     call = lambda: moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")  # noqa: E731
     call()

@@ -225,3 +225,44 @@ def grouped_matmul_kernel(
             else:
                 tl.store(out_ptrs, acc, mask=out_mask)
         tile_base += group_tiles
+
+
+@triton.jit
+def dequantize_rows_kernel(
+    a_ptr, a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
+    M, K, E, G, NUM_KB, KB4, NUM_SCALE_ROWS,
+    A_ELEM: tl.constexpr, SCALE: tl.constexpr, VEC: tl.constexpr, SWIZZLED: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[m] = bf16(decode(A[m]) * sfa(m)) for the rows m of every valid slot; other rows are
+    not written. Exact: an e4m3 or e2m1 value times a power of two (or an e4m3 scale) has at
+    most 5 significant bits, which bf16 holds unless it leaves fp32's exponent range.
+
+    Program (g, part) takes the BLOCK_M-row blocks part, part + parts, ... of slot g.
+    """
+    g = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    s = tl.load(a_offsets_ptr + g)
+    t = tl.load(a_offsets_ptr + g + 1)
+    e = tl.load(expert_ids_ptr + g)
+    s = tl.minimum(tl.maximum(s, 0), M)
+    t = tl.minimum(tl.maximum(t, s), M)
+    end = tl.where((e >= 0) & (e < E), t, s)
+    if SWIZZLED:
+        scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
+    else:
+        scale_row_base = s * 0
+    for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        rows = rows.to(tl.int64)
+        scale_rows = rows + scale_row_base
+        scale_mask = row_mask & (scale_rows >= 0) & (scale_rows < NUM_SCALE_ROWS)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_operand(a_ptr, rows, row_mask, k0, K, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED)
+            x = _apply_block_scales(x, a_scale_ptr, scale_rows, scale_mask, k0, NUM_KB, KB4, SCALE, SWIZZLED, VEC,
+                                    BLOCK_M, BLOCK_K, INTERPRETED)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            tl.store(out_ptr + rows[:, None] * K + cols[None, :], _to_bf16_rne(x),
+                     mask=row_mask[:, None] & (cols[None, :] < K))

@@ -57,6 +57,6 @@ def tensordesc_signature(dtype_name: str, block: list[int]) -> str:
     """The signature string of a host TensorDescriptor argument ("fp8e4nv", "bf16", "fp32")."""
     from triton.experimental.gluon import language as gl
 
-    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32}[dtype_name]
+    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32, "u8": gl.uint8}[dtype_name]
     layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
     return "tensordesc<%s[%s],%s>" % (dtype_name, ", ".join(map(str, block)), layout)

@@ -116,3 +116,31 @@ def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, exper
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale_offsets) -> torch.Tensor:
+    """bf16 [M, K]: the rows of every valid slot of A decoded and scaled (exact, see
+    dequantize_rows_kernel); rows outside them are left unwritten. The MX/NV sm90 kernel reads
+    its tokens from here."""
+    out = torch.empty(p.m, p.k, dtype=torch.bfloat16, device=a.device)
+    if p.num_groups == 0 or p.m == 0:
+        return out
+    interpret = a.device.type == "cpu"
+    module = kernel_module(interpret)
+    f = p.fmt
+    swizzled = p.scale_layout == "swizzled"
+    if swizzled and a_scale_offsets is None:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    block_m, block_k = (32, 128) if not interpret else (64, 128)
+    # Enough programs to fill the GPU whatever the group sizes: parts per slot.
+    parts = max(1, min(math.ceil(p.m / block_m), math.ceil(4 * _num_programs(a.device, 1 << 30, 1) / p.num_groups)))
+    num_kb = p.num_k_scales
+    module.dequantize_rows_kernel[(p.num_groups, parts)](
+        _bytes(a), _bytes(a_scales), a_offsets, expert_ids,
+        a_scale_offsets if a_scale_offsets is not None else a_offsets, out,
+        p.m, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
+        a_scales.shape[0] * 128 if swizzled else p.m,
+        A_ELEM=_elem_code(f.a.element, module), SCALE=_scale_code(f.a.scale, module), VEC=f.scale_vec,
+        SWIZZLED=swizzled, INTERPRETED=interpret, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+    )
+    return out

@@ -113,6 +113,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
     w_tiles = gl.cdiv(N, W_TILE)
     k_steps = gl.cdiv(K, BLOCK_K)
     stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
+    B_STEP: gl.constexpr = b_desc.block_type.shape[1]
     it = 0
     tile_base = 0
     for g in range(G):
@@ -127,7 +129,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(stage), stage_bytes)
                 tma.async_copy_global_to_shared(a_desc, [a_row, kk * BLOCK_K], ready.index(stage), a_bufs.index(stage))
-                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(stage), b_bufs.index(stage))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage), b_bufs.index(stage))
                 it += 1
         tile_base += group_tiles
 
@@ -353,7 +355,8 @@ def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32,
+               torch.uint8: gl.uint8}
 
 
 @functools.lru_cache(maxsize=None)

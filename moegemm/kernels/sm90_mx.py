@@ -1,0 +1,231 @@
+"""Hopper (sm_90) grouped matmul for the block formats `mxfp8`, `mxfp4`, `nvfp4` and `w4a8`.
+
+Hopper has no block-scaled tensor-core instruction. Every 32- (nvfp4: 16-) wide K block
+carries a scale per weight row AND one per token, so the exact math is either fp8 wgmma per
+k32 followed by an fp32 promotion with the outer product of the two scale vectors (2 FP32
+ops per output element per k32: the FP32 pipe then caps the run at the dense bf16 rate),
+or bf16 wgmma on operands decoded with their scales folded in, which is exact: e4m3 or e2m1
+times a power of two, and e2m1 times an e4m3 scale, have at most 5 significant bits. This
+kernel does the latter (docs/design.md records the measurements):
+
+    tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows) into a bf16
+             [M, K] buffer, TMA-loaded as the wgmma B operand (the narrow N side)
+    weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, then
+             each consumer warpgroup decodes its 64 weight rows from shared memory straight
+             into the register layout of the wgmma A operand, times the block scales
+             (gathered from global memory, plain or swizzled layout, one step ahead)
+
+so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
+Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
+(config.sm90_mx_config: one group's tokens at decode, 128 or 256 in prefill). Producer,
+barriers, schedule and the masked epilogue are those of kernels/sm90.py.
+
+Steady state of one consumer (stage s = it % STAGES):
+    load the scales of step k+1
+    wait ready[s]; w = decode(weights[s] rows of this warpgroup) * scales(k)
+    acc = wgmma(w, tokens[s]^T, acc); wait for it; arrive empty[s]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .. import layouts
+from ..config import sm90_mx_config
+from ..validation import GroupedProblem
+from . import portable
+from .sm90 import WG_ROWS, _band_coords, _epilogue, _first_tile, _layout, _load_partition, _slot, _sm_count
+
+
+@gluon.jit
+def _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED: gl.constexpr):
+    """Offset of the scale (e, n, kb=0) of weight rows ns; plain [E, N, NUM_KB], swizzled
+    [E, ceil(N/128), KB4, 32, 4, 4] (layouts.py)."""
+    if SWIZZLED:
+        n_blocks = (N + 127) // 128
+        return (e * n_blocks + ns // 128).to(gl.int64) * (KB4 * 512) + (ns % 32) * 16 + ((ns % 128) // 32) * 4
+    else:
+        return (e * N + ns).to(gl.int64) * NUM_KB
+
+
+@gluon.jit
+def _load_scales(scale_rows, row_ok, kk, NUM_KB, layout: gl.constexpr, BLOCK_K: gl.constexpr, VEC: gl.constexpr,
+                 SWIZZLED: gl.constexpr, NV_SCALE: gl.constexpr):
+    """The block scales of K step kk as a bf16 [64, BLOCK_K] tensor in the operand layout (each
+    thread loads its distinct (row, block) pairs once: the compiler sees the constancy of
+    k // VEC). e8m0 b -> 2^(b-127) (0 -> 2^-127, a bf16 subnormal; 255 -> NaN); nvfp4: e4m3."""
+    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    kb = kk * (BLOCK_K // VEC) + ks // VEC
+    if SWIZZLED:
+        k_offsets = (kb // 4) * 512 + kb % 4
+    else:
+        k_offsets = kb
+    mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(kb < NUM_KB, 0)
+    raw = gl.load(gl.expand_dims(scale_rows, 1) + gl.expand_dims(k_offsets, 0), mask=mask, other=0)
+    if NV_SCALE:
+        scales = raw.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+    else:
+        bits = raw.to(gl.int16) << 7
+        bits = gl.where(raw == 0, 0x40, bits)
+        bits = gl.where(raw == 255, 0x7FC0, bits)
+        scales = bits.to(gl.bfloat16, bitcast=True)
+    return scales
+
+
+@gluon.jit
+def _decode_weights(w_smem, raw_layout: gl.constexpr, dot_layout: gl.constexpr, FP4: gl.constexpr):
+    """This warpgroup's [64, BLOCK_K] weight tile from shared memory to bf16 registers in the
+    wgmma A-operand layout. Packed fp4 is read with k_width 1 so that the unpacked tensor lands
+    in k_width 2 without data movement between threads (checked in the SASS: no SHFL)."""
+    raw = w_smem.load(raw_layout)
+    if FP4:
+        w = gl.convert_layout(gl.fp4_to_fp(raw, gl.bfloat16, 1), dot_layout)
+    else:
+        w = raw.to(gl.bfloat16)
+    return w
+
+
+@gluon.jit
+def _upcast_chain(w_bufs, t_bufs, ready, empty, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
+                  WG: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, VEC: gl.constexpr,
+                  FP4: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr,
+                  raw_layout: gl.constexpr, dot_layout: gl.constexpr):
+    """acc = sum_k decode(W_k) * scales_k @ T_k^T. Each step waits for its own wgmma before
+    the next decode: the wgmma reads its register operand while it runs (PTX: the registers
+    must not change before wgmma.wait_group), and keeping it in flight across the next
+    decode gave wrong results on 128-token tiles (H100). The other warpgroup's wgmma runs
+    while this one decodes."""
+    acc = zero
+    scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, dot_layout, BLOCK_K, VEC, SWIZZLED, NV_SCALE)
+    for kk in range(k_steps):
+        next_scales = _load_scales(scale_rows, row_ok, kk + 1, NUM_KB, dot_layout, BLOCK_K, VEC, SWIZZLED, NV_SCALE)
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        w = _decode_weights(w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS), raw_layout, dot_layout, FP4) * scales
+        acc = warpgroup_mma(w, t_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(stage), count=1)
+        scales = next_scales
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _mx_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                           expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                           WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
+                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, VEC: gl.constexpr, FP4: gl.constexpr,
+                           NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+                           HAS_ROW_SCALES: gl.constexpr):
+    # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, TOK_TILE, 16])
+    dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    raw_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1 if FP4 else 2)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    w_tiles = gl.cdiv(N, W_TILE)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
+    tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
+    w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, dot_layout))
+    it = 0
+    tile_base = 0
+    for g in range(G):
+        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
+        group_tiles = tok_tiles * w_tiles
+        for tile in range(_first_tile(tile_base, pid, nprog), tile_base + group_tiles, nprog):
+            tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
+            toks = s + tok_block * TOK_TILE + tok_offsets
+            tok_mask = toks < t
+            ns_op = w_block * W_TILE + w_offsets_op
+            scale_rows = b_scale_ptr + _scale_row_offsets(e, ns_op, N, NUM_KB, KB4, SWIZZLED)
+            acc, it = _upcast_chain(w_bufs, t_bufs, ready, empty, zero, scale_rows, ns_op < N, NUM_KB, it, k_steps,
+                                    WG, STAGES, BLOCK_K, VEC, FP4, NV_SCALE, SWIZZLED, raw_layout, dot_layout)
+            # Swapped tiles are stored with masks (the TMA-store arguments are unused).
+            _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask,
+                      w_block * W_TILE + w_offsets, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+        tile_base += group_tiles
+
+
+@gluon.jit
+def grouped_matmul_sm90_mx_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, VEC: gl.constexpr,
+                                  NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+                                  HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """See the module docstring. t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A;
+    w_desc: raw weight tiles [128, BLOCK_K bytes (fp8) or BLOCK_K / 2 (packed fp4)] of B viewed
+    as [E*N, K or K/2]."""
+    TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
+    W_TILE: gl.constexpr = w_desc.block_type.shape[0]
+    FP4: gl.constexpr = w_desc.block_type.shape[1] * 2 == BLOCK_K
+    gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
+    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_mx_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, 0, TOK_TILE, W_TILE,
+                                  BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
+                                  HAS_ROW_SCALES)),
+        (_mx_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, 1, TOK_TILE, W_TILE,
+                                  BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
+                                  HAS_ROW_SCALES)),
+        (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
+    # ptxas pipelines the wgmmas only if the SMALLEST setmaxnreg in the kernel leaves room for
+    # the loop (about accumulator + 64 registers); with the producer at 40 it serialized every
+    # HGMMA (C7512). Producer 120, consumers 192 each (the default partition gets the rest).
+    ], [4, 1], [CONSUMER_REGS, 120])
+
+
+def supports(p: GroupedProblem) -> bool:
+    """Rows of the (packed) weights must be 16-byte aligned for TMA: K % 32 == 0."""
+    return p.fmt.name in ("mxfp8", "mxfp4", "nvfp4", "w4a8") and p.k % 32 == 0
+
+
+def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
+           row_scales, out):
+    """Decode the tokens (pre-pass), then launch the kernel into `out`; no device value is read."""
+    if p.num_groups == 0 or p.m == 0 or p.n == 0:
+        return out
+    swizzled = p.scale_layout == "swizzled"
+    if swizzled and a_scale_offsets is None:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
+    cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups)
+    upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
+    num_programs = min(_sm_count(out.device), upper_tiles)
+    t_block = (cfg.token_tile, cfg.block_k)
+    t_desc = TensorDescriptor.from_tensor(tokens, list(t_block), _layout(t_block, torch.bfloat16))
+    fp4 = p.fmt.b.element.packed
+    weights = b.view(torch.uint8) if fp4 else b
+    stored_k = weights.shape[-1]
+    w_block = (cfg.weight_tile, cfg.block_k // 2 if fp4 else cfg.block_k)
+    w_desc = TensorDescriptor.from_tensor(weights.reshape(p.num_experts * p.n, stored_k), list(w_block),
+                                          _layout(w_block, weights.dtype))
+    num_kb = p.num_k_scales
+    dummy = a_offsets
+    grouped_matmul_sm90_mx_kernel[(num_programs, )](
+        t_desc, w_desc, out, b_scales.view(torch.uint8), a_offsets, expert_ids,
+        expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
+        p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
+        STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
+        SWIZZLED=swizzled, HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+    )
+    return out

@@ -1,0 +1,45 @@
+"""The token pre-pass of the sm90 block-format kernel (portable.dequantize_rows): bit-identical
+to moegemm.dequantize on every row of a valid group, for every block format and scale layout,
+under the interpreter on the CPU and compiled on a GPU."""
+
+import pytest
+import torch
+
+import moegemm
+from moegemm.formats import FORMATS
+from moegemm.kernels import portable
+from moegemm.ops import interpreter_usable
+from moegemm.validation import validate_grouped_matmul
+
+from cases import TOKEN_PATTERNS, make_problem
+
+BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
+PATTERNS = [TOKEN_PATTERNS[i] for i in (1, 6, 8, 12, 13)]
+
+
+def check_dequantize_rows(fmt, layout, pattern, device):
+    p = make_problem(fmt, layout, pattern, 64, 96, device)
+    problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
+    tokens = portable.dequantize_rows(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None)
+    # Without nvfp4's global scale: the kernel leaves it to expert_scales.
+    expected = moegemm.dequantize_operand(p.a.data, p.a.scales, p.a.fmt, "a", scale_layout=layout,
+                                          a_offsets=p.a.a_offsets, dtype=torch.float32)
+    valid = p.valid_rows().to(device)
+    assert torch.equal(tokens[valid].float(), expected[valid]), "decoded tokens differ from moegemm.dequantize"
+    assert bool(valid.any()) or not FORMATS[fmt].scaled
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_rows_interpreted(fmt, layout, pattern):
+    check_dequantize_rows(fmt, layout, pattern, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_rows_compiled(fmt, layout, pattern):
+    check_dequantize_rows(fmt, layout, pattern, "cuda")
