@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from . import __version__, layouts
+from .config import MX_FORMATS
 from .formats import FORMATS
 from .ops import grouped_matmul
 
-BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
+BLOCK_FORMATS = MX_FORMATS  # the formats whose scales sit in 32- or 16-wide K blocks
 
 # (N, K) of real expert projections.
 MODEL_SHAPES = {

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import layouts
-from ..config import sm90_mx_config
+from ..config import MX_FORMATS, sm90_mx_config
 from ..validation import GroupedProblem
 from . import portable
 from .sm90 import WG_ROWS, _band_coords, _epilogue, _first_tile, _layout, _load_partition, _slot, _sm_count
@@ -195,7 +195,7 @@ def grouped_matmul_sm90_mx_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offset
 
 def supports(p: GroupedProblem) -> bool:
     """Rows of the (packed) weights must be 16-byte aligned for TMA: K % 32 == 0."""
-    return p.fmt.name in ("mxfp8", "mxfp4", "nvfp4", "w4a8") and p.k % 32 == 0
+    return p.fmt.name in MX_FORMATS and p.k % 32 == 0
 
 
 def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
