@@ -79,7 +79,42 @@ def demo(args) -> int:
         qerr = float((got - full).norm() / full.norm())
         tflops = 2.0 * valid_rows * n * k / (ms * 1e-3) / 1e12
         print(f"{name:<10} {layout:<9} {chosen:<9} {err:>18.2e} {qerr:>18.2e} {ms:>9.3f} {tflops:>8.1f}")
+    _demo_layer(device, backend)
     return 0
+
+
+DEMO_LAYER_GPU = dict(hidden=2048, width=1024, experts=32, top_k=4, tokens=256)
+DEMO_LAYER_CPU = dict(hidden=128, width=64, experts=8, top_k=2, tokens=12)
+
+
+def _demo_layer(device: torch.device, backend: str):
+    """The whole routed-expert layer (moe_forward) in every format against fp32 math."""
+    from .moe import MoE, moe_forward
+
+    cfg = DEMO_LAYER_GPU if device.type == "cuda" else DEMO_LAYER_CPU
+    h, i, e, k, t = cfg["hidden"], cfg["width"], cfg["experts"], cfg["top_k"], cfg["tokens"]
+    gate, up, down = (torch.randn(e, i, h, device=device) / h**0.5, torch.randn(e, i, h, device=device) / h**0.5,
+                      torch.randn(e, h, i, device=device) / i**0.5)
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)]).to(torch.int32)
+    weights = torch.softmax(torch.randn(t, k, device=device), dim=-1)
+    ref = torch.zeros(t, h, device=device)
+    for ex in range(e):
+        tok, slot = torch.nonzero(ids == ex, as_tuple=True)
+        xt = x[tok].float()
+        hid = torch.nn.functional.silu(xt @ gate[ex].T) * (xt @ up[ex].T)
+        ref.index_add_(0, tok, (hid @ down[ex].T) * weights[tok, slot, None])
+    print(f"\nMoE layer (moe_forward: route, gather+quantize, gate/up + SwiGLU, down, combine): H={h}, I={i}, "
+          f"E={e}, top-{k}, {t} tokens; error vs the fp32 layer on unquantized weights")
+    print(f"{'format':<10} {'error':>10} {'time ms':>9}")
+    for name in FORMATS:
+        layer = MoE(h, i, e, k, fmt=name, backend=backend, device=device).load_experts(gate=gate, up=up, down=down)
+        w_gate_up, w_down = layer.weights()
+        run = lambda: moe_forward(x, ids, weights, w_gate_up, w_down, backend=backend)  # noqa: E731
+        got = run().float()
+        err = float((got - ref).norm() / ref.norm())
+        ms = _time_call(run, device)
+        print(f"{name:<10} {err:>10.2e} {ms:>9.3f}")
 
 
 def _unquantized(x, w, bounds, ids) -> torch.Tensor:

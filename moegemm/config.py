@@ -100,6 +100,18 @@ SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
 MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # the block formats of kernels/sm90_mx.py
 
 
+def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None):
+    """A swapped tile's fused SwiGLU epilogue converts each warpgroup's fp32 accumulator
+    [64, tokens] through shared memory (kernels/sm90_epilogue.py): shorten the ring to leave
+    that room. Normal tiles need none (their column pairs already sit in one thread)."""
+    if not cfg.swap:
+        return cfg
+    scratch = 2 * 64 * cfg.token_tile * 4
+    while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes) + scratch > SM90_SMEM_BYTES:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
 def _weight_bytes(fmt: Format) -> float:
     return fmt.b.element.bits / 8
 

@@ -15,6 +15,7 @@ import numpy
 import torch
 
 from . import reference
+from .formats import get_format
 from .kernels import portable, sm90, sm90_mx
 from .validation import GroupedProblem, validate_grouped_matmul
 
@@ -118,3 +119,73 @@ def grouped_matmul(
         return sm90.launch(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out)
     return portable.grouped_matmul(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
                                    expert_scales, row_scales, out)
+
+
+def grouped_matmul_swiglu(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    b_scales: torch.Tensor | None,
+    a_offsets: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    fmt: str,
+    out_fmt: str = "bf16",
+    activation: str = "swiglu",
+    a_scale_offsets: torch.Tensor | None = None,
+    expert_scales: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale_layout: str = "plain",
+    out_scale_layout: str | None = None,
+    num_scale_blocks: int | None = None,
+    out_global_scale: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    fused: bool = True,
+    backend: str = "auto",
+):
+    """The gate/up product followed by SwiGLU and the quantization of its output:
+
+        h = grouped_matmul(a, b, ...)          [M, 2I]: columns 2j, 2j+1 = gate_j, up_j
+                                               (weights permuted by interleave_gate_up)
+        h = h * expert_scales[e] + bias[e]     the expert scale before the activation
+        y = swiglu(h) or swiglu_oai(h)         [M, I]
+        return quantize(y, out_fmt)            a QuantizedTensor, the down product's A operand
+
+    out_fmt is any format's A operand ("bf16", "mxfp8", "nvfp4", ...); its scales go in
+    `out_scale_layout` (default: swizzled for the block formats, else plain; swizzled pads every group to 128 scale rows, padding zero;
+    `num_scale_blocks` bounds its first dimension, default ceil(M/128) + G). nvfp4 output
+    needs `out_global_scale` (fp32, one value) when fused.
+
+    On sm90 with fused=True, bf16/mxfp8/w4a8/nvfp4/mxfp4 outputs come straight out of the
+    matmul's epilogue (the [M, 2I] product never reaches memory). Elsewhere, and for
+    fp8_block outputs, it runs the unfused chain: grouped_matmul to bf16, then
+    activation.swiglu_quantize. Rows outside valid groups hold unspecified data (and no
+    scales in the swizzled layout).
+    """
+    from . import activation as act
+
+    act._check_activation(activation)
+    out_format = get_format(out_fmt)
+    if out_scale_layout is None:
+        out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
+    problem = validate_grouped_matmul(
+        a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
+        expert_scales=expert_scales, row_scales=None, scale_layout=scale_layout, out=None,
+        out_dtype=torch.bfloat16,
+    )
+    chosen = resolve_backend(backend, problem, a.device)
+    if chosen == "sm90" and fused:
+        from .kernels import sm90_epilogue
+
+        if sm90_epilogue.fused_supports(problem, out_fmt):
+            return sm90_epilogue.launch_fused(
+                problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
+                out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
+                num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha, limit=limit)
+    h = grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
+                       expert_scales=expert_scales, scale_layout=scale_layout, backend=chosen)
+    return act.swiglu_quantize(h, out_fmt, activation=activation, bias=bias, a_offsets=a_offsets,
+                               expert_ids=expert_ids, scale_layout=out_scale_layout,
+                               num_scale_blocks=num_scale_blocks, global_scale=out_global_scale,
+                               alpha=alpha, limit=limit)

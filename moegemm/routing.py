@@ -7,8 +7,15 @@
 
 One slot per expert (slot e holds expert e; empty experts are empty groups). A choice whose
 id lies outside [0, num_experts) is dropped: it gets no group row and adds nothing to the
-combine (expert parallelism marks experts owned by other ranks this way). Pure PyTorch,
-no Python loop over tokens, no host synchronization: every size is T*k or E.
+combine (expert parallelism marks experts owned by other ranks this way). No Python loop
+over tokens, no host synchronization: every size is T*k or E.
+
+Backends (keyword `backend` of route and unpermute_tokens):
+    "auto"    the Triton kernels for CUDA tensors, PyTorch for CPU tensors
+    "triton"  the Triton kernels (kernels/_routing_tl.py; Triton's interpreter on the CPU)
+    "torch"   the pure-PyTorch reference (route_reference, unpermute_tokens_reference)
+Both give the same plan bit for bit (a stable sort by expert id); the combine accumulates in
+fp32 in choice order on both.
 """
 
 from __future__ import annotations
@@ -20,7 +27,17 @@ import torch
 
 from . import layouts
 
-__all__ = ["RoutingPlan", "route", "permute_tokens", "unpermute_tokens"]
+__all__ = [
+    "ROUTING_BACKENDS",
+    "RoutingPlan",
+    "permute_tokens",
+    "route",
+    "route_reference",
+    "unpermute_tokens",
+    "unpermute_tokens_reference",
+]
+
+ROUTING_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,8 @@ class RoutingPlan:
     expert_ids:        int32 [E]; arange(E)
     a_scale_offsets:   int32 [E]; for activation scales in the swizzled layout
     topk_weights:      [T, k] or None
+    expert_of_row:     int32 [T*k] or None; the expert of grouped row p (E for dropped rows);
+                       route fills it, unpermute_tokens derives it from a_offsets when None
     """
 
     token_index: torch.Tensor
@@ -44,6 +63,7 @@ class RoutingPlan:
     expert_ids: torch.Tensor
     a_scale_offsets: torch.Tensor
     topk_weights: torch.Tensor | None
+    expert_of_row: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +79,7 @@ class RoutingPlan:
         return math.ceil(self.num_grouped_rows / layouts.ROWS_PER_BLOCK) + self.expert_ids.numel()
 
 
-def route(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None) -> RoutingPlan:
-    """Sort the T*k router choices by expert (stable: token order within an expert)."""
+def _check_route_args(topk_ids, num_experts, topk_weights) -> None:
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids: expected a torch.Tensor, got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
@@ -77,6 +96,46 @@ def route(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor |
         if topk_weights.device != topk_ids.device:
             raise ValueError(f"topk_weights: expected device {topk_ids.device}, got {topk_weights.device}")
 
+
+def _use_triton(backend: str, device: torch.device) -> bool:
+    """Whether a call with this backend runs the Triton kernels for tensors on `device`."""
+    if not isinstance(backend, str) or backend not in ROUTING_BACKENDS:
+        raise ValueError(f"backend: expected one of {list(ROUTING_BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda"
+    from .ops import interpreter_usable  # lazily: ops imports the kernel packages
+
+    if device.type == "cuda" or (device.type == "cpu" and interpreter_usable()):
+        return True
+    raise ValueError(f"backend: 'triton' cannot run tensors on {device}"
+                     + (" (Triton's CPU interpreter needs numpy < 2.4)" if device.type == "cpu" else ""))
+
+
+def route(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    topk_weights: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> RoutingPlan:
+    """Sort the T*k router choices by expert (stable: token order within an expert)."""
+    _check_route_args(topk_ids, num_experts, topk_weights)
+    if not _use_triton(backend, topk_ids.device):
+        return _route_torch(topk_ids, num_experts, topk_weights)
+    from .kernels import routing as kernels
+
+    return RoutingPlan(topk_weights=topk_weights, **kernels.route(topk_ids, num_experts))
+
+
+def route_reference(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None) -> RoutingPlan:
+    """route in pure PyTorch (a stable torch.sort of the expert keys)."""
+    _check_route_args(topk_ids, num_experts, topk_weights)
+    return _route_torch(topk_ids, num_experts, topk_weights)
+
+
+def _route_torch(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None) -> RoutingPlan:
     device = topk_ids.device
     ids = topk_ids.reshape(-1).long()
     valid = (ids >= 0) & (ids < num_experts)
@@ -97,6 +156,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor |
         expert_ids=torch.arange(num_experts, dtype=torch.int32, device=device),
         a_scale_offsets=layouts.a_scale_offsets(a_offsets),
         topk_weights=topk_weights,
+        expert_of_row=key[order].to(torch.int32),
     )
 
 
@@ -107,24 +167,98 @@ def permute_tokens(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return x.index_select(0, plan.token_index)
 
 
+def _choice_experts(plan: RoutingPlan) -> torch.Tensor:
+    """int64 [T, k]: the expert of each choice (E for dropped ones)."""
+    rows = plan.grouped_row.reshape(-1)
+    if plan.expert_of_row is not None:
+        experts = plan.expert_of_row.index_select(0, rows)
+    else:  # rows in [a_offsets[e], a_offsets[e+1]) belong to e; rows past a_offsets[E] to E
+        experts = torch.searchsorted(plan.a_offsets[1:].long(), rows.long(), right=True)
+    return experts.long().reshape(plan.grouped_row.shape)
+
+
+def _row_experts(plan: RoutingPlan) -> torch.Tensor:
+    """int32 [T*k]: the expert of each grouped row (E for dropped rows)."""
+    if plan.expert_of_row is not None:
+        return plan.expert_of_row
+    rows = torch.arange(plan.num_grouped_rows, device=plan.a_offsets.device, dtype=plan.a_offsets.dtype)
+    return torch.searchsorted(plan.a_offsets[1:].contiguous(), rows, right=True).to(torch.int32)
+
+
+def _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias):
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+    if y.dim() != 2 or y.shape[0] != plan.num_grouped_rows:
+        raise ValueError(f"y: expected shape [{plan.num_grouped_rows}, N], got {tuple(y.shape)}")
+    if y.device != plan.grouped_row.device:
+        raise ValueError(f"y: expected device {plan.grouped_row.device} (the plan's), got {y.device}")
+    weights = topk_weights if topk_weights is not None else plan.topk_weights
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor):
+            raise TypeError(f"topk_weights: expected a torch.Tensor, got {type(weights).__name__}")
+        if weights.shape != plan.grouped_row.shape:
+            raise ValueError(f"topk_weights: expected shape {tuple(plan.grouped_row.shape)}, got {tuple(weights.shape)}")
+        if weights.device != y.device:
+            raise ValueError(f"topk_weights: expected device {y.device}, got {weights.device}")
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype: expected a floating torch.dtype, got {out_dtype!r}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor):
+            raise TypeError(f"expert_bias: expected a torch.Tensor, got {type(expert_bias).__name__}")
+        want = (plan.expert_ids.numel(), y.shape[1])
+        if tuple(expert_bias.shape) != want:
+            raise ValueError(f"expert_bias: expected shape [E, N] = {list(want)}, got {tuple(expert_bias.shape)}")
+        if not expert_bias.dtype.is_floating_point:
+            raise TypeError(f"expert_bias: expected a floating dtype, got {expert_bias.dtype}")
+        if expert_bias.device != y.device:
+            raise ValueError(f"expert_bias: expected device {y.device}, got {expert_bias.device}")
+    return weights
+
+
 def unpermute_tokens(
     y: torch.Tensor,
     plan: RoutingPlan,
     topk_weights: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    *,
+    expert_bias: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """[T*k, N] grouped rows -> [T, N]: out[t] = sum_j w[t, j] * y[grouped_row[t, j]], in fp32.
+    """[T*k, N] grouped rows -> [T, N]: out[t] = sum_j w[t, j] * (y[grouped_row[t, j]] + bias[e_tj]), in fp32.
 
-    Weights default to the plan's (all ones when it has none). Dropped choices add nothing,
-    even when their rows of y hold garbage.
+    Weights default to the plan's (all ones when it has none). expert_bias [E, N] (optional,
+    e.g. gpt-oss's down_proj bias) is added to each choice's row before its weight. Dropped
+    choices add nothing, even when their rows of y hold garbage.
     """
-    if y.dim() != 2 or y.shape[0] != plan.num_grouped_rows:
-        raise ValueError(f"y: expected shape [{plan.num_grouped_rows}, N], got {tuple(y.shape)}")
-    weights = topk_weights if topk_weights is not None else plan.topk_weights
+    weights = _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias)
+    if not _use_triton(backend, y.device):
+        return _unpermute_torch(y, plan, weights, out_dtype, expert_bias)
+    from .kernels import routing as kernels
+
+    return kernels.unpermute(y, plan.grouped_row, plan.valid, weights,
+                             _row_experts(plan) if expert_bias is not None else None, expert_bias,
+                             out_dtype or y.dtype)
+
+
+def unpermute_tokens_reference(
+    y: torch.Tensor,
+    plan: RoutingPlan,
+    topk_weights: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    expert_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """unpermute_tokens in pure PyTorch."""
+    weights = _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias)
+    return _unpermute_torch(y, plan, weights, out_dtype, expert_bias)
+
+
+def _unpermute_torch(y, plan, weights, out_dtype, expert_bias):
     rows = y.index_select(0, plan.grouped_row.reshape(-1)).float().reshape(*plan.grouped_row.shape, y.shape[1])
+    if expert_bias is not None and expert_bias.shape[0] > 0:
+        experts = torch.where(plan.valid, _choice_experts(plan), 0).reshape(-1)
+        rows = rows + expert_bias.float().index_select(0, experts).reshape(rows.shape)
     if weights is not None:
-        if weights.shape != plan.grouped_row.shape:
-            raise ValueError(f"topk_weights: expected shape {tuple(plan.grouped_row.shape)}, got {tuple(weights.shape)}")
         rows = rows * weights.float().unsqueeze(-1)
     rows = torch.where(plan.valid.unsqueeze(-1), rows, torch.zeros_like(rows))
     return rows.sum(dim=1).to(out_dtype or y.dtype)

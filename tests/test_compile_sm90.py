@@ -14,6 +14,11 @@ from moegemm.validation import GroupedProblem
 
 from cases import FORMAT_LAYOUTS
 
+# The kernels' fused-epilogue tuples (kernels/sm90_epilogue.epilogue_args): runtime values, and
+# the constexprs (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC) of the plain epilogue.
+EPILOGUE_SIGNATURE = ("*u8", "*fp32", "*fp32", "*i32", "i32", "i32", "i32", "fp32", "fp32")
+PLAIN_EPILOGUE = (0, 0, False, False, 32)
+
 POINTERS = {"a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "a_scale_offsets_ptr": "*i32",
             "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32"}
 
@@ -68,10 +73,11 @@ def test_sm90_kernel_compiles_for_sm90(fmt, tokens_per_slot, out_dtype):
         "c_desc": offline.tensordesc_signature(out, [64, cfg.epilogue_n(fmt == "fp8_block")]),
         "out_ptr": "*" + out, "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "a_offsets_ptr": "*i32",
         "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
-        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB")},
+        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB")}, "epi": EPILOGUE_SIGNATURE,
     }
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=fmt == "fp8_block",
-                      HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=True, CONSUMER_REGS=cfg.consumer_regs)
+                      HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=True, CONSUMER_REGS=cfg.consumer_regs,
+                      EPI=PLAIN_EPILOGUE)
     compiled = offline.gluon_compile_for_sm90(sm90.grouped_matmul_sm90_kernel, signature, constexprs, {"num_warps": 4})
     ops = offline.opcode_counts(offline.sass(compiled))
     mma = "QGMMA" if fmt == "fp8_block" else "HGMMA"
@@ -99,24 +105,26 @@ def sm90_mx_token_tile(fmt, tokens_per_slot):
     return sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot).token_tile
 
 
-def mx_kernel_compiled(fmt, tokens_per_slot, layout):
-    from moegemm.config import sm90_mx_config
+def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
+    from moegemm.config import sm90_mx_config, with_epilogue_scratch
     from moegemm.kernels import sm90_mx
 
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
+    if epilogue is not None:
+        cfg = with_epilogue_scratch(cfg, 2, 2, 0.5 if f.b.element.packed else 1)
     fp4 = f.b.element.packed
     signature = {
         "t_desc": offline.tensordesc_signature("bf16", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4 else "fp8e4nv",
                                                [cfg.weight_tile, cfg.block_k // 2 if fp4 else cfg.block_k]),
-        "out_ptr": "*bf16", "b_scale_ptr": "*u8", "a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32",
-        "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
-        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")},
+        "out_ptr": "*u8" if epilogue else "*bf16", "b_scale_ptr": "*u8", "a_offsets_ptr": "*i32",
+        "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
+        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
     }
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
-                      SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=True,
-                      CONSUMER_REGS=cfg.consumer_regs)
+                      SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=epilogue is None,
+                      CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE)
     return offline.gluon_compile_for_sm90(sm90_mx.grouped_matmul_sm90_mx_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
@@ -153,3 +161,29 @@ def test_token_prepass_compiles_for_sm90(fmt):
     compiled = offline.compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1})
     ops = offline.opcode_counts(offline.sass(compiled))
     assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+
+
+# (weight format, tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC))
+FUSED_MX_CASES = [
+    ("mxfp8", 16, (1, 2, True, False, 32)),
+    ("mxfp4", 8192, (2, 3, True, True, 32)),
+    ("nvfp4", 32, (1, 4, True, False, 16)),
+    ("w4a8", 8192, (1, 2, False, True, 32)),
+    ("mxfp8", 128, (2, 0, False, True, 32)),
+]
+
+
+@pytest.mark.parametrize("fmt,tokens_per_slot,epilogue", FUSED_MX_CASES)
+def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue):
+    """The fused SwiGLU epilogue: its layout conversion's scratch fits beside the (shortened)
+    ring, no spills are added, and the wgmmas still issue back to back."""
+    from moegemm.config import SM90_SMEM_BYTES
+
+    compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", epilogue)
+    sass = offline.sass(compiled)
+    ops = offline.opcode_counts(sass)
+    events = re.findall(r"\b(HGMMA|WARPGROUP\.DEPBAR)\b", sass)
+    assert any(a == b == "HGMMA" for a, b in zip(events, events[1:])), "every wgmma is serialized"
+    allowed = 80 if sm90_mx_token_tile(fmt, tokens_per_slot) == 128 else 0
+    assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+    assert compiled.metadata.shared <= SM90_SMEM_BYTES

@@ -1,9 +1,13 @@
 """Routing: top-k choices -> grouped layout -> combine, against naive loops."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import moegemm
+from moegemm import routing
+from moegemm.kernels import routing as routing_kernels
 
 
 def random_topk(t, k, e, drop=0.0):
@@ -98,3 +102,189 @@ def test_routing_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.allclose(y, x * weights.sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+# --- Triton routing kernels (kernels/_routing_tl.py) against the PyTorch reference ------------
+needs_interpreter = pytest.mark.skipif(not moegemm.ops.interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
+
+PLAN_FIELDS = ("token_index", "grouped_row", "valid", "a_offsets", "expert_ids", "a_scale_offsets", "expert_of_row")
+
+# (T, k, E, dropped fraction): T = 0 and 1, E = 0, 1 and past 256 (1024 histogram bins), k = 8
+ROUTE_CASES = [(0, 4, 8, 0.0), (3, 0, 8, 0.0), (1, 1, 1, 0.0), (1, 8, 16, 0.3), (7, 2, 0, 0.0), (9, 3, 1, 0.2),
+               (37, 4, 9, 0.1), (40, 8, 300, 0.1), (25, 6, 512, 0.2)]
+
+
+def messy_topk(t, k, e, drop, dtype=torch.int32, device="cpu"):
+    """Router-like ids (distinct per token when k <= E) plus repeats, dropped ones (-1, -7, E, E+5)."""
+    if k <= e:
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.long)
+    else:
+        ids = torch.randint(0, max(e, 1), (t, k))
+    bad = torch.tensor([-1, -7, e, e + 5])[torch.randint(0, 4, (t, k))]
+    ids = torch.where(torch.rand(t, k) < drop, bad, ids)
+    if e == 0:
+        ids = bad
+    return ids.to(dtype).to(device), torch.rand(t, k, device=device)
+
+
+def assert_same_plan(got, want):
+    for name in PLAN_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), name
+    assert got.topk_weights is want.topk_weights
+
+
+def check_route(t, k, e, drop, device, dtype=torch.int32, **tiling):
+    ids, weights = messy_topk(t, k, e, drop, dtype, device)
+    want = routing.route_reference(ids, e, weights)
+    assert_same_plan(routing.route(ids, e, weights, backend="triton"), want)
+    if tiling:  # many programs, many SUB-chunks per program
+        assert_same_plan(routing.RoutingPlan(topk_weights=weights, **routing_kernels.route(ids, e, **tiling)), want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("t,k,e,drop", ROUTE_CASES)
+def test_triton_route_matches_reference_bitwise(t, k, e, drop):
+    check_route(t, k, e, drop, "cpu", block=32, sub=8)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])
+def test_triton_route_id_dtypes(dtype):
+    check_route(23, 3, 6, 0.3 if dtype != torch.uint8 else 0.0, "cpu", dtype)
+
+
+def test_route_reference_fills_expert_of_row():
+    ids, _ = messy_topk(30, 4, 7, 0.2)
+    plan = routing.route_reference(ids, 7)
+    key = torch.where(plan.valid, ids.long(), 7).reshape(-1)
+    assert torch.equal(plan.expert_of_row.long(), key[torch.argsort(plan.grouped_row.reshape(-1))])
+    assert_same_plan(moegemm.route(ids, 7), plan)  # auto on the CPU is the reference
+
+
+def reference_combine(y, plan, weights, bias):
+    """out[t] = sum_j w[t, j] * (y[row] + bias[e]) over valid choices, in float64."""
+    rows = y.double()[plan.grouped_row]
+    if bias is not None:
+        experts = torch.where(plan.valid, plan.expert_of_row.long()[plan.grouped_row], 0)
+        rows = rows + bias.double()[experts]
+    if weights is not None:
+        rows = rows * weights.double().unsqueeze(-1)
+    return torch.where(plan.valid.unsqueeze(-1), rows, 0).sum(1)
+
+
+def check_combine(device, t, k, e, n, with_weights, with_bias, y_dtype, out_dtype, plan_without_experts=False):
+    ids, weights = messy_topk(t, k, e, 0.25, device=device)
+    weights[~((ids >= 0) & (ids < e))] = float("nan")  # a dropped choice's weight is never used either
+    plan = routing.route(ids, e, weights if with_weights else None, backend="triton")
+    if plan_without_experts:  # a plan built by hand: experts come from a_offsets
+        plan = dataclasses.replace(plan, expert_of_row=None)
+    y = torch.randn(t * k, n, device=device).to(y_dtype)
+    y[plan.a_offsets[-1]:] = float("nan")  # rows of dropped choices hold garbage
+    bias = torch.randn(e, n, device=device).to(y_dtype) if with_bias else None
+    got = routing.unpermute_tokens(y, plan, out_dtype=out_dtype, expert_bias=bias, backend="triton")
+    want = routing.unpermute_tokens_reference(y, plan, out_dtype=out_dtype, expert_bias=bias)
+    assert got.dtype == want.dtype == (out_dtype or y_dtype) and got.shape == (t, n)
+    assert not got.isnan().any()
+    tol = 1e-6 if got.dtype == torch.float32 else 8e-3
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    exact = reference_combine(y, routing.route_reference(ids, e), plan.topk_weights, bias)
+    assert torch.allclose(got.double(), exact, rtol=tol, atol=1e-5 if tol == 1e-6 else tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_weights", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_triton_unpermute_matches_reference(with_weights, with_bias):
+    check_combine("cpu", 21, 3, 5, 40, with_weights, with_bias, torch.float32, None)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("y_dtype,out_dtype,without_experts", [(torch.bfloat16, None, False),
+                                                               (torch.bfloat16, torch.float32, True),
+                                                               (torch.float32, torch.bfloat16, True)])
+def test_triton_unpermute_dtypes(y_dtype, out_dtype, without_experts):
+    check_combine("cpu", 9, 4, 6, 24, True, True, y_dtype, out_dtype, without_experts)
+
+
+@needs_interpreter
+def test_triton_unpermute_edges():
+    plan = routing.route(torch.zeros(0, 2, dtype=torch.int32), 4, backend="triton")
+    assert routing.unpermute_tokens(torch.zeros(0, 8), plan, backend="triton").shape == (0, 8)
+    plan = routing.route(torch.full((3, 2), -1, dtype=torch.int32), 4, backend="triton")
+    y = torch.full((6, 8), float("nan"))
+    out = routing.unpermute_tokens(y, plan, expert_bias=torch.ones(4, 8), backend="triton")
+    assert torch.equal(out, torch.zeros(3, 8))  # every choice dropped: nothing, not NaN
+    plan = routing.route(torch.zeros(3, 0, dtype=torch.int32), 4, backend="triton")
+    assert torch.equal(routing.unpermute_tokens(torch.zeros(0, 8), plan, backend="triton"), torch.zeros(3, 8))
+
+
+def test_routing_backend_and_bias_bad_input():
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^backend"):
+        moegemm.route(ids, 4, backend="cuda")
+    plan = moegemm.route(ids, 4)
+    y = torch.ones(8, 6)
+    with pytest.raises(ValueError, match="^backend"):
+        moegemm.unpermute_tokens(y, plan, backend="reference")
+    with pytest.raises(ValueError, match="^expert_bias"):
+        moegemm.unpermute_tokens(y, plan, expert_bias=torch.ones(3, 6))
+    with pytest.raises(TypeError, match="^expert_bias"):
+        moegemm.unpermute_tokens(y, plan, expert_bias=torch.ones(4, 6, dtype=torch.int32))
+    with pytest.raises(TypeError, match="^out_dtype"):
+        moegemm.unpermute_tokens(y, plan, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="^topk_weights"):
+        moegemm.unpermute_tokens(y, plan, torch.ones(4, 3))
+
+
+ROUTING_SIGNATURES = {
+    "routing_histogram_kernel": {"ids_ptr": "*i32", "counts_ptr": "*i32", "n": "i32", "E": "i32"},
+    "routing_offsets_kernel": {"counts_ptr": "*i32", "base_ptr": "*i32", "a_offsets_ptr": "*i32",
+                               "a_scale_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "num_blocks": "i32",
+                               "E": "i32"},
+    "routing_scatter_kernel": {"ids_ptr": "*i64", "base_ptr": "*i32", "grouped_row_ptr": "*i64",
+                               "token_index_ptr": "*i64", "expert_of_row_ptr": "*i32", "valid_ptr": "*u8",
+                               "n": "i32", "E": "i32", "k": "i32"},
+    "routing_combine_kernel": {"y_ptr": "*bf16", "grouped_row_ptr": "*i64", "valid_ptr": "*u8", "weights_ptr": "*fp32",
+                               "expert_of_row_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                               **{name: "i32" for name in ("T", "N", "k", "stride_ym", "stride_yn", "stride_be",
+                                                           "stride_bn")}},
+}
+
+
+@pytest.mark.parametrize("name,experts", [(name, e) for name in ROUTING_SIGNATURES for e in (8, 512)
+                                          if e == 8 or name != "routing_combine_kernel"])
+def test_routing_kernels_compile_for_sm90(name, experts):
+    from moegemm.kernels import offline
+
+    bins = routing_kernels.num_bins(experts)
+    block, sub = routing_kernels.tiling(65536 * 8, experts)
+    constexprs, warps = {
+        "routing_histogram_kernel": ({"NUM_BINS": bins, "BLOCK": block}, 4),
+        "routing_offsets_kernel": ({"NUM_BINS": bins, "CHUNK": routing_kernels.offsets_chunk(bins)}, 8),
+        "routing_scatter_kernel": ({"NUM_BINS": bins, "BLOCK": block, "SUB": sub}, 4),
+        "routing_combine_kernel": ({"HAS_WEIGHTS": True, "HAS_BIAS": True, "BLOCK_T": 32, "BLOCK_N": 128},
+                                   routing_kernels.COMBINE_WARPS),
+    }[name]
+    kernel = getattr(routing_kernels.kernel_module(False), name)
+    compiled = offline.compile_for_sm90(kernel, ROUTING_SIGNATURES[name], constexprs, {"num_warps": warps})
+    ops = offline.opcode_counts(offline.sass(compiled))
+    assert ops["LDL"] == 0 and ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e,drop", [*ROUTE_CASES, (4096, 8, 256, 0.1), (3000, 4, 64, 0.5), (20000, 2, 512, 0.0)])
+def test_triton_route_matches_reference_bitwise_gpu(t, k, e, drop):
+    check_route(t, k, e, drop, "cuda", block=64, sub=32)
+    ids, weights = messy_topk(t, k, e, drop, device="cuda")
+    assert_same_plan(moegemm.route(ids, e, weights), routing.route_reference(ids, e, weights))  # auto: Triton
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_weights", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("y_dtype,out_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float32)])
+def test_triton_unpermute_matches_reference_gpu(with_weights, with_bias, y_dtype, out_dtype):
+    check_combine("cuda", 1000, 8, 32, 200, with_weights, with_bias, y_dtype, out_dtype)
+    check_combine("cuda", 5, 2, 3, 7, with_weights, with_bias, y_dtype, out_dtype, plan_without_experts=True)

@@ -59,8 +59,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..config import sm90_config
+from ..config import sm90_config, with_epilogue_scratch
 from ..validation import GroupedProblem
+from .sm90_epilogue import epilogue_args, fused_epilogue
 
 WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma
 
@@ -244,11 +245,11 @@ def _epilogue(acc, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e
 @gluon.jit
 def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
                         a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
-                        M, N, K, E, G, NUM_KB,
+                        M, N, K, E, G, NUM_KB, epi,
                         WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, SUB_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
                         SPLIT_N: gl.constexpr, PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                        HAS_ROW_SCALES: gl.constexpr, INSTR_K: gl.constexpr):
+                        HAS_ROW_SCALES: gl.constexpr, INSTR_K: gl.constexpr, EPI: gl.constexpr):
     # An accumulator is [64, SUB_N]: rows are this warpgroup's tokens (weight rows when
     # SWAP), columns its weight rows (tokens when SWAP).
     N_SUB: gl.constexpr = 2 if (PROMOTE and not SWAP and not SPLIT_N and W_TILE > 128) else 1
@@ -303,8 +304,14 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
                               tok_dim, w_dim)
             else:
                 acc0, it = _chain(m_op, n_op, ready, empty, zero, it, k_steps, WG, STAGES, SPLIT_N, SUB_N)
-            _epilogue(acc0, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
-                      row0, col0, t, SWAP, HAS_EXPERT_SCALES, HAS_ROW_SCALES, tok_dim, w_dim)
+            if EPI[0] != 0:  # the fused SwiGLU epilogue (bf16 only: PROMOTE is never fused)
+                tok0 = s + tok_block * TOK_TILE if SWAP else row0
+                w0 = w_block * W_TILE + WG * WG_ROWS if SWAP else col0
+                fused_epilogue(acc0, out_ptr, expert_scales_ptr, g, s, e, tok0, t, w0, N, epi, SWAP,
+                               HAS_EXPERT_SCALES, EPI)
+            else:
+                _epilogue(acc0, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
+                          row0, col0, t, SWAP, HAS_EXPERT_SCALES, HAS_ROW_SCALES, tok_dim, w_dim)
         tile_base += group_tiles
     tma.store_wait(pendings=0)
 
@@ -313,10 +320,10 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
 def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                expert_scales_ptr, row_scales_ptr,
-                               M, N, K, E, G, NUM_KB,
+                               M, N, K, E, G, NUM_KB, epi,
                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
                                PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                               HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                               HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
     """See the module docstring. a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight
     tiles [W_TILE, BLOCK_K] of B viewed as [E*N, K]; c_desc: [64, SUB_N] tiles of C (unused when
     SWAP). The tile arrangement follows from the descriptor shapes: TOK_TILE = 64 is split-n."""
@@ -342,14 +349,14 @@ def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(0), out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
-                               row_scales_ptr, M, N, K, E, G, NUM_KB, 0, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
+                               row_scales_ptr, M, N, K, E, G, NUM_KB, epi, 0, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
                                STAGES, GROUP_M, SWAP, SPLIT_N, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
-                               INSTR_K)),
+                               INSTR_K, EPI)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(1), out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
-                               row_scales_ptr, M, N, K, E, G, NUM_KB, 1, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
+                               row_scales_ptr, M, N, K, E, G, NUM_KB, epi, 1, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
                                STAGES, GROUP_M, SWAP, SPLIT_N, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
-                               INSTR_K)),
+                               INSTR_K, EPI)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                            M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 40])
@@ -379,14 +386,19 @@ def supports(p: GroupedProblem) -> bool:
     return (p.k * elem) % 16 == 0 and (p.n * out_elem) % 16 == 0
 
 
-def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out):
+def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out,
+           epilogue: dict | None = None):
     """Choose the config and grid, launch into `out` ([M, N]); the caller checked `supports(p)`.
 
     Nothing here reads a device value: the grid is min(SMs, an upper bound of the tiles).
+    `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue: `out` is then
+    its [M, N/2] (or packed) output.
     """
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return out
     cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size())
+    if epilogue is not None:
+        cfg = with_epilogue_scratch(cfg, a.element_size(), 2)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     promote = p.fmt.name == "fp8_block"
@@ -396,14 +408,17 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, e
     b_block = (cfg.weight_tile, bk)
     b_desc = TensorDescriptor.from_tensor(b.reshape(p.num_experts * p.n, p.k), list(b_block), _layout(b_block, b.dtype))
     c_block = (WG_ROWS.value, cfg.epilogue_n(promote))
-    c_desc = TensorDescriptor.from_tensor(out, list(c_block), _layout(c_block, out.dtype))
+    # The fused epilogue stores with masks: its TMA descriptor only has to exist.
+    c_target = out if epilogue is None else torch.empty(1, p.n, dtype=torch.bfloat16, device=out.device)
+    c_desc = TensorDescriptor.from_tensor(c_target, list(c_block), _layout(c_block, c_target.dtype))
     dummy = a_offsets
+    epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_kernel[(num_programs, )](
         a_desc, b_desc, c_desc, out,
         a_scales if promote else dummy, b_scales if promote else dummy, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
-        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales if promote else 0,
-        STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
+        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales if promote else 0, epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
     )

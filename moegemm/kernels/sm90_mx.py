@@ -37,9 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import layouts
-from ..config import MX_FORMATS, sm90_mx_config
+from ..config import MX_FORMATS, sm90_mx_config, with_epilogue_scratch
 from ..validation import GroupedProblem
 from . import portable
+from .sm90_epilogue import epilogue_args, fused_epilogue
 from .sm90 import WG_ROWS, _band_coords, _epilogue, _first_tile, _layout, _load_partition, _slot, _sm_count
 
 
@@ -118,11 +119,11 @@ def _upcast_chain(w_bufs, t_bufs, ready, empty, zero, scale_rows, row_ok, NUM_KB
 
 @gluon.jit
 def _mx_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
-                           expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                           expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi,
                            WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, VEC: gl.constexpr, FP4: gl.constexpr,
                            NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                           HAS_ROW_SCALES: gl.constexpr):
+                           HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, 16])
@@ -149,18 +150,22 @@ def _mx_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a
             scale_rows = b_scale_ptr + _scale_row_offsets(e, ns_op, N, NUM_KB, KB4, SWIZZLED)
             acc, it = _upcast_chain(w_bufs, t_bufs, ready, empty, zero, scale_rows, ns_op < N, NUM_KB, it, k_steps,
                                     WG, STAGES, BLOCK_K, VEC, FP4, NV_SCALE, SWIZZLED, raw_layout, dot_layout)
-            # Swapped tiles are stored with masks (the TMA-store arguments are unused).
-            _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask,
-                      w_block * W_TILE + w_offsets, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+            if EPI[0] != 0:  # the fused SwiGLU epilogue
+                fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
+                               w_block * W_TILE + WG * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
+            else:
+                # Swapped tiles are stored with masks (the TMA-store arguments are unused).
+                _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask,
+                          w_block * W_TILE + w_offsets, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
         tile_base += group_tiles
 
 
 @gluon.jit
 def grouped_matmul_sm90_mx_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
-                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi,
                                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, VEC: gl.constexpr,
                                   NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                                  HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                  HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
     """See the module docstring. t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A;
     w_desc: raw weight tiles [128, BLOCK_K bytes (fp8) or BLOCK_K / 2 (packed fp4)] of B viewed
     as [E*N, K or K/2]."""
@@ -178,13 +183,13 @@ def grouped_matmul_sm90_mx_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offset
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_mx_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
-                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, 0, TOK_TILE, W_TILE,
-                                  BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
-                                  HAS_ROW_SCALES)),
+                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, 0, TOK_TILE,
+                                  W_TILE, BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
+                                  HAS_ROW_SCALES, EPI)),
         (_mx_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
-                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, 1, TOK_TILE, W_TILE,
-                                  BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
-                                  HAS_ROW_SCALES)),
+                                  expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, 1, TOK_TILE,
+                                  W_TILE, BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
+                                  HAS_ROW_SCALES, EPI)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                            M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
     # ptxas pipelines the wgmmas only if the SMALLEST setmaxnreg in the kernel leaves room for
@@ -199,8 +204,9 @@ def supports(p: GroupedProblem) -> bool:
 
 
 def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
-           row_scales, out):
-    """Decode the tokens (pre-pass), then launch the kernel into `out`; no device value is read."""
+           row_scales, out, epilogue: dict | None = None):
+    """Decode the tokens (pre-pass), then launch the kernel into `out`; no device value is read.
+    `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue."""
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return out
     swizzled = p.scale_layout == "swizzled"
@@ -208,6 +214,8 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
     tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
     cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups)
+    if epilogue is not None:
+        cfg = with_epilogue_scratch(cfg, 2, 2, 0.5 if p.fmt.b.element.packed else 1)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)
@@ -220,11 +228,12 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
                                           _layout(w_block, weights.dtype))
     num_kb = p.num_k_scales
     dummy = a_offsets
+    epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_mx_kernel[(num_programs, )](
         t_desc, w_desc, out, b_scales.view(torch.uint8), a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
-        p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
-        STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
+        p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4), epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
         SWIZZLED=swizzled, HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
     )

@@ -1,0 +1,325 @@
+"""Gated activations and row quantizers of an MoE layer, around the grouped matmuls.
+
+    interleave_gate_up(gate, up)     [E, I, K] x 2 -> [E, 2I, K], rows 2j = gate_j, 2j+1 = up_j
+    gather_quantize(x, fmt, rows)    x[rows] quantized into fmt's A operand (routing's gather)
+    swiglu_quantize(h, fmt)          SwiGLU of a gate/up product, quantized into fmt's A operand
+    swiglu(h)                        the same math in PyTorch, fp32 (the reference)
+
+The two quantizers run one Triton kernel (kernels/_activation_tl.py) on CUDA and, through
+Triton's interpreter, on the CPU; their bytes equal `moegemm.quantize` of the same fp32 rows.
+Activations (SwiGLU, SPEC of issue 5):
+    swiglu      silu(gate) * up
+    swiglu_oai  gpt-oss: gate = min(gate, limit); up = clamp(up, -limit, limit);
+                gate * sigmoid(alpha * gate) * (up + 1)          (alpha 1.702, limit 7.0)
+An optional expert bias [E, 2I] (gpt-oss) is added to gate and up first; the row's expert
+comes from its slot in a_offsets / expert_ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+import triton
+
+from . import layouts
+from .formats import E2M1, E4M3, get_format
+from .quantize import QuantizedTensor, quantize
+
+__all__ = ["ACTIVATIONS", "interleave_gate_up", "deinterleave_gate_up", "swiglu", "gather_quantize",
+           "swiglu_quantize"]
+
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+GATE_UP_LAYOUTS = ("interleaved", "concat")
+_SOURCE = Path(__file__).parent / "kernels" / "_activation_tl.py"
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gate and up weights [..., I, K] -> one [..., 2I, K] whose rows 2j and 2j+1 are gate_j and up_j.
+
+    Works on anything laid out by output row: float weights, packed fp4 data, plain per-row
+    scales ([E, I, K/vec]) and biases ([E, I] with a trailing unit dimension added by the caller).
+    """
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        raise TypeError("gate, up: expected torch.Tensors")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"up: expected the shape and dtype of gate {tuple(gate.shape)} {gate.dtype}, "
+                         f"got {tuple(up.shape)} {up.dtype}")
+    if gate.dim() < 2:
+        raise ValueError(f"gate: expected [..., I, K], got shape {tuple(gate.shape)}")
+    both = torch.stack((gate, up), dim=-2)  # [..., I, 2, K]
+    return both.reshape(*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1])
+
+
+def deinterleave_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of interleave_gate_up: rows 0::2 and 1::2."""
+    return gate_up[..., 0::2, :], gate_up[..., 1::2, :]
+
+
+def _check_activation(activation: str, gate_up_layout: str = "interleaved"):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout: expected one of {list(GATE_UP_LAYOUTS)}, got {gate_up_layout!r}")
+
+
+def swiglu(h: torch.Tensor, activation: str = "swiglu", *, gate_up_layout: str = "interleaved",
+           alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """[M, 2I] gate/up product -> [M, I] in fp32 (the reference of the kernels' activation)."""
+    _check_activation(activation, gate_up_layout)
+    h = h.float()
+    if gate_up_layout == "interleaved":
+        gate, up = h[:, 0::2], h[:, 1::2]
+    else:
+        gate, up = h.chunk(2, dim=-1)
+    if activation == "swiglu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(interpret: bool):
+    """_activation_tl.py executed with Triton's interpreter knob as asked (see kernels/portable.py)."""
+    name = f"moegemm.kernels._activation_tl_{'interpreted' if interpret else 'compiled'}"
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = interpret
+        spec = importlib.util.spec_from_file_location(name, _SOURCE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def _kernel_usable(device: torch.device) -> bool:
+    from .ops import interpreter_usable  # ops imports this module's neighbours; import late
+
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_usable())
+
+
+def _out_code(fmt_name: str, module) -> tuple[int, int, int]:
+    """(OUT code, scale block VEC, scale blocks per program NB) of fmt's A operand."""
+    op = get_format(fmt_name).a
+    if op.scale is None:
+        return module.OUT_BF16.value, 32, 4
+    if op.scale == "fp32":
+        return module.OUT_FP8_BLOCK.value, 128, 1
+    if op.element is E4M3:
+        return module.OUT_E4M3_E8M0.value, op.block_k, 4
+    if op.element is E2M1 and op.scale == "e8m0":
+        return module.OUT_E2M1_E8M0.value, op.block_k, 4
+    return module.OUT_E2M1_E4M3.value, op.block_k, 8
+
+
+def _nvfp4_global_of(values: torch.Tensor) -> torch.Tensor:
+    amax = values.float().abs().amax() if values.numel() else values.new_zeros((), dtype=torch.float32)
+    return torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax)).reshape(())
+
+
+def _check_rows_input(x: torch.Tensor, name: str):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}: expected bf16, fp16 or fp32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected [rows, columns], got shape {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride along columns, got strides {x.stride()}")
+
+
+def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = None):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name}: expected {numel} entries, got {t.numel()}")
+
+
+def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
+            scale_layout, num_scale_blocks, global_scale, alpha, limit) -> QuantizedTensor:
+    device = x.device
+    module = _kernels(device.type != "cuda")
+    out_code, vec, nb = _out_code(fmt_name, module)
+    f = get_format(fmt_name)
+    op = f.a
+    swizzled = scale_layout == "swizzled" and op.scale is not None
+    if (swizzled or bias is not None) and (a_offsets is None or (bias is not None and expert_ids is None)):
+        raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")
+    num_groups = 0 if a_offsets is None else a_offsets.numel() - 1
+    if op.element is E2M1:
+        data = torch.empty(rows, k_out // 2, dtype=torch.uint8, device=device)
+    elif op.element is E4M3:
+        data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
+    else:
+        data = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device)
+    nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
+    scales = None
+    num_scale_rows = 0
+    if op.scale is not None:
+        if swizzled:
+            if a_scale_offsets is None:
+                a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+            if num_scale_blocks is None:
+                num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
+            scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
+            num_scale_rows = num_scale_blocks * layouts.ROWS_PER_BLOCK
+        elif op.scale == "fp32":
+            scales = torch.zeros(rows, nkb, dtype=torch.float32, device=device)
+        else:
+            scales = torch.zeros(rows, nkb, dtype=torch.uint8, device=device)
+    if rows and k_out:
+        dummy = data
+        block_m = 16 if device.type == "cuda" else 32
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(k_out, nb * vec))
+        module.activation_quantize_kernel[grid](
+            x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
+            expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
+            a_scale_offsets if a_scale_offsets is not None else dummy,
+            global_scale if global_scale is not None else dummy,
+            data, scales if scales is not None else dummy,
+            rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows,
+            float(alpha), float(limit),
+            ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
+            HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
+            BLOCK_M=block_m, NB=nb, VEC=vec,
+        )
+    if op.element is E4M3:
+        data = data.view(torch.float8_e4m3fn)
+    if scales is not None and op.scale == "e8m0":
+        scales = scales.view(torch.float8_e8m0fnu)
+    elif scales is not None and op.scale == "e4m3":
+        scales = scales.view(torch.float8_e4m3fn)
+    layout = scale_layout if op.scale is not None else "plain"
+    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.global_scale else None,
+                           a_offsets if swizzled else None)
+
+
+def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
+    f = get_format(fmt)
+    if scale_layout not in ("plain", "swizzled"):
+        raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
+    if scale_layout == "swizzled" and f.a.scale is not None and not f.swizzle_capable:
+        raise ValueError(f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'")
+    _check_index(a_offsets, "a_offsets", device)
+    _check_index(expert_ids, "expert_ids", device)
+    _check_index(a_scale_offsets, "a_scale_offsets", device)
+    if global_scale is not None:
+        global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+        if global_scale.numel() != 1:
+            raise ValueError(f"global_scale: expected one value, got {global_scale.numel()}")
+        global_scale = global_scale.reshape(())  # a tensor-wide scalar, as moegemm.quantize returns it
+    return f, global_scale
+
+
+def gather_quantize(
+    x: torch.Tensor,
+    fmt: str,
+    src_rows: torch.Tensor | None = None,
+    *,
+    a_offsets: torch.Tensor | None = None,
+    a_scale_offsets: torch.Tensor | None = None,
+    scale_layout: str = "plain",
+    num_scale_blocks: int | None = None,
+    global_scale: torch.Tensor | float | None = None,
+) -> QuantizedTensor:
+    """Rows x[src_rows] (all rows when None) quantized into fmt's A operand, in one pass.
+
+    The swizzled layout places each row's scales by its slot in `a_offsets`; rows outside
+    every slot get data but no scales. nvfp4: `global_scale` defaults to amax(x) / 2688.
+    """
+    _check_rows_input(x, "x")
+    f, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
+    _check_index(src_rows, "src_rows", x.device)
+    k = x.shape[1]
+    if k % f.k_multiple:
+        raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
+    if f.global_scale and global_scale is None:
+        global_scale = _nvfp4_global_of(x)
+    rows = x.shape[0] if src_rows is None else src_rows.numel()
+    if not _kernel_usable(x.device):
+        picked = x if src_rows is None else x.index_select(0, src_rows.long())
+        return quantize(picked, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
+                        num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    module = _kernels(x.device.type != "cuda")
+    return _launch(x, f.name, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False, k_out=k,
+                   bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=a_scale_offsets,
+                   scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale,
+                   alpha=1.0, limit=0.0)
+
+
+def swiglu_quantize(
+    h: torch.Tensor,
+    fmt: str,
+    *,
+    activation: str = "swiglu",
+    gate_up_layout: str = "interleaved",
+    bias: torch.Tensor | None = None,
+    a_offsets: torch.Tensor | None = None,
+    expert_ids: torch.Tensor | None = None,
+    a_scale_offsets: torch.Tensor | None = None,
+    scale_layout: str = "plain",
+    num_scale_blocks: int | None = None,
+    global_scale: torch.Tensor | float | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> QuantizedTensor:
+    """SwiGLU of a gate/up product h [M, 2I] quantized into fmt's A operand [M, I], in one pass.
+
+    bias [E, 2I] (in h's column order) is added per row's expert (slot from a_offsets,
+    expert from expert_ids). nvfp4: `global_scale` defaults to amax of the activation / 2688
+    (one extra pass; pass a static value in a serving path).
+    """
+    _check_rows_input(h, "h")
+    _check_activation(activation, gate_up_layout)
+    f, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,
+                                      global_scale)
+    if h.shape[1] % 2:
+        raise ValueError(f"h: expected an even number of columns (gate and up), got {h.shape[1]}")
+    k_out = h.shape[1] // 2
+    if k_out % f.k_multiple:
+        raise ValueError(f"h: the activation's width {k_out} must be a multiple of {f.k_multiple} for {f.name}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 2 or bias.shape[1] != h.shape[1]:
+            raise ValueError(f"bias: expected [E, {h.shape[1]}], got {tuple(getattr(bias, 'shape', ()))}")
+        if bias.device != h.device:
+            raise ValueError(f"bias: expected device {h.device}, got {bias.device}")
+        bias = bias.contiguous()
+    if f.global_scale and global_scale is None:
+        global_scale = _nvfp4_global_of(_reference_activation(h, activation, gate_up_layout, bias, a_offsets,
+                                                              expert_ids, alpha, limit))
+    if not _kernel_usable(h.device):
+        y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+        return quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
+                        num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    module = _kernels(h.device.type != "cuda")
+    act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
+    return _launch(h, f.name, rows=h.shape[0], src_rows=None, act=act, concat=gate_up_layout == "concat",
+                   k_out=k_out, bias=bias, a_offsets=a_offsets, expert_ids=expert_ids,
+                   a_scale_offsets=a_scale_offsets, scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
+                   global_scale=global_scale, alpha=alpha, limit=limit)
+
+
+def _row_bias(bias, a_offsets, expert_ids, rows: int) -> torch.Tensor:
+    """bias[expert of row] per row ([rows, 2I]); zero for rows outside every valid slot."""
+    offsets = a_offsets.long()
+    index = torch.arange(rows, device=bias.device)
+    slot = torch.searchsorted(offsets[1:], index, right=True).clamp(max=max(expert_ids.numel() - 1, 0))
+    inside = (index >= offsets[0]) & (index < offsets[-1])
+    expert = expert_ids.long()[slot] if expert_ids.numel() else torch.full_like(index, -1)
+    valid = inside & (expert >= 0)
+    picked = bias.float()[expert.clamp(min=0)] if bias.shape[0] else bias.float().new_zeros(rows, bias.shape[1])
+    return torch.where(valid[:, None], picked, torch.zeros_like(picked))
+
+
+def _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit):
+    h = h.float()
+    if bias is not None:
+        h = h + _row_bias(bias, a_offsets, expert_ids, h.shape[0])
+    return swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit)

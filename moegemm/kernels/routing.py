@@ -1,0 +1,153 @@
+"""Host side of the routing kernels (_routing_tl.py): compiled for CUDA tensors, Triton's
+interpreter for CPU tensors. No device value is read on the host: every size and grid comes
+from T (tokens), k (top-k), E (experts) and N (columns). Inputs are validated by the callers
+(moegemm.routing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import torch
+import triton
+
+_SOURCE = Path(__file__).with_name("_routing_tl.py")
+
+MAX_BLOCK = 2048  # flat choices per histogram / scatter program, at most
+TARGET_PROGRAMS = 128  # blocks aimed at: more make the one-program offsets step longer
+OFFSETS_ELEMS = 4096  # CHUNK * NUM_BINS: the offsets program's tile
+COMBINE_WARPS = 8  # 32 x 128 tile with a bias: 4 warps spill one register on sm_90
+
+
+@functools.cache
+def kernel_module(interpret: bool):
+    """Execute _routing_tl.py with Triton's interpreter knob set as asked (see portable.kernel_module)."""
+    name = f"moegemm.kernels._routing_tl_{'interpreted' if interpret else 'compiled'}"
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = interpret
+        spec = importlib.util.spec_from_file_location(name, _SOURCE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def num_bins(num_experts: int) -> int:
+    """Histogram bins: experts plus the dropped key E, padded to a power of two."""
+    return _pow2(num_experts + 1)
+
+
+def offsets_chunk(bins: int) -> int:
+    return max(1, min(64, OFFSETS_ELEMS // bins))
+
+
+def tiling(num_choices: int, num_experts: int) -> tuple[int, int]:
+    """(BLOCK, SUB) of the histogram and scatter programs.
+
+    A scatter step costs about SUB^2 (the comparison) plus NUM_BINS (histogram and gather);
+    the offsets program about num_blocks * NUM_BINS. Chosen from H100 timings of T in
+    [16, 65536], k = 8, E in {8, 128, 512}.
+    """
+    bins = num_bins(num_experts)
+    sub = 32 if bins <= 256 else 64 if bins <= 512 else 128
+    block = min(MAX_BLOCK, max(128, _pow2(triton.cdiv(num_choices, TARGET_PROGRAMS))))
+    return block, min(sub, block)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, sub: int | None = None):
+    """Stable sort of the T*k choices by expert (dropped last), on the device of topk_ids.
+
+    Returns a dict of token_index int64 [T*k], grouped_row int64 [T, k], valid bool [T, k],
+    expert_of_row int32 [T*k], a_offsets int32 [E+1], expert_ids int32 [E] (arange) and
+    a_scale_offsets int32 [E]: the RoutingPlan fields but topk_weights. `block` / `sub` (powers of two,
+    sub <= block) override the tiling (tests use small ones to cover many programs).
+    """
+    device = topk_ids.device
+    n = topk_ids.numel()
+    e = num_experts
+    i32 = {"dtype": torch.int32, "device": device}
+    # Size >= 1 allocations: no kernel is handed an empty (null) tensor when E == 0.
+    if n >= 2**31:
+        raise ValueError(f"topk_ids: at most 2**31 - 1 choices (int32 rows), got {n}")
+    plan = {
+        "token_index": torch.empty(n, dtype=torch.int64, device=device),
+        "grouped_row": torch.empty(topk_ids.shape, dtype=torch.int64, device=device),
+        "valid": torch.empty(topk_ids.shape, dtype=torch.bool, device=device),
+        "expert_of_row": torch.empty(n, **i32),
+        "a_offsets": torch.empty(e + 1, **i32),
+        # Size >= 1 allocations: no kernel is handed an empty (null) tensor when E == 0.
+        "expert_ids": torch.empty(max(e, 1), **i32)[:e],
+        "a_scale_offsets": torch.empty(max(e, 1), **i32)[:e],
+    }
+    if n == 0:  # nothing to launch for
+        plan["a_offsets"].zero_()
+        plan["a_scale_offsets"].zero_()
+        torch.arange(e, out=plan["expert_ids"])
+        return plan
+    ids = topk_ids.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.long()  # as the reference reads them
+    ids = ids.contiguous()
+    interpret = device.type == "cpu"
+    module = kernel_module(interpret)
+    default_block, default_sub = tiling(n, e)
+    block, sub = block or default_block, sub or default_sub
+    if block & (block - 1) or sub & (sub - 1) or sub > block:
+        raise ValueError(f"block, sub: expected powers of two with sub <= block, got {block}, {sub}")
+    bins = num_bins(e)
+    num_blocks = triton.cdiv(n, block)
+    counts = torch.empty(num_blocks, e + 1, **i32)
+    base = torch.empty(num_blocks, e + 1, **i32)
+    module.routing_histogram_kernel[(num_blocks,)](ids, counts, n, e, NUM_BINS=bins, BLOCK=block, num_warps=4)
+    module.routing_offsets_kernel[(1,)](counts, base, plan["a_offsets"], plan["a_scale_offsets"], plan["expert_ids"],
+                                        num_blocks, e, NUM_BINS=bins, CHUNK=offsets_chunk(bins), num_warps=8)
+    module.routing_scatter_kernel[(num_blocks,)](ids, base, plan["grouped_row"], plan["token_index"],
+                                                 plan["expert_of_row"], plan["valid"].view(torch.uint8), n, e,
+                                                 topk_ids.shape[1], NUM_BINS=bins, BLOCK=block, SUB=sub,
+                                                 num_warps=4)
+    return plan
+
+
+def combine_blocks(num_cols: int, interpret: bool) -> tuple[int, int]:
+    block_n = max(16, min(128, _pow2(num_cols)))
+    return (64 if interpret else 32), block_n
+
+
+def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor | None,
+              expert_of_row: torch.Tensor | None, expert_bias: torch.Tensor | None, out_dtype: torch.dtype):
+    """out[t] = sum_j w[t, j] * (y[grouped_row[t, j]] + bias[expert]) over valid choices, fp32 accumulation.
+
+    grouped_row int64 [T, k], valid bool [T, k], weights [T, k] or None (ones), expert_of_row
+    int32 [T*k] (needed with expert_bias), expert_bias [E, N] or None.
+    """
+    t, k = grouped_row.shape
+    n = y.shape[1]
+    device = y.device
+    out = torch.empty(t, n, dtype=out_dtype, device=device)
+    if t == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    interpret = device.type == "cpu"
+    module = kernel_module(interpret)
+    block_t, block_n = combine_blocks(n, interpret)
+    grouped_row = grouped_row.contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    dummy = grouped_row  # stands in for absent optional pointers; never read
+    has_bias = expert_bias is not None and expert_bias.numel() > 0  # E == 0: every choice is dropped
+    grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
+    module.routing_combine_kernel[grid](
+        y, grouped_row, valid,
+        weights.contiguous() if weights is not None else dummy,
+        expert_of_row.contiguous() if has_bias else dummy,
+        expert_bias if has_bias else dummy,
+        out, t, n, k, y.stride(0), y.stride(1),
+        expert_bias.stride(0) if has_bias else 0, expert_bias.stride(1) if has_bias else 0,
+        HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=COMBINE_WARPS,
+    )
+    return out

@@ -1,0 +1,266 @@
+"""The fused SwiGLU epilogue of the sm90 kernels (kernels/sm90.py for bf16, kernels/sm90_mx.py
+for the block formats): the gate/up product never goes to memory.
+
+Per accumulator tile (a warpgroup's [64, W] or, swapped, [W, T] piece of C):
+    h = acc * expert_scales[e] + bias[e, n]               fp32, the expert scale first
+    gate, up = h[:, 2j], h[:, 2j+1]                       weights permuted by interleave_gate_up
+    y = silu(gate) * up | gpt-oss clamped variant          fp32
+    y -> bf16, or quantized into the A operand of mxfp8/w4a8 (e4m3, e8m0 per 32), mxfp4
+         (e2m1, e8m0 per 32) or nvfp4 (e2m1, e4m3 per 16 times a global fp32)
+Scales go to the plain [M, I/vec] layout or the per-group padded swizzled one (scale row of
+token m of slot g = 128 * (a_scale_offsets[g] + s // 128) + m - s); the caller zeroes the
+scale buffer, so padding rows stay zero. Only rows [s, t) of the group are written.
+
+The accumulator of a swapped tile holds weights along its rows, whose pairs (2j, 2j+1) sit in
+different lanes: the tile goes through one layout conversion (shared memory) to a blocked
+layout holding 8 consecutive weight columns per thread. Normal tiles already hold column
+pairs in one thread; the same conversion is then a register renaming. The quantizer mirrors
+kernels/_activation_tl.py (tl and Gluon cannot share a helper) and moegemm.quantize bit for
+bit on the same fp32 input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .. import layouts
+from ..config import MX_FORMATS
+from ..formats import E2M1, E4M3, get_format
+from ..quantize import QuantizedTensor
+
+ACT_SWIGLU = 1
+ACT_SWIGLU_OAI = 2
+OUT_BF16 = 0
+OUT_E4M3_E8M0 = 2
+OUT_E2M1_E8M0 = 3
+OUT_E2M1_E4M3 = 4
+
+
+@gluon.jit
+def _pow2(e):
+    bits = gl.where(e >= -126, (e + 127) << 23, 0x00400000)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _e8m0_exponent(amax, MAX_FINITE: gl.constexpr):
+    """Smallest e in [-127, 127] with 2^e * MAX_FINITE >= amax (exact, see _activation_tl.py)."""
+    ratio = gl.div_rn(amax, MAX_FINITE)
+    bits = ratio.to(gl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+    e = gl.maximum(gl.minimum(e, 127), -127)
+    e = gl.where((e > -127) & (_pow2(gl.maximum(e - 1, -127)) * MAX_FINITE >= amax), e - 1, e)
+    e = gl.where((e < 127) & (_pow2(e) * MAX_FINITE < amax), e + 1, e)
+    return e
+
+
+@gluon.jit
+def _encode_e2m1(x):
+    mag = gl.abs(x)
+    code = ((mag > 0.25).to(gl.int32) + (mag >= 0.75).to(gl.int32) + (mag > 1.25).to(gl.int32)
+            + (mag >= 1.75).to(gl.int32) + (mag > 2.5).to(gl.int32) + (mag >= 3.5).to(gl.int32)
+            + (mag > 5.0).to(gl.int32))
+    return code | ((x.to(gl.int32, bitcast=True) >> 28) & 8)
+
+
+@gluon.jit
+def _e4m3_bits(x):
+    """fp32 -> e4m3fn byte: the hardware conversion rounds to nearest even and saturates."""
+    return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+
+
+@gluon.jit
+def _store_rows(ptr, value, toks, tok_mask, row_stride, cols, col_limit, layout: gl.constexpr):
+    """ptr[toks, cols] = value for tokens of the group and cols < col_limit (value in `layout`)."""
+    value = gl.convert_layout(value, layout)
+    ptrs = ptr + gl.expand_dims(toks.to(gl.int64) * row_stride, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(tok_mask, 1) & gl.expand_dims(cols < col_limit, 0)
+    gl.store(ptrs, value, mask=mask)
+
+
+@gluon.jit
+def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_scales_ptr, e, tok0, t, w0, N,
+                    scale_row_base, NUM_SCALE_ROWS, NUM_OUT_KB, OUT_KB4, alpha, limit,
+                    SWAP: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    ACT: gl.constexpr, OUT: gl.constexpr, OUT_SWIZZLED: gl.constexpr, VEC: gl.constexpr):
+    """See the module docstring. acc: [64, W] (tokens x weights) or, SWAP, [W, T]; its tokens
+    start at row tok0 (group end t), its weight columns at w0 (even)."""
+    if HAS_EXPERT_SCALES:
+        acc = acc * gl.load(expert_scales_ptr + e)
+    if SWAP:
+        h = gl.permute(acc, (1, 0))
+    else:
+        h = acc
+    TR: gl.constexpr = h.shape[0]
+    WC: gl.constexpr = h.shape[1]
+    OC: gl.constexpr = WC // 2
+    pairs: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    h = gl.convert_layout(h, pairs)
+    if HAS_BIAS:
+        wcols = w0 + gl.arange(0, WC, layout=gl.SliceLayout(0, pairs))
+        bias = gl.load(bias_ptr + e * N + wcols, mask=wcols < N, other=0.0)
+        h = h + gl.expand_dims(bias, 0)
+    gate, up = gl.split(gl.reshape(h, [TR, OC, 2]))
+    if ACT == 1:
+        y = gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        gate = gl.minimum(gate, limit)
+        up = gl.minimum(gl.maximum(up, -limit), limit)
+        y = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    toks = tok0 + gl.arange(0, TR, layout=gl.SliceLayout(1, out_layout))
+    tok_mask = toks < t
+    n_out = N // 2
+    col0 = w0 // 2
+    cols = col0 + gl.arange(0, OC, layout=gl.SliceLayout(0, out_layout))
+    if OUT == 0:
+        _store_rows(out_ptr, y.to(gl.bfloat16), toks, tok_mask, n_out, cols, n_out, out_layout)
+    else:
+        NBLK: gl.constexpr = OC // VEC
+        y3 = gl.reshape(y, [TR, NBLK, VEC])
+        amax = gl.max(gl.abs(y3), axis=2)  # [TR, NBLK]
+        if OUT == 4:
+            g = gl.load(global_ptr)
+            stored = _e4m3_bits(gl.div_rn(amax, g * 6.0))
+            denom = gl.expand_dims(stored.to(gl.float8e4nv, bitcast=True).to(gl.float32) * g, 2)
+            scaled = gl.where(denom > 0, gl.div_rn(y3, denom), 0.0)
+        else:
+            ex = _e8m0_exponent(amax, 448.0 if OUT == 2 else 6.0)
+            scaled = y3 * gl.expand_dims(_pow2(-ex), 2)
+            stored = gl.where(amax == amax, ex + 127, 255).to(gl.uint8)
+        if OUT == 2:
+            data = gl.reshape(_e4m3_bits(scaled), [TR, OC])
+            _store_rows(out_ptr, data, toks, tok_mask, n_out, cols, n_out, out_layout)
+        else:
+            low, high = gl.split(gl.reshape(_encode_e2m1(scaled), [TR, OC // 2, 2]))
+            packed = (low | (high << 4)).to(gl.uint8)
+            half_layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+            hcols = col0 // 2 + gl.arange(0, OC // 2, layout=gl.SliceLayout(0, half_layout))
+            htoks = tok0 + gl.arange(0, TR, layout=gl.SliceLayout(1, half_layout))
+            _store_rows(out_ptr, packed, htoks, htoks < t, n_out // 2, hcols, n_out // 2, half_layout)
+        scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // NBLK, NBLK], [4, 1], [1, 0])
+        stored = gl.convert_layout(stored, scale_layout)
+        stoks = tok0 + gl.arange(0, TR, layout=gl.SliceLayout(1, scale_layout))
+        kb = col0 // VEC + gl.arange(0, NBLK, layout=gl.SliceLayout(0, scale_layout))
+        kb2 = gl.expand_dims(kb, 0)
+        if OUT_SWIZZLED:
+            srow = gl.expand_dims((stoks + scale_row_base).to(gl.int64), 1)
+            offset = ((srow // 128) * OUT_KB4 + kb2 // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb2 % 4
+            row_ok = gl.expand_dims((stoks < t) & (stoks + scale_row_base < NUM_SCALE_ROWS), 1)
+        else:
+            offset = gl.expand_dims(stoks.to(gl.int64) * NUM_OUT_KB, 1) + kb2
+            row_ok = gl.expand_dims(stoks < t, 1)
+        gl.store(out_scale_ptr + offset, stored, mask=row_ok & (kb2 < NUM_OUT_KB))
+
+
+@gluon.jit
+def fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, tok0, t, w0, N, epi, SWAP: gl.constexpr,
+                   HAS_EXPERT_SCALES: gl.constexpr, EPI: gl.constexpr):
+    """swiglu_epilogue with its arguments unpacked from the kernels' two tuples:
+    epi = (out_scale_ptr, bias_ptr, global_ptr, a_scale_offsets_ptr, NUM_SCALE_ROWS, NUM_OUT_KB,
+    OUT_KB4, alpha, limit) and EPI = (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC) (see epilogue_args)."""
+    if EPI[2]:
+        scale_row_base = 128 * (gl.load(epi[3] + g) + s // 128) - s
+    else:
+        scale_row_base = s * 0
+    swiglu_epilogue(acc, out_ptr, epi[0], epi[1], epi[2], expert_scales_ptr, e, tok0, t, w0, N, scale_row_base,
+                    epi[4], epi[5], epi[6], epi[7], epi[8], SWAP, HAS_EXPERT_SCALES, EPI[3], EPI[0], EPI[1], EPI[2],
+                    EPI[4])
+
+
+# ---- host side ---------------------------------------------------------------------------
+
+
+def epilogue_args(epilogue: dict | None, dummy: torch.Tensor) -> tuple[tuple, tuple]:
+    """The kernels' (epi, EPI) tuples: runtime values and constexprs of the fused epilogue
+    (EPI[0] == 0: the plain epilogue; the runtime values are then placeholders)."""
+    if epilogue is None:
+        return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), (0, 0, False, False, 32)
+    pick = lambda t: t if t is not None else dummy  # noqa: E731
+    epi = (epilogue["out_scale"], pick(epilogue["bias"]), pick(epilogue["global_scale"]),
+           pick(epilogue["a_scale_offsets"]), epilogue["num_scale_rows"], epilogue["num_out_kb"],
+           epilogue["out_kb4"], epilogue["alpha"], epilogue["limit"])
+    consts = (epilogue["act"], epilogue["out"], epilogue["out_swizzled"], epilogue["bias"] is not None,
+              epilogue["vec"])
+    return epi, consts
+
+
+def _out_kind(out_fmt: str) -> tuple[int, int]:
+    """(OUT code, scale block) of out_fmt's A operand; OUT -1 when the epilogue cannot produce it."""
+    op = get_format(out_fmt).a
+    if op.scale is None:
+        return OUT_BF16, 32
+    if op.scale == "e8m0":
+        return (OUT_E4M3_E8M0 if op.element is E4M3 else OUT_E2M1_E8M0), op.block_k
+    if op.scale == "e4m3" and op.element is E2M1:
+        return OUT_E2M1_E4M3, op.block_k
+    return -1, 0  # fp8_block: a 1x128 block spans two 64-wide output tiles
+
+
+def fused_supports(p, out_fmt: str) -> bool:
+    """The fused path: bf16 or a block format in, a bf16/MX/NV A operand out, I % 64 == 0."""
+    from . import sm90, sm90_mx
+
+    in_kernel = (p.fmt.name == "bf16" and sm90.supports(p)) or (p.fmt.name in MX_FORMATS and sm90_mx.supports(p))
+    return in_kernel and _out_kind(out_fmt)[0] >= 0 and p.n % 128 == 0
+
+
+def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,
+                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit):
+    """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue."""
+    from . import sm90, sm90_mx
+
+    f = get_format(out_fmt)
+    op = f.a
+    out_code, vec = _out_kind(out_fmt)
+    device = a.device
+    m, i = p.m, p.n // 2
+    if op.element is E2M1:
+        data = torch.empty(m, i // 2, dtype=torch.uint8, device=device)
+    elif op.element is E4M3:
+        data = torch.empty(m, i, dtype=torch.uint8, device=device)
+    else:
+        data = torch.empty(m, i, dtype=torch.bfloat16, device=device)
+    nkb = math.ceil(i / vec) if op.scale is not None else 0
+    swizzled = out_scale_layout == "swizzled" and op.scale is not None
+    num_scale_rows = 0
+    if swizzled:
+        if num_scale_blocks is None:
+            num_scale_blocks = math.ceil(m / layouts.ROWS_PER_BLOCK) + p.num_groups
+        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
+        num_scale_rows = num_scale_blocks * layouts.ROWS_PER_BLOCK
+    elif op.scale is not None:
+        scales = torch.zeros(m, nkb, dtype=torch.uint8, device=device)
+    else:
+        scales = None
+    if f.global_scale:
+        if out_global_scale is None:
+            raise ValueError("out_global_scale: nvfp4 output from the fused epilogue needs a static global scale")
+        out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=device).reshape(())
+    if swizzled and a_scale_offsets is None:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    epilogue = dict(
+        out_scale=scales if scales is not None else data, bias=bias, global_scale=out_global_scale,
+        a_scale_offsets=a_scale_offsets, num_scale_rows=num_scale_rows, num_out_kb=nkb,
+        out_kb4=math.ceil(nkb / 4), alpha=float(alpha), limit=float(limit),
+        act=ACT_SWIGLU if activation == "swiglu" else ACT_SWIGLU_OAI, out=out_code, out_swizzled=swizzled,
+        vec=vec,
+    )
+    if p.fmt.name == "bf16":
+        sm90.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, None, data, epilogue=epilogue)
+    else:
+        sm90_mx.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None, data,
+                       epilogue=epilogue)
+    if op.element is E4M3:
+        data = data.view(torch.float8_e4m3fn)
+    if scales is not None:
+        scales = scales.view(torch.float8_e8m0fnu if op.scale == "e8m0" else torch.float8_e4m3fn)
+    return QuantizedTensor(data, scales, f.name, "a", out_scale_layout if scales is not None else "plain",
+                           out_global_scale if f.global_scale else None, a_offsets if swizzled else None)

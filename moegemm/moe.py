@@ -1,0 +1,477 @@
+"""The MoE layer: router -> routing -> gate/up product + SwiGLU -> down product -> combine.
+
+    y = moegemm.moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu")
+    layer = moegemm.MoE(hidden, width, experts, top_k, fmt="mxfp8"); layer.load_experts(...)
+
+Data flow of moe_forward (T tokens, k choices, H hidden, I expert width, E experts):
+    plan = route(topk_ids)                          counts, offsets, permutation (GPU kernels)
+    a    = gather_quantize(x, plan.token_index)     [T*k, H] in fmt's A operand, grouped by expert
+    h    = grouped_matmul_swiglu(a, w_gate_up)      [T*k, I]: product, expert scale, bias,
+                                                    SwiGLU, requantized into fmt's A operand
+                                                    (fused into the sm90 epilogue)
+    c    = grouped_matmul(h, w_down)                [T*k, H]
+    y    = unpermute_tokens(c, plan, topk_weights)  [T, H]: weighted sum over the k choices
+No step reads a device value on the host: every size is T*k, E or a bound of them.
+
+Gate/up weights are one [E, 2I, H] operand. For every format but fp8_block its rows are
+interleaved (2j = gate_j, 2j+1 = up_j: moegemm.interleave_gate_up), the layout the fused
+epilogue wants. fp8_block keeps DeepSeek's concatenated [gate; up] rows, because interleaving
+would split the 128x128 scale blocks of an FP8 checkpoint; its SwiGLU runs after the matmul.
+
+Routers (MoE.route_tokens), the three the supported checkpoints use:
+    softmax_topk     Qwen3-MoE: softmax over all experts in fp32, top-k, optional renormalize
+    topk_softmax     gpt-oss: top-k of the logits (router bias included), softmax over the k
+    sigmoid_grouped  DeepSeek-V3: sigmoid scores, top-k by score + correction bias within the
+                     best topk_group of n_group groups, weights renormalized and scaled
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import activation as act
+from .formats import get_format
+from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
+from .routing import route, unpermute_tokens
+
+__all__ = ["MoE", "moe_forward", "ROUTERS"]
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+
+
+def _weight_scale_layout(fmt: str) -> str:
+    return "swizzled" if get_format(fmt).swizzle_capable else "plain"
+
+
+def _gate_up_layout(fmt: str) -> str:
+    return "concat" if fmt == "fp8_block" else "interleaved"
+
+
+def _expert_scales(weights: QuantizedTensor, extra: torch.Tensor | None, a_global: torch.Tensor | None):
+    """Per-expert fp32 scales of a product: the caller's, times nvfp4's weight and token globals."""
+    scales = extra
+    if weights.global_scale is not None:
+        g = weights.global_scale.float() * (a_global.float() if a_global is not None else 1.0)
+        scales = g if scales is None else scales * g
+    return scales
+
+
+def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x: expected a [T, H] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids: expected [{x.shape[0]}, k], got {getattr(topk_ids, 'shape', None)}")
+    if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
+                                     or topk_weights.shape != topk_ids.shape):
+        raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}, got "
+                         f"{getattr(topk_weights, 'shape', None)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, QuantizedTensor) or w.operand != "b":
+            raise TypeError(f"{name}: expected a QuantizedTensor of weights (moegemm.quantize_weights)")
+    if w_gate_up.fmt != w_down.fmt:
+        raise ValueError(f"w_down: expected format {w_gate_up.fmt} (that of w_gate_up), got {w_down.fmt}")
+    e, two_i, h = w_gate_up.data.shape[0], w_gate_up.data.shape[1], w_gate_up.k
+    if h != x.shape[1]:
+        raise ValueError(f"w_gate_up: expected K={x.shape[1]} (x's hidden size), got K={h}")
+    if two_i % 2:
+        raise ValueError(f"w_gate_up: expected 2I rows (gate and up), got {two_i}")
+    if w_down.data.shape[0] != e or w_down.k != two_i // 2:
+        raise ValueError(f"w_down: expected [{e}, H, {two_i // 2}] (E and I of w_gate_up), got K={w_down.k} "
+                         f"and shape {tuple(w_down.data.shape)}")
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    w_gate_up: QuantizedTensor,
+    w_down: QuantizedTensor,
+    *,
+    activation: str = "swiglu",
+    gate_up_layout: str | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
+    input_global_scale: torch.Tensor | None = None,
+    intermediate_global_scale: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    fused: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The routed experts of an MoE layer for tokens x [T, H] and router choices topk_ids [T, k].
+
+    w_gate_up: [E, 2I, H] weights of the format (gate/up rows interleaved, or concatenated for
+    fp8_block: `gate_up_layout` says which, default by format); w_down: [E, H, I]. Biases
+    (gpt-oss): gate_up_bias [E, 2I] in w_gate_up's row order, down_bias [E, H]. Extra per-expert
+    fp32 scales multiply each product. nvfp4: the token global scale defaults to amax(x)/2688,
+    the intermediate's to a dynamic one (unfused) — pass `intermediate_global_scale` to fuse.
+    Choices with ids outside [0, E) are dropped. Returns [T, H] in x's dtype.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.moegemm.moe_forward(
+            x, topk_ids, topk_weights, w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data,
+            w_down.scales, w_down.global_scale, w_gate_up.fmt, w_gate_up.scale_layout, activation,
+            gate_up_layout or _gate_up_layout(w_gate_up.fmt), gate_up_bias, down_bias, gate_up_scales, down_scales,
+            input_global_scale, intermediate_global_scale, float(alpha), float(limit), fused, backend)
+    return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
+                        gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                        gate_up_scales=gate_up_scales, down_scales=down_scales,
+                        input_global_scale=input_global_scale, intermediate_global_scale=intermediate_global_scale,
+                        alpha=alpha, limit=limit, fused=fused, backend=backend)
+
+
+def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, gate_up_layout, gate_up_bias,
+                 down_bias, gate_up_scales, down_scales, input_global_scale, intermediate_global_scale, alpha, limit,
+                 fused, backend):
+    from .ops import grouped_matmul, grouped_matmul_swiglu  # ops imports kernels; keep this module light
+
+    _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    fmt = w_gate_up.fmt
+    gate_up_layout = gate_up_layout or _gate_up_layout(fmt)
+    act._check_activation(activation, gate_up_layout)
+    layout = _weight_scale_layout(fmt)
+    if w_gate_up.scales is not None and (w_gate_up.scale_layout != w_down.scale_layout):
+        raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
+    if w_gate_up.scales is not None:
+        layout = w_gate_up.scale_layout
+    num_experts = w_gate_up.data.shape[0]
+    plan = route(topk_ids, num_experts, topk_weights)
+    bound = plan.scale_blocks_bound
+    aso = plan.a_scale_offsets if layout == "swizzled" else None  # only the swizzled layout has them
+    a = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
+                            scale_layout=layout, num_scale_blocks=bound, global_scale=input_global_scale)
+    gate_up_expert_scales = _expert_scales(w_gate_up, gate_up_scales, a.global_scale)
+    if gate_up_layout == "concat":
+        h = grouped_matmul(a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids,
+                           fmt=fmt, a_scale_offsets=aso, expert_scales=gate_up_expert_scales,
+                           scale_layout=layout, backend=backend)
+        mid = act.swiglu_quantize(h, fmt, activation=activation, gate_up_layout="concat", bias=gate_up_bias,
+                                  a_offsets=plan.a_offsets, expert_ids=plan.expert_ids,
+                                  a_scale_offsets=aso, scale_layout=layout, num_scale_blocks=bound,
+                                  global_scale=intermediate_global_scale, alpha=alpha, limit=limit)
+    else:
+        mid = grouped_matmul_swiglu(
+            a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
+            activation=activation, a_scale_offsets=aso, expert_scales=gate_up_expert_scales,
+            bias=gate_up_bias, scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
+            out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+            fused=fused and (intermediate_global_scale is not None or not get_format(fmt).global_scale),
+            backend=backend)
+    down_expert_scales = _expert_scales(w_down, down_scales, mid.global_scale)
+    c = grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
+                       a_scale_offsets=aso, expert_scales=down_expert_scales, scale_layout=layout,
+                       backend=backend)
+    return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
+
+
+def _register_custom_op():
+    """moe_forward as one opaque op for torch.compile: the fake shows only the output's shape."""
+
+    @torch.library.custom_op("moegemm::moe_forward", mutates_args=())
+    def moe_forward_op(
+        x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
+        gate_up_data: torch.Tensor, gate_up_scales_q: torch.Tensor | None, gate_up_global: torch.Tensor | None,
+        down_data: torch.Tensor, down_scales_q: torch.Tensor | None, down_global: torch.Tensor | None,
+        fmt: str, scale_layout: str, activation: str, gate_up_layout: str,
+        gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+        gate_up_scales: torch.Tensor | None, down_scales: torch.Tensor | None,
+        input_global_scale: torch.Tensor | None, intermediate_global_scale: torch.Tensor | None,
+        alpha: float, limit: float, fused: bool, backend: str,
+    ) -> torch.Tensor:
+        w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global)
+        w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global)
+        return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
+                            gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                            gate_up_scales=gate_up_scales, down_scales=down_scales,
+                            input_global_scale=input_global_scale,
+                            intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+                            fused=fused, backend=backend)
+
+    @moe_forward_op.register_fake
+    def _(x, topk_ids, topk_weights, gate_up_data, gate_up_scales_q, gate_up_global, down_data, down_scales_q,
+          down_global, fmt, scale_layout, activation, gate_up_layout, gate_up_bias, down_bias, gate_up_scales,
+          down_scales, input_global_scale, intermediate_global_scale, alpha, limit, fused, backend):
+        return x.new_empty(x.shape[0], down_data.shape[1])
+
+    return moe_forward_op
+
+
+_register_custom_op()
+
+
+def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,
+                   correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]) by `router`."""
+    if router not in ROUTERS:
+        raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
+    if router == "softmax_topk":
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif router == "topk_softmax":
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        weights = F.softmax(values, dim=-1, dtype=values.dtype).float()
+    else:
+        scores = logits.float().sigmoid()
+        choice = scores + correction_bias.float() if correction_bias is not None else scores
+        t, e = choice.shape
+        if n_group > 1:
+            grouped = choice.view(t, n_group, e // n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0)
+            keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+            choice = choice.masked_fill(keep == 0, 0.0)
+        ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * routed_scaling_factor
+    return ids.to(torch.int32), weights.float()
+
+
+class MoE(torch.nn.Module):
+    """A drop-in MoE block: router, routed experts in `fmt`, optional shared expert (DeepSeek).
+
+    Expert weights are buffers in the format's layout (see the module docstring); load them with
+    load_experts (float weights, per-expert or fused gate_up), load_fp8_block (DeepSeek FP8,
+    128x128 scale_inv) or load_mxfp4 (gpt-oss blocks and scales). forward(x [..., H]) -> [..., H].
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 fmt: str = "bf16", activation: str = "swiglu", router: str = "softmax_topk",
+                 norm_topk_prob: bool = True, router_bias: bool = False, expert_bias: bool = False,
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 correction_bias: bool = False, shared_intermediate_size: int = 0,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, backend: str = "auto",
+                 fused: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        f = get_format(fmt)
+        act._check_activation(activation)
+        if router not in ROUTERS:
+            raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k: expected <= num_experts ({num_experts}), got {top_k}")
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group, topk_group: need n_group | num_experts and 1 <= topk_group <= n_group, "
+                             f"got {n_group}, {topk_group}")
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if size % f.k_multiple:
+                raise ValueError(f"{name}: must be a multiple of {f.k_multiple} for {fmt}, got {size}")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.fmt, self.activation, self.router = f.name, activation, router
+        self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
+        self.backend, self.fused = backend, fused
+        self.gate_up_layout = _gate_up_layout(f.name)
+        self.scale_layout = _weight_scale_layout(f.name)
+        factory = {"device": device, "dtype": dtype}
+        # Inference only: the kernels have no backward, so the router is frozen too.
+        self.router_weight = torch.nn.Parameter(torch.zeros(num_experts, hidden_size, **factory), requires_grad=False)
+        self.router_bias = (torch.nn.Parameter(torch.zeros(num_experts, **factory), requires_grad=False)
+                            if router_bias else None)
+        self.register_buffer("correction_bias", torch.zeros(num_experts, device=device) if correction_bias else None)
+        self.has_expert_bias = expert_bias
+        self.register_buffer("gate_up_bias", None)
+        self.register_buffer("down_bias", None)
+        for prefix in ("gate_up", "down"):
+            for part in ("data", "scales", "global"):
+                self.register_buffer(f"{prefix}_{part}", None)
+        # nvfp4 only: a static global scale of the intermediate lets the requantization fuse.
+        self.register_buffer("intermediate_global_scale", None)
+        self.shared = None
+        if shared_intermediate_size:
+            self.shared = torch.nn.ModuleDict({
+                "gate": torch.nn.Linear(hidden_size, shared_intermediate_size, bias=False, **factory),
+                "up": torch.nn.Linear(hidden_size, shared_intermediate_size, bias=False, **factory),
+                "down": torch.nn.Linear(shared_intermediate_size, hidden_size, bias=False, **factory),
+            })
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def _store(self, prefix: str, q: QuantizedTensor):
+        setattr(self, f"{prefix}_data", q.data)
+        setattr(self, f"{prefix}_scales", q.scales)
+        setattr(self, f"{prefix}_global", q.global_scale)
+
+    def _check_weight(self, name, w, shape):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(w.shape)}")
+
+    def _set_biases(self, gate_up_bias, down_bias):
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        if self.has_expert_bias != (gate_up_bias is not None or down_bias is not None):
+            raise ValueError(f"gate_up_bias, down_bias: this MoE was built with expert_bias={self.has_expert_bias}")
+        if gate_up_bias is not None:
+            self._check_weight("gate_up_bias", gate_up_bias, (e, 2 * i))
+            self.gate_up_bias = gate_up_bias.float().contiguous()
+        if down_bias is not None:
+            self._check_weight("down_bias", down_bias, (e, h))
+            self.down_bias = down_bias.float().contiguous()
+
+    @torch.no_grad()
+    def load_experts(self, *, gate=None, up=None, gate_up=None, down, gate_up_order: str = "concat",
+                     gate_bias=None, up_bias=None, gate_up_bias=None, down_bias=None):
+        """Float expert weights in nn.Linear's [out, in] convention, quantized into `fmt`.
+
+        Per expert: gate, up [E, I, H] and down [E, H, I]; or a fused gate_up [E, 2I, H] whose
+        rows are [gate; up] (gate_up_order="concat") or alternate (gate_up_order="interleaved",
+        gpt-oss). Biases likewise: gate_bias/up_bias [E, I] or gate_up_bias [E, 2I], down_bias [E, H].
+        """
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        if gate_up is None:
+            if gate is None or up is None:
+                raise ValueError("gate, up: give both, or gate_up")
+            self._check_weight("gate", gate, (e, i, h))
+            self._check_weight("up", up, (e, i, h))
+        else:
+            self._check_weight("gate_up", gate_up, (e, 2 * i, h))
+            if gate_up_order not in ("concat", "interleaved"):
+                raise ValueError(f"gate_up_order: expected 'concat' or 'interleaved', got {gate_up_order!r}")
+            gate, up = gate_up.chunk(2, dim=1) if gate_up_order == "concat" else act.deinterleave_gate_up(gate_up)
+        self._check_weight("down", down, (e, h, i))
+        if gate_up_bias is not None and gate_up_order == "interleaved":
+            gate_bias, up_bias = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
+        elif gate_up_bias is not None:
+            gate_bias, up_bias = gate_up_bias.chunk(2, dim=1)
+        fused_w = self._arrange(gate, up)
+        self._store("gate_up", quantize_weights(fused_w.float(), self.fmt, scale_layout=self.scale_layout))
+        self._store("down", quantize_weights(down.float(), self.fmt, scale_layout=self.scale_layout))
+        bias = None
+        if gate_bias is not None or up_bias is not None:
+            zeros = torch.zeros(e, i, device=down.device)
+            gb = gate_bias if gate_bias is not None else zeros
+            ub = up_bias if up_bias is not None else zeros
+            bias = self._arrange(gb.float().unsqueeze(-1), ub.float().unsqueeze(-1)).squeeze(-1)
+        self._set_biases(bias, down_bias)
+        return self
+
+    def _arrange(self, gate, up):
+        """gate, up [E, I, X] -> the [E, 2I, X] row order of this format."""
+        if self.gate_up_layout == "concat":
+            return torch.cat((gate, up), dim=1)
+        return act.interleave_gate_up(gate.contiguous(), up.contiguous())
+
+    @torch.no_grad()
+    def load_fp8_block(self, *, gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv):
+        """DeepSeek-V3 FP8 experts: e4m3 [E, out, in] with fp32 scale_inv [E, ceil(out/128), ceil(in/128)]
+        (weight = e4m3 * scale_inv per 128x128 block). Exact for fmt="fp8_block" when I % 128 == 0
+        (gate and up blocks stay whole); other formats dequantize and requantize."""
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        nb = lambda n: math.ceil(n / 128)  # noqa: E731
+        for name, w, shape in (("gate", gate, (e, i, h)), ("up", up, (e, i, h)), ("down", down, (e, h, i))):
+            self._check_weight(name, w, shape)
+            if w.dtype != torch.float8_e4m3fn:
+                raise TypeError(f"{name}: expected torch.float8_e4m3fn, got {w.dtype}")
+        for name, s, w in (("gate_scale_inv", gate_scale_inv, gate), ("up_scale_inv", up_scale_inv, up),
+                           ("down_scale_inv", down_scale_inv, down)):
+            self._check_weight(name, s, (e, nb(w.shape[1]), nb(w.shape[2])))
+        if self.fmt == "fp8_block" and i % 128 == 0:
+            self.gate_up_data = torch.cat((gate, up), dim=1).contiguous()
+            self.gate_up_scales = torch.cat((gate_scale_inv, up_scale_inv), dim=1).float().contiguous()
+            self.down_data = down.contiguous()
+            self.down_scales = down_scale_inv.float().contiguous()
+            self.gate_up_global = self.down_global = None
+            return self
+        deq = lambda w, s: dequantize_operand(w, s.float(), "fp8_block", "b")  # noqa: E731
+        return self.load_experts(gate=deq(gate, gate_scale_inv), up=deq(up, up_scale_inv),
+                                 down=deq(down, down_scale_inv))
+
+    @torch.no_grad()
+    def load_mxfp4(self, *, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias=None,
+                   down_bias=None):
+        """gpt-oss MXFP4 experts: blocks uint8 [E, out, in/32, 16] (two e2m1 a byte, element 2i in
+        the low nibble), scales uint8 e8m0 [E, out, in/32]; gate_up rows interleaved (gate 0::2,
+        up 1::2), biases [E, 2I] and [E, H]. Exact for fmt "mxfp4" and "w4a8" (the same weight
+        bytes); other formats dequantize and requantize."""
+        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        self._check_weight("gate_up_blocks", gate_up_blocks, (e, 2 * i, h // 32, 16))
+        self._check_weight("gate_up_scales", gate_up_scales, (e, 2 * i, h // 32))
+        self._check_weight("down_blocks", down_blocks, (e, h, i // 32, 16))
+        self._check_weight("down_scales", down_scales, (e, h, i // 32))
+        gu_data = gate_up_blocks.reshape(e, 2 * i, h // 2).view(torch.uint8).contiguous()
+        dn_data = down_blocks.reshape(e, h, i // 2).view(torch.uint8).contiguous()
+        gu_scales = gate_up_scales.view(torch.uint8).contiguous()
+        dn_scales = down_scales.view(torch.uint8).contiguous()
+        if self.fmt in ("mxfp4", "w4a8"):
+            from . import layouts
+
+            self.gate_up_data, self.down_data = gu_data, dn_data
+            swz = self.scale_layout == "swizzled"
+            gu_s = layouts.swizzle_b_scales(gu_scales) if swz else gu_scales
+            dn_s = layouts.swizzle_b_scales(dn_scales) if swz else dn_scales
+            self.gate_up_scales = gu_s.view(torch.float8_e8m0fnu)
+            self.down_scales = dn_s.view(torch.float8_e8m0fnu)
+            self.gate_up_global = self.down_global = None
+            self._set_biases(gate_up_bias, down_bias)
+            return self
+        gate_up = dequantize_operand(gu_data, gu_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
+        down = dequantize_operand(dn_data, dn_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
+        return self.load_experts(gate_up=gate_up, gate_up_order="interleaved", down=down,
+                                 gate_up_bias=gate_up_bias, down_bias=down_bias)
+
+    @torch.no_grad()
+    def load_router(self, weight, bias=None, correction_bias=None):
+        """Router weight [E, H] (and gpt-oss's bias [E], DeepSeek's e_score_correction_bias [E])."""
+        self._check_weight("weight", weight, (self.num_experts, self.hidden_size))
+        self.router_weight.copy_(weight)
+        if (bias is not None) != (self.router_bias is not None):
+            raise ValueError(f"bias: this MoE was built with router_bias={self.router_bias is not None}")
+        if bias is not None:
+            self.router_bias.copy_(bias)
+        if (correction_bias is not None) != (self.correction_bias is not None):
+            raise ValueError(f"correction_bias: this MoE was built with correction_bias={self.correction_bias is not None}")
+        if correction_bias is not None:
+            self.correction_bias.copy_(correction_bias)
+        return self
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def weights(self) -> tuple[QuantizedTensor, QuantizedTensor]:
+        if self.gate_up_data is None or self.down_data is None:
+            raise ValueError("MoE: no expert weights loaded (load_experts, load_fp8_block or load_mxfp4)")
+        return (QuantizedTensor(self.gate_up_data, self.gate_up_scales, self.fmt, "b", self.scale_layout,
+                                self.gate_up_global),
+                QuantizedTensor(self.down_data, self.down_scales, self.fmt, "b", self.scale_layout, self.down_global))
+
+    def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k])."""
+        if self.router == "sigmoid_grouped":
+            logits = F.linear(x.float(), self.router_weight.float())
+        else:
+            logits = F.linear(x, self.router_weight, self.router_bias)
+        return select_experts(logits, self.top_k, self.router, norm_topk_prob=self.norm_topk_prob,
+                              correction_bias=self.correction_bias, n_group=self.n_group,
+                              topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        topk_ids, topk_weights = self.route_tokens(x)
+        w_gate_up, w_down = self.weights()
+        y = moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=self.activation,
+                        gate_up_layout=self.gate_up_layout, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
+                        intermediate_global_scale=self.intermediate_global_scale, alpha=self.swiglu_alpha,
+                        limit=self.swiglu_limit, fused=self.fused, backend=self.backend)
+        if self.shared is not None:
+            s = self.shared
+            y = y + s["down"](F.silu(s["gate"](x)) * s["up"](x))
+        return y.reshape(hidden_states.shape)

@@ -1,0 +1,398 @@
+"""The MoE layer: activation quantizers, the fused SwiGLU epilogue, moe_forward, the module,
+its loaders, torch.compile and CUDA graphs."""
+
+import pytest
+import torch
+
+import moegemm
+from moegemm import activation as act
+from moegemm.ops import interpreter_usable
+
+needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
+A_FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8")
+FUSED_OUT = ("bf16", "mxfp8", "nvfp4", "mxfp4")
+
+
+def _bytes(t):
+    if t is None:
+        return None
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def assert_same_quantized(q, r):
+    assert torch.equal(_bytes(q.data), _bytes(r.data))
+    if r.scales is None:
+        assert q.scales is None
+    else:
+        assert torch.equal(_bytes(q.scales), _bytes(r.scales))
+
+
+def test_interleave_gate_up_round_trip():
+    gate, up = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    both = moegemm.interleave_gate_up(gate, up)
+    assert both.shape == (3, 10, 8)
+    assert torch.equal(both[:, 0::2], gate) and torch.equal(both[:, 1::2], up)
+    g, u = act.deinterleave_gate_up(both)
+    assert torch.equal(g, gate) and torch.equal(u, up)
+    with pytest.raises(ValueError, match="up"):
+        moegemm.interleave_gate_up(gate, up[:, :4])
+
+
+def _rows(m, k, device="cpu"):
+    """Rows spanning 6 decades, a zero block and a negative zero (the scale rules' edge cases)."""
+    x = torch.randn(m, k, device=device) * torch.logspace(-3, 3, m, device=device)[:, None]
+    x[min(2, m - 1), :40] = 0
+    x[0, 1] = -0.0
+    return x
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", A_FORMATS)
+def test_gather_quantize_is_bitwise_quantize(fmt):
+    x = _rows(29, 160)
+    q = act.gather_quantize(x, fmt)
+    assert_same_quantized(q, moegemm.quantize(x, fmt, global_scale=q.global_scale))
+    src = torch.randint(0, 29, (41,))
+    q = act.gather_quantize(x, fmt, src)
+    assert_same_quantized(q, moegemm.quantize(x[src], fmt, global_scale=q.global_scale))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("mxfp8", "mxfp4", "nvfp4", "w4a8"))
+def test_gather_quantize_swizzled_places_each_group(fmt):
+    x = _rows(37, 96)
+    offsets = torch.tensor([0, 5, 5, 30, 37], dtype=torch.int32)  # an empty group, rows past 30 in one
+    src = torch.randint(0, 37, (37,))
+    q = act.gather_quantize(x, fmt, src, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7)
+    r = moegemm.quantize(x[src], fmt, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7,
+                         global_scale=q.global_scale)
+    assert_same_quantized(q, r)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("activation", act.ACTIVATIONS)
+@pytest.mark.parametrize("layout", act.GATE_UP_LAYOUTS)
+def test_swiglu_quantize_bf16_matches_torch(activation, layout):
+    h = torch.randn(23, 96) * 4
+    q = act.swiglu_quantize(h, "bf16", activation=activation, gate_up_layout=layout)
+    ref = act.swiglu(h, activation, gate_up_layout=layout)
+    torch.testing.assert_close(q.data.float(), ref.to(torch.bfloat16).float(), rtol=2e-2, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("fp8_block", "mxfp8", "nvfp4", "mxfp4"))
+def test_swiglu_quantize_with_bias_requantizes(fmt):
+    """Rows of a skipped slot and rows past the last group get no bias; values match the torch
+    chain within one quantization step, and most bytes are identical (exp may differ by an ulp)."""
+    h = torch.randn(40, 128) * 3
+    offsets = torch.tensor([0, 10, 25, 33], dtype=torch.int32)
+    ids = torch.tensor([2, -1, 0], dtype=torch.int32)
+    bias = torch.randn(3, 128)
+    layout = "plain" if fmt == "fp8_block" else "swizzled"
+    q = act.swiglu_quantize(h, fmt, activation="swiglu_oai", bias=bias, a_offsets=offsets, expert_ids=ids,
+                            scale_layout=layout, global_scale=1.0 if fmt == "nvfp4" else None)
+    hb = h.clone()
+    hb[0:10] += bias[2]
+    hb[25:33] += bias[0]
+    ref = moegemm.quantize(act.swiglu(hb, "swiglu_oai"), fmt, scale_layout=layout, a_offsets=offsets,
+                           num_scale_blocks=q.scales.shape[0] if layout == "swizzled" else None,
+                           global_scale=1.0 if fmt == "nvfp4" else None)
+    same = (_bytes(q.data) == _bytes(ref.data)).float().mean().item()
+    assert same > 0.97
+    got, want = moegemm.dequantize(q), moegemm.dequantize(ref)
+    rows = torch.arange(40) < 33
+    assert (got[rows] - want[rows]).abs().max() <= 0.35 * want[rows].abs().amax(dim=1).max()
+
+
+def test_select_experts_routers():
+    logits = torch.randn(6, 8)
+    ids, w = moegemm.select_experts(logits, 2, "softmax_topk")
+    probs = logits.softmax(-1)
+    assert torch.equal(ids.long(), probs.topk(2).indices)
+    torch.testing.assert_close(w.sum(-1), torch.ones(6))
+    ids, w = moegemm.select_experts(logits, 3, "topk_softmax")
+    torch.testing.assert_close(w, logits.topk(3).values.softmax(-1))
+    bias = torch.randn(8)
+    ids, w = moegemm.select_experts(logits, 2, "sigmoid_grouped", correction_bias=bias, n_group=4, topk_group=2,
+                                    routed_scaling_factor=2.5)
+    torch.testing.assert_close(w.sum(-1), torch.full((6,), 2.5))
+    with pytest.raises(ValueError, match="router"):
+        moegemm.select_experts(logits, 2, "nope")
+
+
+def reference_layer(x, ids, weights, gate, up, down, activation="swiglu", gate_up_bias=None, down_bias=None):
+    """Per-token loop in fp64: sum_j w_j * (down_e @ act(gate_e x, up_e x) + down_bias_e)."""
+    t = x.shape[0]
+    out = torch.zeros(t, down.shape[1], dtype=torch.float64)
+    for ti in range(t):
+        xt = x[ti].double()
+        for j in range(ids.shape[1]):
+            e = int(ids[ti, j])
+            if not 0 <= e < gate.shape[0]:
+                continue
+            g, u = gate[e].double() @ xt, up[e].double() @ xt
+            if gate_up_bias is not None:
+                g, u = g + gate_up_bias[e, 0::2].double(), u + gate_up_bias[e, 1::2].double()
+            hid = act.swiglu(torch.stack((g, u), -1).reshape(1, -1), activation).double()[0]
+            y = down[e].double() @ hid
+            if down_bias is not None:
+                y = y + down_bias[e].double()
+            out[ti] += float(weights[ti, j]) * y
+    return out
+
+
+MOE_TOL = {"bf16": 2e-2, "fp8_block": 0.1, "mxfp8": 0.1, "w4a8": 0.3, "mxfp4": 0.4, "nvfp4": 0.3}
+
+
+def _layer_weights(e, i, h, device="cpu"):
+    return (torch.randn(e, i, h, device=device) * 0.1, torch.randn(e, i, h, device=device) * 0.1,
+            torch.randn(e, h, i, device=device) * 0.1)
+
+
+def _rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", A_FORMATS)
+def test_moe_forward_matches_reference_cpu(fmt):
+    t, h, i, e, k = 7, 64, 128, 5, 2
+    gate, up, down = _layer_weights(e, i, h)
+    layer = moegemm.MoE(h, i, e, k, fmt=fmt).load_experts(gate=gate, up=up, down=down)
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    ids[1, 0] = -1  # a dropped choice
+    weights = torch.rand(t, k)
+    w_gate_up, w_down = layer.weights()
+    y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="reference")
+    assert y.shape == (t, h) and y.dtype == torch.bfloat16
+    assert _rel_err(y, reference_layer(x, ids, weights, gate, up, down)) < MOE_TOL[fmt]
+
+
+@needs_interpreter
+def test_moe_module_gpt_oss_variant_with_biases():
+    h, i, e, k = 64, 64, 4, 2
+    gate, up, down = _layer_weights(e, i, h)
+    gate_up_bias, down_bias = torch.randn(e, 2 * i) * 0.1, torch.randn(e, h) * 0.1
+    layer = moegemm.MoE(h, i, e, k, fmt="bf16", activation="swiglu_oai", router="topk_softmax", router_bias=True,
+                        expert_bias=True, backend="reference")
+    layer.load_router(torch.randn(e, h, dtype=torch.bfloat16), torch.randn(e, dtype=torch.bfloat16))
+    gate_up = moegemm.interleave_gate_up(gate, up)
+    layer.load_experts(gate_up=gate_up, gate_up_order="interleaved", down=down, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias)
+    x = torch.randn(2, 3, h, dtype=torch.bfloat16)
+    y = layer(x)
+    ids, weights = layer.route_tokens(x.reshape(-1, h))
+    want = reference_layer(x.reshape(-1, h), ids, weights, gate, up, down, "swiglu_oai", gate_up_bias, down_bias)
+    assert y.shape == x.shape
+    assert _rel_err(y.reshape(-1, h), want) < 2e-2
+
+
+def test_load_fp8_block_keeps_the_checkpoint_bytes():
+    e, i, h = 2, 128, 256
+    gate, up, down = _layer_weights(e, i, h)
+    qg, qu, qd = (moegemm.quantize_weights(w, "fp8_block") for w in (gate, up, down))
+    layer = moegemm.MoE(h, i, e, 2, fmt="fp8_block")
+    layer.load_fp8_block(gate=qg.data, up=qu.data, down=qd.data, gate_scale_inv=qg.scales, up_scale_inv=qu.scales,
+                         down_scale_inv=qd.scales)
+    assert torch.equal(_bytes(layer.gate_up_data[:, :i]), _bytes(qg.data))
+    assert torch.equal(_bytes(layer.gate_up_data[:, i:]), _bytes(qu.data))
+    assert torch.equal(layer.gate_up_scales, torch.cat((qg.scales, qu.scales), 1))
+    with pytest.raises(TypeError, match="gate"):
+        layer.load_fp8_block(gate=gate, up=qu.data, down=qd.data, gate_scale_inv=qg.scales,
+                             up_scale_inv=qu.scales, down_scale_inv=qd.scales)
+
+
+@pytest.mark.parametrize("fmt", ("mxfp4", "w4a8", "bf16"))
+def test_load_mxfp4_gpt_oss_blocks(fmt):
+    e, i, h = 2, 64, 64
+    gate_up = torch.randn(e, 2 * i, h)
+    down = torch.randn(e, h, i)
+    q_gu = moegemm.quantize_weights(gate_up, "mxfp4")
+    q_dn = moegemm.quantize_weights(down, "mxfp4")
+    blocks = lambda q: q.data.reshape(*q.data.shape[:2], -1, 16)  # noqa: E731  gpt-oss [E, out, in/32, 16]
+    layer = moegemm.MoE(h, i, e, 2, fmt=fmt)
+    layer.load_mxfp4(gate_up_blocks=blocks(q_gu), gate_up_scales=q_gu.scales.view(torch.uint8),
+                     down_blocks=blocks(q_dn), down_scales=q_dn.scales.view(torch.uint8))
+    w_gate_up, _ = layer.weights()
+    if fmt == "bf16":
+        torch.testing.assert_close(w_gate_up.data.float(), moegemm.dequantize(q_gu))
+    else:
+        assert torch.equal(w_gate_up.data, q_gu.data)
+        plain = moegemm.layouts.unswizzle_b_scales(w_gate_up.scales, 2 * i, h // 32)
+        assert torch.equal(plain.view(torch.uint8), q_gu.scales.view(torch.uint8))
+
+
+def test_moe_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="router"):
+        moegemm.MoE(64, 64, 4, 2, router="nope")
+    with pytest.raises(ValueError, match="top_k"):
+        moegemm.MoE(64, 64, 4, 5)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        moegemm.MoE(64, 40, 4, 2, fmt="mxfp8")
+    layer = moegemm.MoE(64, 64, 4, 2)
+    with pytest.raises(ValueError, match="no expert weights"):
+        layer(torch.randn(3, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="down"):
+        layer.load_experts(gate=torch.randn(4, 64, 64), up=torch.randn(4, 64, 64), down=torch.randn(4, 64, 32))
+    layer.load_experts(gate=torch.randn(4, 64, 64), up=torch.randn(4, 64, 64), down=torch.randn(4, 64, 64))
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.randn(3, 32))
+    w_gate_up, w_down = layer.weights()
+    with pytest.raises(ValueError, match="topk_ids"):
+        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(2, 2, dtype=torch.int32), None, w_gate_up, w_down)
+    with pytest.raises(TypeError, match="w_down"):
+        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int32), None, w_gate_up, w_down.data)
+    with pytest.raises(ValueError, match="activation"):
+        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int32), None, w_gate_up, w_down,
+                            activation="gelu")
+
+
+def test_moe_forward_fake_gives_the_output_shape():
+    """The custom op's fake implementation: what torch.compile traces through."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = moegemm.MoE(64, 64, 4, 2).load_experts(gate=torch.randn(4, 64, 64), up=torch.randn(4, 64, 64),
+                                                    down=torch.randn(4, 64, 64))
+    w_gate_up, w_down = layer.weights()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(5, 64, dtype=torch.bfloat16)
+        ids = torch.empty(5, 2, dtype=torch.int32)
+        y = torch.ops.moegemm.moe_forward(x, ids, None, w_gate_up.data, None, None, w_down.data, None, None, "bf16",
+                                          "plain", "swiglu", "interleaved", None, None, None, None, None, None,
+                                          1.702, 7.0, True, "auto")
+    assert y.shape == (5, 64) and y.dtype == torch.bfloat16
+
+
+@needs_interpreter
+def test_torch_compile_fullgraph_cpu():
+    layer = moegemm.MoE(64, 64, 4, 2, backend="reference").load_experts(
+        gate=torch.randn(4, 64, 64) * 0.1, up=torch.randn(4, 64, 64) * 0.1, down=torch.randn(4, 64, 64) * 0.1)
+    layer.load_router(torch.randn(4, 64, dtype=torch.bfloat16))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
+# ---- GPU: the fused epilogue and the layer through sm90 ------------------------------------
+
+def _gpu_problem(fmt, counts, ids, n, k, device="cuda"):
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    m = int(offsets[-1]) + 3  # rows past the last group: never written
+    e = max(max(ids) + 1, 1)
+    x = torch.randn(m, k, device=device)
+    w = torch.randn(e, n, k, device=device) * 0.1
+    layout = "swizzled" if fmt in ("mxfp8", "mxfp4", "nvfp4", "w4a8") else "plain"
+    a = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=offsets)
+    b = moegemm.quantize_weights(w, fmt, scale_layout=layout)
+    return offsets, torch.tensor(ids, dtype=torch.int32, device=device), a, b, layout, m, e
+
+
+FUSED_CASES = [([65, 127, 3], [0, 1, 2]), ([128, 256, 512], [-1, 0, 2]), ([0, 3, 1, 2], [-1, 2, -1, 0]),
+               ([300], [1]), ([1, 2, 5, 9], [0, 1, 2, 3])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("bf16", "mxfp8", "nvfp4", "w4a8", "mxfp4"))
+@pytest.mark.parametrize("out_fmt", FUSED_OUT)
+@pytest.mark.parametrize("case", range(len(FUSED_CASES)))
+def test_fused_swiglu_epilogue_matches_unfused(fmt, out_fmt, case):
+    counts, ids = FUSED_CASES[case]
+    n, k = 256, 256
+    offsets, expert_ids, a, b, layout, m, e = _gpu_problem(fmt, counts, ids, n, k)
+    bias = torch.randn(e, n, device="cuda") * 0.1
+    scales = torch.rand(e, device="cuda") + 0.5
+    activation = "swiglu_oai" if case % 2 else "swiglu"
+    kw = dict(fmt=fmt, out_fmt=out_fmt, activation=activation, expert_scales=scales, bias=bias, scale_layout=layout,
+              a_scale_offsets=None, out_global_scale=torch.tensor([0.01], device="cuda") if out_fmt == "nvfp4" else None)
+    if b.global_scale is not None:
+        kw["expert_scales"] = scales * b.global_scale * a.global_scale
+    fused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=True,
+                                          backend="sm90", **kw)
+    unfused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=False,
+                                            backend="sm90", **kw)
+    # The fp32 truth: the product in fp32, then the activation (the unfused chain rounds the
+    # product to bf16 first, so it is the less accurate of the two).
+    h32 = moegemm.grouped_matmul(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fmt=fmt,
+                                 expert_scales=kw["expert_scales"], scale_layout=layout, out_dtype=torch.float32,
+                                 backend="sm90")
+    y32 = act._reference_activation(h32, activation, "interleaved", bias, offsets, expert_ids, 1.702, 7.0)
+    valid = torch.zeros(m, dtype=torch.bool, device="cuda")
+    for g, x in enumerate(ids):
+        if x >= 0:
+            valid[int(offsets[g]):int(offsets[g + 1])] = True
+    if valid.any():
+        got = moegemm.dequantize(fused)[valid]
+        scale = y32[valid].abs().max()
+        if out_fmt == "bf16":
+            torch.testing.assert_close(got, y32[valid], rtol=1e-2, atol=1e-3 * float(scale))
+            torch.testing.assert_close(moegemm.dequantize(unfused)[valid], y32[valid], rtol=2e-2,
+                                       atol=5e-3 * float(scale))
+        else:
+            truth = moegemm.quantize(y32, out_fmt, global_scale=kw["out_global_scale"])
+            same = (_bytes(fused.data)[valid] == _bytes(truth.data)[valid]).float().mean().item()
+            assert same > 0.97, same
+            step = 0.35 if out_fmt in ("nvfp4", "mxfp4") else 0.13
+            want = moegemm.dequantize(truth)[valid]
+            assert (got - want).abs().max() <= step * want.abs().max() + 1e-6
+    if fused.scales is not None and layout == "swizzled":
+        # Every scale row but those of valid tokens (padding rows of each group's 128-row
+        # block, skipped slots, blocks past the groups) stays zero.
+        rows, scale_rows, _ = moegemm.layouts.a_scale_rows(offsets)
+        padded = moegemm.layouts._padded_from_atoms(fused.scales.view(torch.uint8))
+        mask = torch.ones(padded.shape[0], dtype=torch.bool, device="cuda")
+        mask[scale_rows[valid[rows]]] = False
+        assert int(padded[mask].count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", A_FORMATS)
+@pytest.mark.parametrize("tokens", (1, 5, 300))
+def test_moe_forward_sm90_matches_reference(fmt, tokens):
+    h, i, e, k = 256, 256, 8, 2
+    gate, up, down = _layer_weights(e, i, h, "cuda")
+    layer = moegemm.MoE(h, i, e, k, fmt=fmt, device="cuda").load_experts(gate=gate, up=up, down=down)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)]).to(torch.int32).cuda()
+    weights = torch.rand(tokens, k, device="cuda")
+    w_gate_up, w_down = layer.weights()
+    y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="sm90" if fmt != "fp8_block" else "auto")
+    want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), gate.cpu(), up.cpu(), down.cpu())
+    assert _rel_err(y.cpu(), want) < MOE_TOL[fmt]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("bf16", "mxfp8", "fp8_block"))
+def test_cuda_graph_decode_step_replays_with_new_routing(fmt):
+    h, i, e, k, t = 256, 256, 16, 4, 2
+    gate, up, down = _layer_weights(e, i, h, "cuda")
+    layer = moegemm.MoE(h, i, e, k, fmt=fmt, device="cuda").load_experts(gate=gate, up=up, down=down)
+    w_gate_up, w_down = layer.weights()
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(t, k, dtype=torch.int32, device="cuda")
+    weights = torch.rand(t, k, device="cuda")
+    run = lambda: moegemm.moe_forward(x, ids, weights, w_gate_up, w_down)  # noqa: E731
+    for _ in range(2):
+        run()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run()
+    for _ in range(3):
+        ids.copy_(torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32))
+        x.copy_(torch.randn(t, h, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(y, run(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_gpu():
+    h, i, e, k = 256, 256, 8, 2
+    gate, up, down = _layer_weights(e, i, h, "cuda")
+    layer = moegemm.MoE(h, i, e, k, fmt="mxfp8", router="softmax_topk", device="cuda")
+    layer.load_experts(gate=gate, up=up, down=down).load_router(torch.randn(e, h, dtype=torch.bfloat16) * 0.1)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(7, h, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
