@@ -1,6 +1,7 @@
 """moegemm: grouped block-scaled matmuls for Mixture-of-Experts layers (PyTorch + Triton)."""
 
 from . import codecs, hf, layouts, reference, routing
+from . import library  # registers the torch.library custom ops  # noqa: F401
 from .formats import FORMATS, Format, get_format
 from .activation import gather_quantize, interleave_gate_up, swiglu_quantize
 from .moe import MoE, moe_forward, select_experts

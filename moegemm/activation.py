@@ -17,8 +17,6 @@ comes from its slot in a_offsets / expert_ids.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 import triton
 
 from . import layouts
+from .kernels import tl_source
 from .formats import E2M1, E4M3, get_format
 from .quantize import QuantizedTensor, quantize
 
@@ -82,16 +81,9 @@ def swiglu(h: torch.Tensor, activation: str = "swiglu", *, gate_up_layout: str =
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
-@functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
-    """_activation_tl.py executed with Triton's interpreter knob as asked (see kernels/portable.py)."""
-    name = f"moegemm.kernels._activation_tl_{'interpreted' if interpret else 'compiled'}"
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        spec = importlib.util.spec_from_file_location(name, _SOURCE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
+    """_activation_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
+    return tl_source.load(_SOURCE, interpret)
 
 
 def _kernel_usable(device: torch.device) -> bool:
@@ -153,27 +145,11 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
     if (swizzled or bias is not None) and (a_offsets is None or (bias is not None and expert_ids is None)):
         raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")
     num_groups = 0 if a_offsets is None else a_offsets.numel() - 1
-    if op.element is E2M1:
-        data = torch.empty(rows, k_out // 2, dtype=torch.uint8, device=device)
-    elif op.element is E4M3:
-        data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
-    else:
-        data = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device)
+    if swizzled and a_scale_offsets is None:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    data, scales, num_scale_rows = allocate_a_operand(f.name, rows, k_out, swizzled, num_scale_blocks, num_groups,
+                                                      device)
     nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
-    scales = None
-    num_scale_rows = 0
-    if op.scale is not None:
-        if swizzled:
-            if a_scale_offsets is None:
-                a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-            if num_scale_blocks is None:
-                num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
-            scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
-            num_scale_rows = num_scale_blocks * layouts.ROWS_PER_BLOCK
-        elif op.scale == "fp32":
-            scales = torch.zeros(rows, nkb, dtype=torch.float32, device=device)
-        else:
-            scales = torch.zeros(rows, nkb, dtype=torch.uint8, device=device)
     if rows and k_out:
         dummy = data
         block_m = 16 if device.type == "cuda" else 32
@@ -190,13 +166,44 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
             BLOCK_M=block_m, NB=nb, VEC=vec,
         )
+    return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets)
+
+
+def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
+                       num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
+    fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
+    number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
+    op = get_format(fmt_name).a
+    if op.element is E2M1:
+        data = torch.empty(rows, k // 2, dtype=torch.uint8, device=device)
+    elif op.element is E4M3:
+        data = torch.empty(rows, k, dtype=torch.uint8, device=device)
+    else:
+        data = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
+    if op.scale is None:
+        return data, None, 0
+    nkb = math.ceil(k / op.block_k)
+    if swizzled:
+        if num_scale_blocks is None:
+            num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
+        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
+        return data, scales, num_scale_blocks * layouts.ROWS_PER_BLOCK
+    dtype = torch.float32 if op.scale == "fp32" else torch.uint8
+    return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
+
+
+def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets) -> QuantizedTensor:
+    """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor."""
+    f = get_format(fmt_name)
+    op = f.a
     if op.element is E4M3:
         data = data.view(torch.float8_e4m3fn)
     if scales is not None and op.scale == "e8m0":
         scales = scales.view(torch.float8_e8m0fnu)
     elif scales is not None and op.scale == "e4m3":
         scales = scales.view(torch.float8_e4m3fn)
-    layout = scale_layout if op.scale is not None else "plain"
+    layout = "swizzled" if swizzled else "plain"
     return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.global_scale else None,
                            a_offsets if swizzled else None)
 
@@ -234,6 +241,12 @@ def gather_quantize(
     The swizzled layout places each row's scales by its slot in `a_offsets`; rows outside
     every slot get data but no scales. nvfp4: `global_scale` defaults to amax(x) / 2688.
     """
+    if torch.compiler.is_compiling():
+        from .library import quantized_from_op
+
+        outputs = torch.ops.moegemm.gather_quantize(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout,
+                                                    num_scale_blocks, global_scale)
+        return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets)
     _check_rows_input(x, "x")
     f, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     _check_index(src_rows, "src_rows", x.device)
@@ -276,6 +289,13 @@ def swiglu_quantize(
     expert from expert_ids). nvfp4: `global_scale` defaults to amax of the activation / 2688
     (one extra pass; pass a static value in a serving path).
     """
+    if torch.compiler.is_compiling():
+        from .library import quantized_from_op
+
+        outputs = torch.ops.moegemm.swiglu_quantize(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids,
+                                                    a_scale_offsets, scale_layout, num_scale_blocks, global_scale,
+                                                    alpha, limit)
+        return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets)
     _check_rows_input(h, "h")
     _check_activation(activation, gate_up_layout)
     f, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,

@@ -171,41 +171,6 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
 
 
-def _register_custom_op():
-    """moe_forward as one opaque op for torch.compile: the fake shows only the output's shape."""
-
-    @torch.library.custom_op("moegemm::moe_forward", mutates_args=())
-    def moe_forward_op(
-        x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
-        gate_up_data: torch.Tensor, gate_up_scales_q: torch.Tensor | None, gate_up_global: torch.Tensor | None,
-        down_data: torch.Tensor, down_scales_q: torch.Tensor | None, down_global: torch.Tensor | None,
-        fmt: str, scale_layout: str, activation: str, gate_up_layout: str,
-        gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-        gate_up_scales: torch.Tensor | None, down_scales: torch.Tensor | None,
-        input_global_scale: torch.Tensor | None, intermediate_global_scale: torch.Tensor | None,
-        alpha: float, limit: float, fused: bool, backend: str,
-    ) -> torch.Tensor:
-        w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global)
-        w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global)
-        return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
-                            gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                            gate_up_scales=gate_up_scales, down_scales=down_scales,
-                            input_global_scale=input_global_scale,
-                            intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
-                            fused=fused, backend=backend)
-
-    @moe_forward_op.register_fake
-    def _(x, topk_ids, topk_weights, gate_up_data, gate_up_scales_q, gate_up_global, down_data, down_scales_q,
-          down_global, fmt, scale_layout, activation, gate_up_layout, gate_up_bias, down_bias, gate_up_scales,
-          down_scales, input_global_scale, intermediate_global_scale, alpha, limit, fused, backend):
-        return x.new_empty(x.shape[0], down_data.shape[1])
-
-    return moe_forward_op
-
-
-_register_custom_op()
-
-
 def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,
                    correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
                    routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,6 +98,9 @@ def grouped_matmul(
     moegemm.layouts). Rows of `out` outside valid groups are left untouched; a fresh output
     starts as zeros. Returns `out` ([M, N], out_dtype).
     """
+    if torch.compiler.is_compiling() and out is None:  # traced as one opaque op (moegemm/library.py)
+        return torch.ops.moegemm.grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, a_scale_offsets,
+                                                expert_scales, row_scales, scale_layout, out_dtype, backend)
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
         expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout, out=out,
@@ -169,6 +172,13 @@ def grouped_matmul_swiglu(
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
         out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
+    if torch.compiler.is_compiling():
+        from .library import quantized_from_op
+
+        outputs = torch.ops.moegemm.grouped_matmul_swiglu(
+            a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales,
+            bias, scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend)
+        return quantized_from_op(outputs, out_fmt, out_scale_layout == "swizzled", a_offsets)
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
         expert_scales=expert_scales, row_scales=None, scale_layout=scale_layout, out=None,

@@ -121,6 +121,9 @@ def route(
     backend: str = "auto",
 ) -> RoutingPlan:
     """Sort the T*k router choices by expert (stable: token order within an expert)."""
+    if torch.compiler.is_compiling():  # traced as one opaque op (moegemm/library.py)
+        tensors = torch.ops.moegemm.route(topk_ids, num_experts, backend)
+        return RoutingPlan(*tensors[:6], topk_weights, tensors[6])
     _check_route_args(topk_ids, num_experts, topk_weights)
     if not _use_triton(backend, topk_ids.device):
         return _route_torch(topk_ids, num_experts, topk_weights)
@@ -230,6 +233,11 @@ def unpermute_tokens(
     e.g. gpt-oss's down_proj bias) is added to each choice's row before its weight. Dropped
     choices add nothing, even when their rows of y hold garbage.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.moegemm.unpermute_tokens(
+            y, plan.token_index, plan.grouped_row, plan.valid, plan.a_offsets, plan.expert_ids, plan.a_scale_offsets,
+            plan.expert_of_row, topk_weights if topk_weights is not None else plan.topk_weights, expert_bias,
+            out_dtype or y.dtype, backend)
     weights = _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias)
     if not _use_triton(backend, y.device):
         return _unpermute_torch(y, plan, weights, out_dtype, expert_bias)

@@ -5,36 +5,23 @@ the tile count, and the kernel itself skips the tiles that do not exist.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from pathlib import Path
 
 import torch
-import triton
 
 from .. import layouts
 from ..config import portable_config
 from ..formats import E2M1, E4M3
 from ..validation import GroupedProblem
+from . import tl_source
 
 _SOURCE = Path(__file__).with_name("_portable_tl.py")
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_module(interpret: bool):
-    """Execute _portable_tl.py with Triton's interpreter knob set as asked.
-
-    triton.jit reads the knob when it decorates, so loading the source twice gives one build
-    for CUDA tensors and one for CPU tensors, whatever TRITON_INTERPRET says.
-    """
-    name = f"moegemm.kernels._portable_tl_{'interpreted' if interpret else 'compiled'}"
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        spec = importlib.util.spec_from_file_location(name, _SOURCE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
+    """_portable_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
+    return tl_source.load(_SOURCE, interpret)
 
 
 def _elem_code(element, module) -> int:

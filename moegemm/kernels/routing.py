@@ -6,12 +6,12 @@ from T (tokens), k (top-k), E (experts) and N (columns). Inputs are validated by
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from pathlib import Path
 
 import torch
 import triton
+
+from . import tl_source
 
 _SOURCE = Path(__file__).with_name("_routing_tl.py")
 
@@ -21,16 +21,9 @@ OFFSETS_ELEMS = 4096  # CHUNK * NUM_BINS: the offsets program's tile
 COMBINE_WARPS = 8  # 32 x 128 tile with a bias: 4 warps spill one register on sm_90
 
 
-@functools.cache
 def kernel_module(interpret: bool):
-    """Execute _routing_tl.py with Triton's interpreter knob set as asked (see portable.kernel_module)."""
-    name = f"moegemm.kernels._routing_tl_{'interpreted' if interpret else 'compiled'}"
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = interpret
-        spec = importlib.util.spec_from_file_location(name, _SOURCE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
+    """_routing_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
+    return tl_source.load(_SOURCE, interpret)
 
 
 def _pow2(x: int) -> int:

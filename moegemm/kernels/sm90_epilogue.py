@@ -28,9 +28,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .. import layouts
+from ..activation import allocate_a_operand, as_quantized
 from ..config import MX_FORMATS
 from ..formats import E2M1, E4M3, get_format
-from ..quantize import QuantizedTensor
 
 ACT_SWIGLU = 1
 ACT_SWIGLU_OAI = 2
@@ -216,32 +216,15 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
     from . import sm90, sm90_mx
 
     f = get_format(out_fmt)
-    op = f.a
     out_code, vec = _out_kind(out_fmt)
-    device = a.device
-    m, i = p.m, p.n // 2
-    if op.element is E2M1:
-        data = torch.empty(m, i // 2, dtype=torch.uint8, device=device)
-    elif op.element is E4M3:
-        data = torch.empty(m, i, dtype=torch.uint8, device=device)
-    else:
-        data = torch.empty(m, i, dtype=torch.bfloat16, device=device)
-    nkb = math.ceil(i / vec) if op.scale is not None else 0
-    swizzled = out_scale_layout == "swizzled" and op.scale is not None
-    num_scale_rows = 0
-    if swizzled:
-        if num_scale_blocks is None:
-            num_scale_blocks = math.ceil(m / layouts.ROWS_PER_BLOCK) + p.num_groups
-        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
-        num_scale_rows = num_scale_blocks * layouts.ROWS_PER_BLOCK
-    elif op.scale is not None:
-        scales = torch.zeros(m, nkb, dtype=torch.uint8, device=device)
-    else:
-        scales = None
+    swizzled = out_scale_layout == "swizzled" and f.a.scale is not None
+    data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
+                                                      p.num_groups, a.device)
+    nkb = math.ceil(p.n // 2 / vec) if f.a.scale is not None else 0
     if f.global_scale:
         if out_global_scale is None:
             raise ValueError("out_global_scale: nvfp4 output from the fused epilogue needs a static global scale")
-        out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=device).reshape(())
+        out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=a.device).reshape(())
     if swizzled and a_scale_offsets is None:
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
     if bias is not None:
@@ -258,9 +241,4 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
     else:
         sm90_mx.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None, data,
                        epilogue=epilogue)
-    if op.element is E4M3:
-        data = data.view(torch.float8_e4m3fn)
-    if scales is not None:
-        scales = scales.view(torch.float8_e8m0fnu if op.scale == "e8m0" else torch.float8_e4m3fn)
-    return QuantizedTensor(data, scales, f.name, "a", out_scale_layout if scales is not None else "plain",
-                           out_global_scale if f.global_scale else None, a_offsets if swizzled else None)
+    return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets)

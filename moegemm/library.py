@@ -1,0 +1,216 @@
+"""Every public op as a `torch.library.custom_op` with a fake implementation (torch.compile).
+
+    torch.ops.moegemm.grouped_matmul          -> C [M, N]
+    torch.ops.moegemm.grouped_matmul_swiglu   -> (data, scales, global_scale) of the A operand
+    torch.ops.moegemm.gather_quantize         -> (data, scales, global_scale)
+    torch.ops.moegemm.swiglu_quantize         -> (data, scales, global_scale)
+    torch.ops.moegemm.route                   -> the RoutingPlan's tensors
+    torch.ops.moegemm.unpermute_tokens        -> [T, N]
+    torch.ops.moegemm.moe_forward             -> [T, H]
+
+The public Python functions call these ops when torch.compile traces them (dynamo cannot
+trace a Triton/Gluon launch); eager calls go straight to the implementation. A missing scale
+or global scale travels as an empty tensor, since an op cannot return None. Fakes compute
+every output shape from the input shapes alone, as the kernels' host code does: no device
+value is read (the sizes are bounds of T*k and E). The layer is inference-only: no autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import activation as act
+from .formats import get_format
+from .quantize import QuantizedTensor
+
+__all__ = ["quantized_from_op", "quantized_to_op"]
+
+_EMPTY = 0  # numel of the placeholder for a missing tensor
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(_EMPTY, dtype=torch.float32)
+
+
+def quantized_to_op(q: QuantizedTensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A QuantizedTensor as the ops return it: (data, scales or empty, global scale or empty)."""
+    # The global scale may be the caller's own tensor: an op's output must not alias an input.
+    return (q.data, q.scales if q.scales is not None else _placeholder(like),
+            q.global_scale.reshape(()).clone() if q.global_scale is not None else _placeholder(like))
+
+
+def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets) -> QuantizedTensor:
+    """Inverse of quantized_to_op for an A operand of `fmt`."""
+    data, scales, global_scale = outputs
+    f = get_format(fmt)
+    scales = scales if f.a.scale is not None else None
+    global_scale = global_scale if f.global_scale else None
+    layout = "swizzled" if swizzled and scales is not None else "plain"
+    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if layout == "swizzled" else None)
+
+
+def _fake_a_operand(fmt: str, rows: int, k: int, swizzled: bool, num_scale_blocks, num_groups: int, like):
+    """Empty outputs with the shapes and dtypes the kernels produce (allocate_a_operand's rules)."""
+    f = get_format(fmt)
+    data, scales, _ = act.allocate_a_operand(f.name, rows, k, swizzled, num_scale_blocks, num_groups, like.device)
+    q = act.as_quantized(f.name, data, scales, swizzled, like.new_empty((), dtype=torch.float32), None)
+    return quantized_to_op(q, like)
+
+
+# ---- grouped matmuls ---------------------------------------------------------------------
+
+@torch.library.custom_op("moegemm::grouped_matmul", mutates_args=())
+def grouped_matmul_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor | None, b_scales: torch.Tensor | None,
+                      a_offsets: torch.Tensor, expert_ids: torch.Tensor, fmt: str,
+                      a_scale_offsets: torch.Tensor | None, expert_scales: torch.Tensor | None,
+                      row_scales: torch.Tensor | None, scale_layout: str, out_dtype: torch.dtype,
+                      backend: str) -> torch.Tensor:
+    from .ops import grouped_matmul
+
+    return grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
+                          expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout,
+                          out_dtype=out_dtype, backend=backend)
+
+
+@grouped_matmul_op.register_fake
+def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, a_scale_offsets, expert_scales, row_scales, scale_layout,
+      out_dtype, backend):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("moegemm::grouped_matmul_swiglu", mutates_args=())
+def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor | None,
+                             b_scales: torch.Tensor | None, a_offsets: torch.Tensor, expert_ids: torch.Tensor,
+                             fmt: str, out_fmt: str, activation: str, a_scale_offsets: torch.Tensor | None,
+                             expert_scales: torch.Tensor | None, bias: torch.Tensor | None, scale_layout: str,
+                             out_scale_layout: str, num_scale_blocks: int | None,
+                             out_global_scale: torch.Tensor | None, alpha: float, limit: float, fused: bool,
+                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .ops import grouped_matmul_swiglu
+
+    q = grouped_matmul_swiglu(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, out_fmt=out_fmt,
+                              activation=activation, a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
+                              bias=bias, scale_layout=scale_layout, out_scale_layout=out_scale_layout,
+                              num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha,
+                              limit=limit, fused=fused, backend=backend)
+    return quantized_to_op(q, a)
+
+
+@grouped_matmul_swiglu_op.register_fake
+def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales, bias,
+      scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend):
+    return _fake_a_operand(out_fmt, a.shape[0], b.shape[1] // 2, out_scale_layout == "swizzled", num_scale_blocks,
+                           expert_ids.shape[0], a)
+
+
+# ---- activation quantizers ---------------------------------------------------------------
+
+@torch.library.custom_op("moegemm::gather_quantize", mutates_args=())
+def gather_quantize_op(x: torch.Tensor, fmt: str, src_rows: torch.Tensor | None, a_offsets: torch.Tensor | None,
+                       a_scale_offsets: torch.Tensor | None, scale_layout: str, num_scale_blocks: int | None,
+                       global_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = act.gather_quantize(x, fmt, src_rows, a_offsets=a_offsets, a_scale_offsets=a_scale_offsets,
+                            scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    data, scales, g = quantized_to_op(q, x)
+    return (data.clone() if data is x else data), scales, g
+
+
+@gather_quantize_op.register_fake
+def _(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout, num_scale_blocks, global_scale):
+    rows = x.shape[0] if src_rows is None else src_rows.shape[0]
+    groups = 0 if a_offsets is None else a_offsets.shape[0] - 1
+    return _fake_a_operand(fmt, rows, x.shape[1], scale_layout == "swizzled", num_scale_blocks, groups, x)
+
+
+@torch.library.custom_op("moegemm::swiglu_quantize", mutates_args=())
+def swiglu_quantize_op(h: torch.Tensor, fmt: str, activation: str, gate_up_layout: str, bias: torch.Tensor | None,
+                       a_offsets: torch.Tensor | None, expert_ids: torch.Tensor | None,
+                       a_scale_offsets: torch.Tensor | None, scale_layout: str, num_scale_blocks: int | None,
+                       global_scale: torch.Tensor | None, alpha: float,
+                       limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = act.swiglu_quantize(h, fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
+                            a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets,
+                            scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale,
+                            alpha=alpha, limit=limit)
+    return quantized_to_op(q, h)
+
+
+@swiglu_quantize_op.register_fake
+def _(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids, a_scale_offsets, scale_layout,
+      num_scale_blocks, global_scale, alpha, limit):
+    groups = 0 if a_offsets is None else a_offsets.shape[0] - 1
+    return _fake_a_operand(fmt, h.shape[0], h.shape[1] // 2, scale_layout == "swizzled", num_scale_blocks, groups, h)
+
+
+# ---- routing -----------------------------------------------------------------------------
+
+@torch.library.custom_op("moegemm::route", mutates_args=())
+def route_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .routing import route
+
+    plan = route(topk_ids, num_experts, None, backend=backend)
+    expert_of_row = plan.expert_of_row
+    if expert_of_row is None:
+        expert_of_row = topk_ids.new_empty(plan.num_grouped_rows, dtype=torch.int32)
+    return (plan.token_index, plan.grouped_row, plan.valid, plan.a_offsets, plan.expert_ids, plan.a_scale_offsets,
+            expert_of_row)
+
+
+@route_op.register_fake
+def _(topk_ids, num_experts, backend):
+    t, k = topk_ids.shape
+    e = num_experts
+    new = topk_ids.new_empty
+    return (new(t * k, dtype=torch.int64), new(t, k, dtype=torch.int64), new(t, k, dtype=torch.bool),
+            new(e + 1, dtype=torch.int32), new(e, dtype=torch.int32), new(e, dtype=torch.int32),
+            new(t * k, dtype=torch.int32))
+
+
+@torch.library.custom_op("moegemm::unpermute_tokens", mutates_args=())
+def unpermute_tokens_op(y: torch.Tensor, token_index: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor,
+                        a_offsets: torch.Tensor, expert_ids: torch.Tensor, a_scale_offsets: torch.Tensor,
+                        expert_of_row: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                        expert_bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    from .routing import RoutingPlan, unpermute_tokens
+
+    plan = RoutingPlan(token_index, grouped_row, valid, a_offsets, expert_ids, a_scale_offsets, None, expert_of_row)
+    return unpermute_tokens(y, plan, topk_weights, out_dtype, expert_bias=expert_bias, backend=backend)
+
+
+@unpermute_tokens_op.register_fake
+def _(y, token_index, grouped_row, valid, a_offsets, expert_ids, a_scale_offsets, expert_of_row, topk_weights,
+      expert_bias, out_dtype, backend):
+    return y.new_empty(grouped_row.shape[0], y.shape[1], dtype=out_dtype)
+
+
+# ---- the layer -------------------------------------------------------------------------
+
+@torch.library.custom_op("moegemm::moe_forward", mutates_args=())
+def moe_forward_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
+    gate_up_data: torch.Tensor, gate_up_scales_q: torch.Tensor | None, gate_up_global: torch.Tensor | None,
+    down_data: torch.Tensor, down_scales_q: torch.Tensor | None, down_global: torch.Tensor | None,
+    fmt: str, scale_layout: str, activation: str, gate_up_layout: str,
+    gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+    gate_up_scales: torch.Tensor | None, down_scales: torch.Tensor | None,
+    input_global_scale: torch.Tensor | None, intermediate_global_scale: torch.Tensor | None,
+    alpha: float, limit: float, fused: bool, backend: str,
+) -> torch.Tensor:
+    from .moe import _moe_forward
+
+    w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global)
+    w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global)
+    return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
+                        gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                        gate_up_scales=gate_up_scales, down_scales=down_scales,
+                        input_global_scale=input_global_scale,
+                        intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+                        fused=fused, backend=backend)
+
+
+@moe_forward_op.register_fake
+def _(x, topk_ids, topk_weights, gate_up_data, gate_up_scales_q, gate_up_global, down_data, down_scales_q,
+      down_global, fmt, scale_layout, activation, gate_up_layout, gate_up_bias, down_bias, gate_up_scales,
+      down_scales, input_global_scale, intermediate_global_scale, alpha, limit, fused, backend):
+    return x.new_empty(x.shape[0], down_data.shape[1])

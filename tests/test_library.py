@@ -1,0 +1,83 @@
+"""The custom ops of moegemm/library.py: schemas and fake implementations agree with the real
+ops (torch.library.opcheck), and torch.compile(fullgraph=True) traces the public functions."""
+
+import pytest
+import torch
+
+import moegemm
+from moegemm.ops import interpreter_usable
+
+pytestmark = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
+CHECKS = ("test_schema", "test_faketensor")
+
+
+def _routed(fmt, t=9, h=64, e=4, k=2):
+    x = torch.randn(t, h)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    ids[0, 1] = -1
+    plan = moegemm.route(ids, e)
+    return x, ids, plan
+
+
+@pytest.mark.parametrize("fmt", ("bf16", "fp8_block", "mxfp8", "nvfp4"))
+def test_quantizer_ops(fmt):
+    x, _, plan = _routed(fmt)
+    layout = "swizzled" if fmt in ("mxfp8", "nvfp4") else "plain"
+    torch.library.opcheck(torch.ops.moegemm.gather_quantize,
+                          (x, fmt, plan.token_index, plan.a_offsets, None, layout, plan.scale_blocks_bound, None),
+                          test_utils=CHECKS)
+    h = torch.randn(plan.num_grouped_rows, 128)
+    torch.library.opcheck(torch.ops.moegemm.swiglu_quantize,
+                          (h, fmt, "swiglu_oai", "interleaved", torch.randn(4, 128), plan.a_offsets, plan.expert_ids,
+                           None, layout, plan.scale_blocks_bound, torch.tensor(1.0) if fmt == "nvfp4" else None,
+                           1.702, 7.0), test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("fmt", ("bf16", "mxfp8"))
+def test_matmul_ops(fmt):
+    x, _, plan = _routed(fmt)
+    layout = "swizzled" if fmt == "mxfp8" else "plain"
+    a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=layout)
+    b = moegemm.quantize_weights(torch.randn(4, 128, 64), fmt, scale_layout=layout)
+    # torch's schema checker compares input values with CPU ops that have no fp8 kernels.
+    checks = CHECKS if fmt == "bf16" else ("test_faketensor",)
+    torch.library.opcheck(torch.ops.moegemm.grouped_matmul,
+                          (a.data, b.data, a.scales, b.scales, plan.a_offsets, plan.expert_ids, fmt, None, None, None,
+                           layout, torch.bfloat16, "triton"), test_utils=checks)
+    torch.library.opcheck(torch.ops.moegemm.grouped_matmul_swiglu,
+                          (a.data, b.data, a.scales, b.scales, plan.a_offsets, plan.expert_ids, fmt, fmt, "swiglu",
+                           None, None, None, layout, layout, None, None, 1.702, 7.0, True, "triton"),
+                          test_utils=checks)
+
+
+def test_routing_ops():
+    _, ids, plan = _routed("bf16")
+    torch.library.opcheck(torch.ops.moegemm.route, (ids, 4, "auto"), test_utils=CHECKS)
+    y = torch.randn(plan.num_grouped_rows, 16)
+    torch.library.opcheck(torch.ops.moegemm.unpermute_tokens,
+                          (y, plan.token_index, plan.grouped_row, plan.valid, plan.a_offsets, plan.expert_ids,
+                           plan.a_scale_offsets, plan.expert_of_row, torch.rand(9, 2), torch.randn(4, 16),
+                           torch.float32, "auto"), test_utils=CHECKS)
+
+
+def test_public_functions_compile_fullgraph():
+    """route -> gather_quantize -> grouped_matmul_swiglu -> grouped_matmul -> unpermute, traced whole."""
+    fmt = "mxfp8"
+    w1 = moegemm.quantize_weights(torch.randn(4, 128, 64) * 0.1, fmt, scale_layout="swizzled")
+    w2 = moegemm.quantize_weights(torch.randn(4, 64, 64) * 0.1, fmt, scale_layout="swizzled")
+
+    def layer(x, ids, weights):
+        plan = moegemm.route(ids, 4, weights)
+        a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout="swizzled",
+                                    num_scale_blocks=plan.scale_blocks_bound)
+        mid = moegemm.grouped_matmul_swiglu(a.data, w1.data, a.scales, w1.scales, plan.a_offsets, plan.expert_ids,
+                                            fmt=fmt, out_fmt=fmt, scale_layout="swizzled",
+                                            num_scale_blocks=plan.scale_blocks_bound, backend="triton")
+        c = moegemm.grouped_matmul(mid.data, w2.data, mid.scales, w2.scales, plan.a_offsets, plan.expert_ids,
+                                   fmt=fmt, scale_layout="swizzled", backend="triton")
+        return moegemm.unpermute_tokens(c, plan, out_dtype=torch.float32)
+
+    x, ids, _ = _routed(fmt)
+    weights = torch.rand(9, 2)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, ids, weights), layer(x, ids, weights))
