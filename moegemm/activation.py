@@ -34,6 +34,7 @@ __all__ = ["ACTIVATIONS", "interleave_gate_up", "deinterleave_gate_up", "swiglu"
 ACTIVATIONS = ("swiglu", "swiglu_oai")
 GATE_UP_LAYOUTS = ("interleaved", "concat")
 _SOURCE = Path(__file__).parent / "kernels" / "_activation_tl.py"
+CUDA_BLOCK_M = 16  # rows per program of the activation kernel on the GPU (x 128 output columns)
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
     nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
     if rows and k_out:
         dummy = data
-        block_m = 16 if device.type == "cuda" else 32
+        block_m = CUDA_BLOCK_M if device.type == "cuda" else 32
         grid = (triton.cdiv(rows, block_m), triton.cdiv(k_out, nb * vec))
         module.activation_quantize_kernel[grid](
             x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,

@@ -126,7 +126,7 @@ def _group_of_rows(rows, a_offsets_ptr, G, LOG_G: tl.constexpr):
 @triton.jit
 def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, bias_ptr, row_expert, bias_rows,
                     alpha, limit, ACT: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[r, c] for rows src_rows and output columns cols (any shape that broadcasts), in fp32;
+    """y[r, c] for rows src_rows and output columns cols (3-D tiles that broadcast), in fp32;
     the bias of expert row_expert is added where bias_rows holds."""
     mask = row_mask & col_mask
     bias_mask = mask & bias_rows
@@ -136,18 +136,22 @@ def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, 
         if HAS_BIAS:
             y += tl.load(bias_ptr + row_expert * K_OUT + cols, mask=bias_mask, other=0.0).to(tl.float32)
     else:
+        bias_row = bias_ptr + row_expert * (2 * K_OUT)
         if CONCAT:
-            gate_cols = cols
-            up_cols = cols + K_OUT
+            gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(base + cols + K_OUT, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                gate += tl.load(bias_row + cols, mask=bias_mask, other=0.0).to(tl.float32)
+                up += tl.load(bias_row + cols + K_OUT, mask=bias_mask, other=0.0).to(tl.float32)
         else:
-            gate_cols = 2 * cols
-            up_cols = 2 * cols + 1
-        gate = tl.load(base + gate_cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + up_cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            bias_row = bias_ptr + row_expert * (2 * K_OUT)
-            gate += tl.load(bias_row + gate_cols, mask=bias_mask, other=0.0).to(tl.float32)
-            up += tl.load(bias_row + up_cols, mask=bias_mask, other=0.0).to(tl.float32)
+            # Interleaved: load each (gate_j, up_j) pair as one contiguous [.., 2] piece and
+            # split it in registers; two stride-2 loads would not vectorize (measured ~5x slower).
+            pair = 2 * cols[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+            both = tl.load(base[:, :, :, None] + pair, mask=mask[:, :, :, None], other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                both += tl.load(bias_row[:, :, :, None] + pair, mask=bias_mask[:, :, :, None],
+                                other=0.0).to(tl.float32)
+            gate, up = tl.split(both)
         if ACT == ACT_SWIGLU:
             y = gate / (1.0 + tl.exp(-gate)) * up
         else:
