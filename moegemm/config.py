@@ -82,7 +82,7 @@ class Sm90Config:
         if fmt.name in MX_FORMATS:
             if not self.swap or self.block_k != 64:
                 raise ValueError(f"config: {fmt.name} runs swapped tiles (weights in registers) with block_k=64: {self}")
-            smem = self.smem_bytes(2, out_bytes, _weight_bytes(fmt))
+            smem = self.smem_bytes(2, out_bytes, weight_bytes(fmt))
             if smem > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
             return
@@ -112,7 +112,8 @@ def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, w
     return cfg
 
 
-def _weight_bytes(fmt: Format) -> float:
+def weight_bytes(fmt: Format) -> float:
+    """Bytes a weight element takes in the ring (packed fp4: 1/2)."""
     return fmt.b.element.bits / 8
 
 _overrides: dict[type, object] = {}
@@ -204,8 +205,8 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
     tokens = regime if regime in (16, 32, 64) else 128
     cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
                      consumer_regs=192)
-    weight_bytes = _weight_bytes(FORMATS[fmt_name])
-    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(2, 2, weight_bytes) <= SM90_SMEM_BYTES:
+    w_bytes = weight_bytes(FORMATS[fmt_name])
+    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(2, 2, w_bytes) <= SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages + 1)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
     return cfg

@@ -136,11 +136,9 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     fmt = w_gate_up.fmt
     gate_up_layout = gate_up_layout or _gate_up_layout(fmt)
     act._check_activation(activation, gate_up_layout)
-    layout = _weight_scale_layout(fmt)
     if w_gate_up.scales is not None and (w_gate_up.scale_layout != w_down.scale_layout):
         raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
-    if w_gate_up.scales is not None:
-        layout = w_gate_up.scale_layout
+    layout = w_gate_up.scale_layout if w_gate_up.scales is not None else "plain"  # the tokens follow the weights
     num_experts = w_gate_up.data.shape[0]
     plan = route(topk_ids, num_experts, topk_weights)
     bound = plan.scale_blocks_bound
@@ -148,22 +146,13 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     a = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
                             scale_layout=layout, num_scale_blocks=bound, global_scale=input_global_scale)
     gate_up_expert_scales = _expert_scales(w_gate_up, gate_up_scales, a.global_scale)
-    if gate_up_layout == "concat":
-        h = grouped_matmul(a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids,
-                           fmt=fmt, a_scale_offsets=aso, expert_scales=gate_up_expert_scales,
-                           scale_layout=layout, backend=backend)
-        mid = act.swiglu_quantize(h, fmt, activation=activation, gate_up_layout="concat", bias=gate_up_bias,
-                                  a_offsets=plan.a_offsets, expert_ids=plan.expert_ids,
-                                  a_scale_offsets=aso, scale_layout=layout, num_scale_blocks=bound,
-                                  global_scale=intermediate_global_scale, alpha=alpha, limit=limit)
-    else:
-        mid = grouped_matmul_swiglu(
-            a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
-            activation=activation, a_scale_offsets=aso, expert_scales=gate_up_expert_scales,
-            bias=gate_up_bias, scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
-            out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
-            fused=fused and (intermediate_global_scale is not None or not get_format(fmt).global_scale),
-            backend=backend)
+    mid = grouped_matmul_swiglu(
+        a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
+        activation=activation, a_scale_offsets=aso, expert_scales=gate_up_expert_scales, bias=gate_up_bias,
+        scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
+        out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+        fused=fused and (intermediate_global_scale is not None or not get_format(fmt).global_scale),
+        backend=backend, gate_up_layout=gate_up_layout)
     down_expert_scales = _expert_scales(w_down, down_scales, mid.global_scale)
     c = grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
                        a_scale_offsets=aso, expert_scales=down_expert_scales, scale_layout=layout,
@@ -402,7 +391,8 @@ class MoE(torch.nn.Module):
         if bias is not None:
             self.router_bias.copy_(bias)
         if (correction_bias is not None) != (self.correction_bias is not None):
-            raise ValueError(f"correction_bias: this MoE was built with correction_bias={self.correction_bias is not None}")
+            raise ValueError("correction_bias: this MoE was built with "
+                             f"correction_bias={self.correction_bias is not None}")
         if correction_bias is not None:
             self.correction_bias.copy_(correction_bias)
         return self

@@ -109,6 +109,13 @@ def grouped_matmul(
     chosen = resolve_backend(backend, problem, a.device)
     if out is None:
         out = torch.zeros(problem.m, problem.n, dtype=out_dtype, device=a.device)
+    return _run(problem, chosen, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
+                row_scales, scale_layout, out)
+
+
+def _run(problem: GroupedProblem, chosen: str, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
+         expert_scales, row_scales, scale_layout, out):
+    """Launch a validated problem on the resolved backend into `out`."""
     if chosen == "reference":
         return reference.grouped_matmul(
             a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=problem.fmt.name,
@@ -146,6 +153,7 @@ def grouped_matmul_swiglu(
     limit: float = 7.0,
     fused: bool = True,
     backend: str = "auto",
+    gate_up_layout: str = "interleaved",
 ):
     """The gate/up product followed by SwiGLU and the quantization of its output:
 
@@ -155,20 +163,21 @@ def grouped_matmul_swiglu(
         y = swiglu(h) or swiglu_oai(h)         [M, I]
         return quantize(y, out_fmt)            a QuantizedTensor, the down product's A operand
 
-    out_fmt is any format's A operand ("bf16", "mxfp8", "nvfp4", ...); its scales go in
-    `out_scale_layout` (default: swizzled for the block formats, else plain; swizzled pads every group to 128 scale rows, padding zero;
-    `num_scale_blocks` bounds its first dimension, default ceil(M/128) + G). nvfp4 output
-    needs `out_global_scale` (fp32, one value) when fused.
+    out_fmt is any format's A operand ("bf16", "mxfp8", "nvfp4", ...). Its scales go in
+    `out_scale_layout` (default: swizzled for the block formats, else plain); the swizzled
+    layout pads every group to 128 scale rows, padding zero, and `num_scale_blocks` bounds
+    its first dimension (default ceil(M/128) + G). nvfp4 output needs `out_global_scale`
+    (fp32, one value) when fused.
 
     On sm90 with fused=True, bf16/mxfp8/w4a8/nvfp4/mxfp4 outputs come straight out of the
-    matmul's epilogue (the [M, 2I] product never reaches memory). Elsewhere, and for
-    fp8_block outputs, it runs the unfused chain: grouped_matmul to bf16, then
-    activation.swiglu_quantize. Rows outside valid groups hold unspecified data (and no
-    scales in the swizzled layout).
+    matmul's epilogue (the [M, 2I] product never reaches memory). Elsewhere, for fp8_block
+    outputs, and for gate_up_layout="concat" (columns [gate; up], DeepSeek's FP8 order), it
+    runs the unfused chain: the product to bf16, then activation.swiglu_quantize. Rows
+    outside valid groups hold unspecified data (and no scales in the swizzled layout).
     """
     from . import activation as act
 
-    act._check_activation(activation)
+    act._check_activation(activation, gate_up_layout)
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
         out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
@@ -177,7 +186,8 @@ def grouped_matmul_swiglu(
 
         outputs = torch.ops.moegemm.grouped_matmul_swiglu(
             a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales,
-            bias, scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend)
+            bias, scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend,
+            gate_up_layout)
         return quantized_from_op(outputs, out_fmt, out_scale_layout == "swizzled", a_offsets)
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
@@ -185,7 +195,7 @@ def grouped_matmul_swiglu(
         out_dtype=torch.bfloat16,
     )
     chosen = resolve_backend(backend, problem, a.device)
-    if chosen == "sm90" and fused:
+    if chosen == "sm90" and fused and gate_up_layout == "interleaved":
         from .kernels import sm90_epilogue
 
         if sm90_epilogue.fused_supports(problem, out_fmt):
@@ -193,9 +203,11 @@ def grouped_matmul_swiglu(
                 problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
                 out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
                 num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha, limit=limit)
-    h = grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
-                       expert_scales=expert_scales, scale_layout=scale_layout, backend=chosen)
-    return act.swiglu_quantize(h, out_fmt, activation=activation, bias=bias, a_offsets=a_offsets,
-                               expert_ids=expert_ids, scale_layout=out_scale_layout,
+    h = torch.zeros(problem.m, problem.n, dtype=torch.bfloat16, device=a.device)
+    _run(problem, chosen, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None,
+         scale_layout, h)
+    return act.swiglu_quantize(h, out_fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
+                               a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets,
+                               scale_layout=out_scale_layout,
                                num_scale_blocks=num_scale_blocks, global_scale=out_global_scale,
                                alpha=alpha, limit=limit)

@@ -304,8 +304,9 @@ def test_fused_swiglu_epilogue_matches_unfused(fmt, out_fmt, case):
     bias = torch.randn(e, n, device="cuda") * 0.1
     scales = torch.rand(e, device="cuda") + 0.5
     activation = "swiglu_oai" if case % 2 else "swiglu"
+    nvfp4_global = torch.tensor([0.01], device="cuda") if out_fmt == "nvfp4" else None
     kw = dict(fmt=fmt, out_fmt=out_fmt, activation=activation, expert_scales=scales, bias=bias, scale_layout=layout,
-              a_scale_offsets=None, out_global_scale=torch.tensor([0.01], device="cuda") if out_fmt == "nvfp4" else None)
+              a_scale_offsets=None, out_global_scale=nvfp4_global)
     if b.global_scale is not None:
         kw["expert_scales"] = scales * b.global_scale * a.global_scale
     fused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=True,

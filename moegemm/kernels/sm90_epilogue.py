@@ -32,12 +32,13 @@ from ..activation import allocate_a_operand, as_quantized
 from ..config import MX_FORMATS
 from ..formats import E2M1, E4M3, get_format
 
-ACT_SWIGLU = 1
-ACT_SWIGLU_OAI = 2
-OUT_BF16 = 0
-OUT_E4M3_E8M0 = 2
-OUT_E2M1_E8M0 = 3
-OUT_E2M1_E4M3 = 4
+# The epilogue's constexpr codes (the same as kernels/_activation_tl.py's).
+ACT_SWIGLU = gl.constexpr(1)
+ACT_SWIGLU_OAI = gl.constexpr(2)
+OUT_BF16 = gl.constexpr(0)
+OUT_E4M3_E8M0 = gl.constexpr(2)  # mxfp8, w4a8
+OUT_E2M1_E8M0 = gl.constexpr(3)  # mxfp4
+OUT_E2M1_E4M3 = gl.constexpr(4)  # nvfp4
 
 
 @gluon.jit
@@ -105,7 +106,7 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
         bias = gl.load(bias_ptr + e * N + wcols, mask=wcols < N, other=0.0)
         h = h + gl.expand_dims(bias, 0)
     gate, up = gl.split(gl.reshape(h, [TR, OC, 2]))
-    if ACT == 1:
+    if ACT == ACT_SWIGLU:
         y = gate / (1.0 + gl.exp(-gate)) * up
     else:
         gate = gl.minimum(gate, limit)
@@ -118,22 +119,22 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
     n_out = N // 2
     col0 = w0 // 2
     cols = col0 + gl.arange(0, OC, layout=gl.SliceLayout(0, out_layout))
-    if OUT == 0:
+    if OUT == OUT_BF16:
         _store_rows(out_ptr, y.to(gl.bfloat16), toks, tok_mask, n_out, cols, n_out, out_layout)
     else:
         NBLK: gl.constexpr = OC // VEC
         y3 = gl.reshape(y, [TR, NBLK, VEC])
         amax = gl.max(gl.abs(y3), axis=2)  # [TR, NBLK]
-        if OUT == 4:
+        if OUT == OUT_E2M1_E4M3:
             g = gl.load(global_ptr)
             stored = _e4m3_bits(gl.div_rn(amax, g * 6.0))
             denom = gl.expand_dims(stored.to(gl.float8e4nv, bitcast=True).to(gl.float32) * g, 2)
             scaled = gl.where(denom > 0, gl.div_rn(y3, denom), 0.0)
         else:
-            ex = _e8m0_exponent(amax, 448.0 if OUT == 2 else 6.0)
+            ex = _e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y3 * gl.expand_dims(_pow2(-ex), 2)
             stored = gl.where(amax == amax, ex + 127, 255).to(gl.uint8)
-        if OUT == 2:
+        if OUT == OUT_E4M3_E8M0:
             data = gl.reshape(_e4m3_bits(scaled), [TR, OC])
             _store_rows(out_ptr, data, toks, tok_mask, n_out, cols, n_out, out_layout)
         else:
@@ -194,11 +195,11 @@ def _out_kind(out_fmt: str) -> tuple[int, int]:
     """(OUT code, scale block) of out_fmt's A operand; OUT -1 when the epilogue cannot produce it."""
     op = get_format(out_fmt).a
     if op.scale is None:
-        return OUT_BF16, 32
+        return OUT_BF16.value, 32
     if op.scale == "e8m0":
-        return (OUT_E4M3_E8M0 if op.element is E4M3 else OUT_E2M1_E8M0), op.block_k
+        return (OUT_E4M3_E8M0 if op.element is E4M3 else OUT_E2M1_E8M0).value, op.block_k
     if op.scale == "e4m3" and op.element is E2M1:
-        return OUT_E2M1_E4M3, op.block_k
+        return OUT_E2M1_E4M3.value, op.block_k
     return -1, 0  # fp8_block: a 1x128 block spans two 64-wide output tiles
 
 
@@ -233,7 +234,7 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
         out_scale=scales if scales is not None else data, bias=bias, global_scale=out_global_scale,
         a_scale_offsets=a_scale_offsets, num_scale_rows=num_scale_rows, num_out_kb=nkb,
         out_kb4=math.ceil(nkb / 4), alpha=float(alpha), limit=float(limit),
-        act=ACT_SWIGLU if activation == "swiglu" else ACT_SWIGLU_OAI, out=out_code, out_swizzled=swizzled,
+        act=(ACT_SWIGLU if activation == "swiglu" else ACT_SWIGLU_OAI).value, out=out_code, out_swizzled=swizzled,
         vec=vec,
     )
     if p.fmt.name == "bf16":

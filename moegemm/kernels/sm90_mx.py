@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import layouts
-from ..config import MX_FORMATS, sm90_mx_config, with_epilogue_scratch
+from ..config import MX_FORMATS, sm90_mx_config, weight_bytes, with_epilogue_scratch
 from ..validation import GroupedProblem
 from . import portable
 from .sm90_epilogue import epilogue_args, fused_epilogue
@@ -215,7 +215,7 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
     tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
     cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups)
     if epilogue is not None:
-        cfg = with_epilogue_scratch(cfg, 2, 2, 0.5 if p.fmt.b.element.packed else 1)
+        cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(p.fmt))
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)
