@@ -55,6 +55,7 @@ class Sm90Config:
     swap: bool = False
     split_n: bool = False
     consumer_regs: int = 232
+    sub_steps: int = 1  # MX kernel: block_k-wide steps per ring stage (weight rows in wider TMA boxes)
 
     @property
     def token_tile(self) -> int:
@@ -71,21 +72,28 @@ class Sm90Config:
     def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None) -> int:
         """Shared memory of the ring and epilogue; `weight_bytes` per weight element when the
         weights stay compressed in the ring (MX/NV formats: 1 or 1/2), else `element_bytes`."""
+        # The MX kernel decodes the weights into two bf16 [64, block_k] buffers per warpgroup.
+        operands = 0 if weight_bytes is None else 2 * 2 * 64 * self.block_k * 2
         weight_bytes = element_bytes if weight_bytes is None else weight_bytes
-        stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.block_k)
+        stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.block_k * self.sub_steps)
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
-        return self.stages * stage + epilogue + 2 * 8 * self.stages
+        return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
 
     def check(self, fmt: Format, out_bytes: int = 2):
         if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
             raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
         if fmt.name in MX_FORMATS:
             if not self.swap or self.block_k != 64:
-                raise ValueError(f"config: {fmt.name} runs swapped tiles (weights in registers) with block_k=64: {self}")
+                raise ValueError(f"config: {fmt.name} runs swapped tiles (decoded weights as the wgmma A side) "
+                                 f"with block_k=64: {self}")
+            if self.sub_steps not in (1, 2, 4) or self.sub_steps * self.block_k * weight_bytes(fmt) > 128:
+                raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
             smem = self.smem_bytes(2, out_bytes, weight_bytes(fmt))
             if smem > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
             return
+        if self.sub_steps != 1:
+            raise ValueError(f"config: sub_steps is a block-format (MX kernel) setting: {self}")
         fp8 = fmt.name == "fp8_block"
         if fp8 and (self.block_k != 128 or min(self.epilogue_n(True), self.weight_tile) > 128 and not self.swap):
             raise ValueError(f"config: fp8_block promotes per 128x128 block; an accumulator spans <= 128 weights: {self}")
@@ -198,14 +206,19 @@ def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float) -> Sm90C
 
 @functools.lru_cache(maxsize=None)
 def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
-    # Weights are always the 128-row wgmma side (decoded in registers, the A operand); the
+    # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand); the
     # tokens (bf16) the N side: one group's tokens at decode, else 128. A 256-token tile would
     # amortize the decoding over more tokens, but its accumulator (128 registers) spilled over
     # 100 registers in every format (sm_90 compile: ptxas allocates within the kernel's 168).
     tokens = regime if regime in (16, 32, 64) else 128
-    cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
-                     consumer_regs=192)
     w_bytes = weight_bytes(FORMATS[fmt_name])
+    # A ring stage carries two 64-wide K steps. With one step (32 or 64 bytes of a weight row)
+    # the run took ~0.7 us per stage whatever the bytes, fp4 or fp8, 16 or 128 tokens; two steps
+    # were 1.2-1.3x faster in every format and regime, four steps of fp4 no better than two
+    # (bench/results/mx-stages-*.json, H100).
+    sub_steps = 2
+    cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
+                     consumer_regs=192, sub_steps=sub_steps)
     while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(2, 2, w_bytes) <= SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages + 1)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)

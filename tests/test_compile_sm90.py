@@ -117,7 +117,7 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
     signature = {
         "t_desc": offline.tensordesc_signature("bf16", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4 else "fp8e4nv",
-                                               [cfg.weight_tile, cfg.block_k // 2 if fp4 else cfg.block_k]),
+                                               [cfg.weight_tile, cfg.sub_steps * (cfg.block_k // 2 if fp4 else cfg.block_k)]),
         "out_ptr": "*u8" if epilogue else "*bf16", "b_scale_ptr": "*u8", "a_offsets_ptr": "*i32",
         "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
         **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,

@@ -10,6 +10,7 @@ import torch
 
 import moegemm
 from moegemm.config import Sm90Config, override_config
+from moegemm.formats import FORMATS
 
 from cases import TOKEN_PATTERNS, check_output, make_problem, poison_like, tolerance
 
@@ -65,6 +66,23 @@ def mx_config(token_tile: int) -> Sm90Config:
 def test_sm90_block_formats_match_reference(fmt, layout, pattern, token_tile):
     # N=320: a partial last weight tile; K=608: a partial last K step (9.5 x 64).
     run_sm90(fmt, pattern, n=320, k=608, config=mx_config(token_tile), layout=layout)
+
+
+def wide_stage_cases():
+    for fmt in MX_FORMATS:
+        for sub_steps in (2, 4) if FORMATS[fmt].b.element.packed else (2, ):
+            for token_tile in (16, 128):
+                yield fmt, sub_steps, token_tile
+
+
+@pytest.mark.parametrize("k", [608, 7168])
+@pytest.mark.parametrize("pattern", [TOKEN_PATTERNS[i] for i in (1, 5, 8, 13)], ids=lambda p: p.name)
+@pytest.mark.parametrize("fmt,sub_steps,token_tile", list(wide_stage_cases()))
+def test_sm90_block_formats_wide_stages(fmt, sub_steps, token_tile, pattern, k):
+    # A stage carrying 2 or 4 K steps (128 bytes of each weight row): K=608 ends inside the
+    # first (4 steps: 256) or fifth stage; K=7168 runs 28-56 stages a tile.
+    config = dataclasses.replace(mx_config(token_tile), sub_steps=sub_steps, stages=2 if token_tile == 128 else 3)
+    run_sm90(fmt, pattern, n=320, k=k, config=config, layout="swizzled")
 
 
 @pytest.mark.parametrize("token_tile", [32, 64])

@@ -108,12 +108,15 @@ def _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim: gl.constexpr,
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1):
+    """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
+    (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
+    i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    k_steps = gl.cdiv(K, BLOCK_K * SUB)
+    stage_bytes: gl.constexpr = SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
     B_STEP: gl.constexpr = b_desc.block_type.shape[1]
     it = 0
@@ -129,7 +132,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(stage), stage_bytes)
-                tma.async_copy_global_to_shared(a_desc, [a_row, kk * BLOCK_K], ready.index(stage), a_bufs.index(stage))
+                for j in gl.static_range(SUB):
+                    tma.async_copy_global_to_shared(a_desc, [a_row, (kk * SUB + j) * BLOCK_K], ready.index(stage),
+                                                    a_bufs.index(stage * SUB + j))
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage), b_bufs.index(stage))
                 it += 1
         tile_base += group_tiles

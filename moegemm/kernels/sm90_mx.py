@@ -10,20 +10,24 @@ kernel does the latter (docs/design.md records the measurements):
 
     tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows) into a bf16
              [M, K] buffer, TMA-loaded as the wgmma B operand (the narrow N side)
-    weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, then
-             each consumer warpgroup decodes its 64 weight rows from shared memory straight
-             into the register layout of the wgmma A operand, times the block scales
-             (gathered from global memory, plain or swizzled layout, one step ahead)
+    weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, 128
+             bytes of each weight row per stage (SUB = 2 steps of 64 K: one step, 32 or 64
+             bytes a row, took the same ~0.7 us per stage whatever its bytes, H100); each
+             consumer warpgroup decodes its 64 weight rows times the block scales (gathered
+             from global memory, plain or swizzled layout, one step ahead) into a bf16
+             shared-memory operand, two buffers a warpgroup
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
-(config.sm90_mx_config: one group's tokens at decode, 128 or 256 in prefill). Producer,
-barriers, schedule and the masked epilogue are those of kernels/sm90.py.
+(config.sm90_mx_config: one group's tokens at decode, 128 in prefill). Producer, barriers,
+schedule and the masked epilogue are those of kernels/sm90.py.
 
-Steady state of one consumer (stage s = it % STAGES):
-    load the scales of step k+1
-    wait ready[s]; w = decode(weights[s] rows of this warpgroup) * scales(k)
-    acc = wgmma(w, tokens[s]^T, acc); wait for it; arrive empty[s]
+Steady state of one consumer (stage s = it % STAGES, steps j < SUB of it):
+    wait ready[s]
+    per step: load the scales of the next step; w = decode(weights[s] rows, step j) * scales
+              store w to operand buffer (step % 2); acc = wgmma(buffer, tokens[s, j]^T, acc)
+              wait until one wgmma is left in flight (the next decode overlaps it);
+              after step 0: arrive empty[s - 1]
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import layouts
@@ -56,13 +61,11 @@ def _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED: gl.constexpr):
 
 
 @gluon.jit
-def _load_scales(scale_rows, row_ok, kk, NUM_KB, layout: gl.constexpr, BLOCK_K: gl.constexpr, VEC: gl.constexpr,
-                 SWIZZLED: gl.constexpr, NV_SCALE: gl.constexpr):
-    """The block scales of K step kk as a bf16 [64, BLOCK_K] tensor in the operand layout (each
-    thread loads its distinct (row, block) pairs once: the compiler sees the constancy of
-    k // VEC). e8m0 b -> 2^(b-127) (0 -> 2^-127, a bf16 subnormal; 255 -> NaN); nvfp4: e4m3."""
-    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    kb = kk * (BLOCK_K // VEC) + ks // VEC
+def _load_scales(scale_rows, row_ok, kk, NUM_KB, layout: gl.constexpr, NKB: gl.constexpr, SWIZZLED: gl.constexpr,
+                 NV_SCALE: gl.constexpr):
+    """The NKB block scales of K step kk of each weight row, a bf16 [64, NKB] tensor.
+    e8m0 b -> 2^(b-127) (0 -> 2^-127, a bf16 subnormal; 255 -> NaN); nvfp4: e4m3."""
+    kb = kk * NKB + gl.arange(0, NKB, layout=gl.SliceLayout(0, layout))
     if SWIZZLED:
         k_offsets = (kb // 4) * 512 + kb % 4
     else:
@@ -80,63 +83,83 @@ def _load_scales(scale_rows, row_ok, kk, NUM_KB, layout: gl.constexpr, BLOCK_K: 
 
 
 @gluon.jit
-def _decode_weights(w_smem, raw_layout: gl.constexpr, dot_layout: gl.constexpr, FP4: gl.constexpr):
-    """This warpgroup's [64, BLOCK_K] weight tile from shared memory to bf16 registers in the
-    wgmma A-operand layout. Packed fp4 is read with k_width 1 so that the unpacked tensor lands
-    in k_width 2 without data movement between threads (checked in the SASS: no SHFL)."""
+def _decode_weights(w_smem, scales, raw_layout: gl.constexpr, dec_layout: gl.constexpr, NKB: gl.constexpr,
+                    FP4: gl.constexpr):
+    """This warpgroup's [64, BLOCK_K] weight tile from the ring to bf16 registers, times its
+    [64, NKB] block scales. Each thread takes whole scale blocks of one row (16 bytes: one
+    shared load), viewed as [64, NKB, block] so that a scale multiplies its block."""
     raw = w_smem.load(raw_layout)
+    raw = gl.reshape(raw, [raw.shape[0], NKB, raw.shape[1] // NKB])
     if FP4:
-        w = gl.convert_layout(gl.fp4_to_fp(raw, gl.bfloat16, 1), dot_layout)
+        w = gl.fp4_to_fp(raw, gl.bfloat16, 2)
     else:
         w = raw.to(gl.bfloat16)
-    return w
+    w = gl.convert_layout(w, dec_layout) * gl.expand_dims(scales, 2)
+    return gl.reshape(w, [w.shape[0], w.shape[1] * w.shape[2]])
 
 
 @gluon.jit
-def _upcast_chain(w_bufs, t_bufs, ready, empty, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
-                  WG: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, VEC: gl.constexpr,
-                  FP4: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr,
-                  raw_layout: gl.constexpr, dot_layout: gl.constexpr):
-    """acc = sum_k decode(W_k) * scales_k @ T_k^T. Each step waits for its own wgmma before
-    the next decode: the wgmma reads its register operand while it runs (PTX: the registers
-    must not change before wgmma.wait_group), and keeping it in flight across the next
-    decode gave wrong results on 128-token tiles (H100). The other warpgroup's wgmma runs
-    while this one decodes."""
+def _upcast_chain(w_bufs, t_bufs, a_bufs, ready, empty, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
+                  WG: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, NKB: gl.constexpr,
+                  BYTES: gl.constexpr, FP4: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr,
+                  raw_layout: gl.constexpr, dec_layout: gl.constexpr):
+    """acc = sum_k decode(W_k) * scales_k @ T_k^T over k_steps stages of SUB 64-wide steps.
+
+    Each step's decoded tile is stored to one of this warpgroup's two bf16 operand buffers and
+    the wgmma reads it from there, so the next step is decoded while this one's wgmma runs. (A
+    register operand cannot stay in flight: ptxas reuses its registers once the wgmma is
+    issued, though the wgmma reads them until its wait; that gave wrong results on 128-token
+    tiles, H100.) A ring stage is released when the wgmma of its last step retired, i.e.
+    after the first step of the next stage, or at the end of the tile."""
+    scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
     acc = zero
-    scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, dot_layout, BLOCK_K, VEC, SWIZZLED, NV_SCALE)
+    scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE)
     for kk in range(k_steps):
-        next_scales = _load_scales(scale_rows, row_ok, kk + 1, NUM_KB, dot_layout, BLOCK_K, VEC, SWIZZLED, NV_SCALE)
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-        w = _decode_weights(w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS), raw_layout, dot_layout, FP4) * scales
-        acc = warpgroup_mma(w, t_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index(stage), count=1)
-        scales = next_scales
+        for j in gl.static_range(SUB):
+            step = kk * SUB + j
+            next_scales = _load_scales(scale_rows, row_ok, step + 1, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE)
+            raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
+            w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)
+            # The buffer was last read by the wgmma two steps back, retired by the previous wait.
+            operand = a_bufs.index(WG * 2 + step % 2)
+            operand.store(w)
+            fence_async_shared()
+            acc = warpgroup_mma(operand, t_bufs.index(stage * SUB + j).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            if j == 0:  # the previous stage's last wgmma retired
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk >= 1)
+            scales = next_scales
         it += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
     return acc, it
 
 
 @gluon.jit
-def _mx_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+def _mx_consumer_partition(t_bufs, w_bufs, a_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                            expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi,
                            WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
-                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, VEC: gl.constexpr, FP4: gl.constexpr,
+                           SUB: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, VEC: gl.constexpr, FP4: gl.constexpr,
                            NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                            HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, 16])
-    dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    raw_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1 if FP4 else 2)
+    # Decoding: two threads a weight row, each taking half of the step's NKB scale blocks.
+    NKB: gl.constexpr = BLOCK_K // VEC
+    BYTES: gl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K  # of a weight row per 64-wide step
+    raw_layout: gl.constexpr = gl.BlockedLayout([1, BYTES // 2], [16, 2], [4, 1], [1, 0])
+    dec_layout: gl.constexpr = gl.BlockedLayout([1, NKB // 2, VEC], [16, 2, 1], [4, 1, 1], [2, 1, 0])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    k_steps = gl.cdiv(K, BLOCK_K * SUB)
     zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
     tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
     w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
-    w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, dot_layout))
+    w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, dec_layout)))
     it = 0
     tile_base = 0
     for g in range(G):
@@ -148,8 +171,9 @@ def _mx_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a
             tok_mask = toks < t
             ns_op = w_block * W_TILE + w_offsets_op
             scale_rows = b_scale_ptr + _scale_row_offsets(e, ns_op, N, NUM_KB, KB4, SWIZZLED)
-            acc, it = _upcast_chain(w_bufs, t_bufs, ready, empty, zero, scale_rows, ns_op < N, NUM_KB, it, k_steps,
-                                    WG, STAGES, BLOCK_K, VEC, FP4, NV_SCALE, SWIZZLED, raw_layout, dot_layout)
+            acc, it = _upcast_chain(w_bufs, t_bufs, a_bufs, ready, empty, zero, scale_rows, ns_op < N, NUM_KB, it,
+                                    k_steps, WG, STAGES, SUB, NKB, BYTES, FP4, NV_SCALE, SWIZZLED, raw_layout,
+                                    dec_layout)
             if EPI[0] != 0:  # the fused SwiGLU epilogue
                 fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
                                w_block * W_TILE + WG * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
@@ -167,31 +191,36 @@ def grouped_matmul_sm90_mx_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offset
                                   NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                                   HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
     """See the module docstring. t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A;
-    w_desc: raw weight tiles [128, BLOCK_K bytes (fp8) or BLOCK_K / 2 (packed fp4)] of B viewed
-    as [E*N, K or K/2]."""
+    w_desc: raw weight tiles [128, SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)]
+    of B viewed as [E*N, K or K/2]: SUB token tiles and one weight tile fill a ring stage."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
-    FP4: gl.constexpr = w_desc.block_type.shape[1] * 2 == BLOCK_K
+    FP4: gl.constexpr = w_desc.dtype == gl.uint8
+    # 64-wide K steps per ring stage: a stage carries w_desc's bytes of each weight row.
+    SUB: gl.constexpr = w_desc.block_type.shape[1] // (BLOCK_K // 2 if FP4 else BLOCK_K)
     gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
-    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
+    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # Two bf16 operand buffers per consumer warpgroup for its decoded weights (_upcast_chain).
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, WG_ROWS, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.bfloat16))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_mx_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+        (_mx_consumer_partition, (t_bufs, w_bufs, a_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                   expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, 0, TOK_TILE,
-                                  W_TILE, BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
-                                  HAS_ROW_SCALES, EPI)),
-        (_mx_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                  W_TILE, BLOCK_K, SUB, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED,
+                                  HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)),
+        (_mx_consumer_partition, (t_bufs, w_bufs, a_bufs, ready, empty, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                   expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, 1, TOK_TILE,
-                                  W_TILE, BLOCK_K, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED, HAS_EXPERT_SCALES,
-                                  HAS_ROW_SCALES, EPI)),
+                                  W_TILE, BLOCK_K, SUB, STAGES, GROUP_M, VEC, FP4, NV_SCALE, SWIZZLED,
+                                  HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB)),
     # ptxas pipelines the wgmmas only if the SMALLEST setmaxnreg in the kernel leaves room for
     # the loop (about accumulator + 64 registers); with the producer at 40 it serialized every
     # HGMMA (C7512). Producer 120, consumers 192 each (the default partition gets the rest).
@@ -223,7 +252,7 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
     fp4 = p.fmt.b.element.packed
     weights = b.view(torch.uint8) if fp4 else b
     stored_k = weights.shape[-1]
-    w_block = (cfg.weight_tile, cfg.block_k // 2 if fp4 else cfg.block_k)
+    w_block = (cfg.weight_tile, cfg.sub_steps * (cfg.block_k // 2 if fp4 else cfg.block_k))
     w_desc = TensorDescriptor.from_tensor(weights.reshape(p.num_experts * p.n, stored_k), list(w_block),
                                           _layout(w_block, weights.dtype))
     num_kb = p.num_k_scales
