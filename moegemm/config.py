@@ -58,6 +58,11 @@ class Sm90Config:
     sub_steps: int = 1  # MX kernel: block_k-wide steps per ring stage (weight rows in wider TMA boxes)
 
     @property
+    def stage_k(self) -> int:
+        """K elements a ring stage carries (the MX kernel's stage holds sub_steps K steps)."""
+        return self.block_k * self.sub_steps
+
+    @property
     def token_tile(self) -> int:
         return self.block_n if self.swap else (64 if self.split_n else 128)
 
@@ -75,7 +80,7 @@ class Sm90Config:
         # The MX kernel decodes the weights into two bf16 [64, block_k] buffers per warpgroup.
         operands = 0 if weight_bytes is None else 2 * 2 * 64 * self.block_k * 2
         weight_bytes = element_bytes if weight_bytes is None else weight_bytes
-        stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.block_k * self.sub_steps)
+        stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.stage_k)
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
         return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
 
@@ -86,7 +91,7 @@ class Sm90Config:
             if not self.swap or self.block_k != 64:
                 raise ValueError(f"config: {fmt.name} runs swapped tiles (decoded weights as the wgmma A side) "
                                  f"with block_k=64: {self}")
-            if self.sub_steps not in (1, 2, 4) or self.sub_steps * self.block_k * weight_bytes(fmt) > 128:
+            if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
                 raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
             smem = self.smem_bytes(2, out_bytes, weight_bytes(fmt))
             if smem > SM90_SMEM_BYTES:

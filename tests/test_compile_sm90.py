@@ -106,18 +106,18 @@ def sm90_mx_token_tile(fmt, tokens_per_slot):
 
 
 def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
-    from moegemm.config import sm90_mx_config, with_epilogue_scratch
+    from moegemm.config import sm90_mx_config, weight_bytes, with_epilogue_scratch
     from moegemm.kernels import sm90_mx
 
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
     if epilogue is not None:
-        cfg = with_epilogue_scratch(cfg, 2, 2, 0.5 if f.b.element.packed else 1)
+        cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(f))
     fp4 = f.b.element.packed
     signature = {
         "t_desc": offline.tensordesc_signature("bf16", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4 else "fp8e4nv",
-                                               [cfg.weight_tile, cfg.sub_steps * (cfg.block_k // 2 if fp4 else cfg.block_k)]),
+                                               [cfg.weight_tile, int(cfg.stage_k * weight_bytes(f))]),
         "out_ptr": "*u8" if epilogue else "*bf16", "b_scale_ptr": "*u8", "a_offsets_ptr": "*i32",
         "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
         **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,

@@ -252,7 +252,7 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
     fp4 = p.fmt.b.element.packed
     weights = b.view(torch.uint8) if fp4 else b
     stored_k = weights.shape[-1]
-    w_block = (cfg.weight_tile, cfg.sub_steps * (cfg.block_k // 2 if fp4 else cfg.block_k))
+    w_block = (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt)))
     w_desc = TensorDescriptor.from_tensor(weights.reshape(p.num_experts * p.n, stored_k), list(w_block),
                                           _layout(w_block, weights.dtype))
     num_kb = p.num_k_scales
