@@ -56,6 +56,7 @@ class Sm90Config:
     split_n: bool = False
     consumer_regs: int = 232
     sub_steps: int = 1  # MX kernel: block_k-wide steps per ring stage (weight rows in wider TMA boxes)
+    fp8_mma: bool = False  # mxfp8: fp8 wgmma per 32-wide K block and fp32 promotion (kernels/sm90_mxfp8.py)
 
     @property
     def stage_k(self) -> int:
@@ -87,6 +88,17 @@ class Sm90Config:
     def check(self, fmt: Format, out_bytes: int = 2):
         if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
             raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
+        if self.fp8_mma:
+            if fmt.name != "mxfp8" or not self.swap or self.block_k != 128 or self.sub_steps != 1:
+                raise ValueError(f"config: fp8_mma runs mxfp8 on swapped tiles with block_k=128 (four scale blocks "
+                                 f"a stage): {self}")
+            if self.block_n > 32:
+                # Registers: the accumulator, two partial tiles in flight and two stages of token
+                # scales (4 x block_n / 4 each) spilled ~1000 values at 64 tokens (sm_90 compile).
+                raise ValueError(f"config: fp8_mma tiles hold <= 32 tokens: {self}")
+            if self.smem_bytes(1, out_bytes) > SM90_SMEM_BYTES:
+                raise ValueError(f"config: {self.smem_bytes(1, out_bytes)} bytes of shared memory > {SM90_SMEM_BYTES}")
+            return
         if fmt.name in MX_FORMATS:
             if not self.swap or self.block_k != 64:
                 raise ValueError(f"config: {fmt.name} runs swapped tiles (decoded weights as the wgmma A side) "
@@ -211,6 +223,18 @@ def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float) -> Sm90C
 
 @functools.lru_cache(maxsize=None)
 def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
+    if fmt_name == "mxfp8" and regime in (16, 32):
+        # Both operands are e4m3: fp8 wgmma straight from the ring, scales promoted per k32 block
+        # (kernels/sm90_mxfp8.py), no weight decoding: 1.24-1.37x the decoding kernel at 2 and 16
+        # tokens an expert (DeepSeek-V3 shapes, H100). At ~32-48 tokens an expert the decoding
+        # kernel's 64-token tiles were faster (1.08-1.57x) than two 32-token promotion tiles
+        # (64 spill: the token scales of two stages, 4 x 16 registers each).
+        cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
+                         fp8_mma=True)
+        while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2) <= SM90_SMEM_BYTES:
+            cfg = replace(cfg, stages=cfg.stages + 1)
+        _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime}", cfg)
+        return cfg
     # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand); the
     # tokens (bf16) the N side: one group's tokens at decode, else 128. A 256-token tile would
     # amortize the decoding over more tokens, but its accumulator (128 registers) spilled over
@@ -221,7 +245,10 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
     # the run took ~0.7 us per stage whatever the bytes, fp4 or fp8, 16 or 128 tokens; two steps
     # were 1.2-1.3x faster in every format and regime, four steps of fp4 no better than two
     # (bench/results/mx-stages-*.json, H100).
-    sub_steps = 2
+    # 128-token tiles keep one step a stage: with two, the layer's gate/up product at ~75 tokens
+    # an expert (tests/test_moe.py, 300 tokens) came out wrong on 400+ of 600 rows, differently
+    # each run (H100, not understood yet; one step, or 16/64-token tiles, gave none).
+    sub_steps = 2 if tokens < 128 else 1
     cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
                      consumer_regs=192, sub_steps=sub_steps)
     while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(2, 2, w_bytes) <= SM90_SMEM_BYTES:

@@ -86,8 +86,12 @@ TOLERANCES = {
 SM90_TOLERANCES = {
     "bf16": TOLERANCES["bf16"],
     "fp8_block": Tolerance(4e-3, 5e-4, 2e-4),
-    # The block formats run bf16 wgmma on exactly decoded operands: the bf16 kernel's bounds.
-    **{name: TOLERANCES[name] for name in ("mxfp8", "mxfp4", "nvfp4", "w4a8")},
+    # mxfp8 with few tokens per expert runs fp8 wgmma per 32-wide block (kernels/sm90_mxfp8.py):
+    # the same fp8 accumulator, promoted 4x as often; first GPU run: 4.7e-6 of sum |a*b|, past
+    # the exact bound. The fp8_block bounds apply.
+    "mxfp8": Tolerance(4e-3, 5e-4, 2e-4),
+    # The other block formats run bf16 wgmma on exactly decoded operands: the bf16 kernel's bounds.
+    **{name: TOLERANCES[name] for name in ("mxfp4", "nvfp4", "w4a8")},
 }
 
 

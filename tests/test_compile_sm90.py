@@ -111,6 +111,8 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
 
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
+    if cfg.fp8_mma:
+        return mxfp8_kernel_compiled(cfg, layout, epilogue)
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(f))
     fp4 = f.b.element.packed
@@ -129,6 +131,36 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
                                           {"num_warps": 4})
 
 
+def mxfp8_kernel_compiled(cfg, layout, epilogue=None):
+    """kernels/sm90_mxfp8.py (the config sm90_mx_config picks for mxfp8 at decode)."""
+    from moegemm.config import with_epilogue_scratch
+    from moegemm.kernels import sm90_mxfp8
+
+    if epilogue is not None:
+        cfg = with_epilogue_scratch(cfg, 1, 2)
+    swizzled = layout == "swizzled"
+    signature = {
+        "t_desc": offline.tensordesc_signature("fp8e4nv", [cfg.token_tile, cfg.block_k]),
+        "w_desc": offline.tensordesc_signature("fp8e4nv", [cfg.weight_tile, cfg.block_k]),
+        "out_ptr": "*u8" if epilogue else "*bf16", "t_scale_ptr": "*fp32", "b_scale_ptr": "*i32" if swizzled else "*u8",
+        "a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
+        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
+    }
+    constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=True,
+                      HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
+                      EPI=epilogue or PLAIN_EPILOGUE)
+    return offline.gluon_compile_for_sm90(sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel, signature, constexprs,
+                                          {"num_warps": 4})
+
+
+def wgmma_overlaps(sass: str) -> bool:
+    """Some wgmma issues while an earlier one is in flight: two HGMMA/QGMMA with no wait for
+    zero between them. A serialized kernel (ptxas C7512, with the producer's setmaxnreg at 40)
+    waits for zero after every one."""
+    events = re.findall(r"\b(HGMMA|QGMMA|WARPGROUP\.DEPBAR\.LE gsb0, 0x0)\b", sass)
+    return any(a in ("HGMMA", "QGMMA") and b in ("HGMMA", "QGMMA") for a, b in zip(events, events[1:]))
+
+
 @pytest.mark.parametrize("fmt,tokens_per_slot,layout", MX_CASES)
 def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
     from moegemm.config import SM90_SMEM_BYTES
@@ -136,11 +168,8 @@ def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, layout)
     sass = offline.sass(compiled)
     ops = offline.opcode_counts(sass)
-    assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0, f"wgmma and TMA loads expected: {ops.most_common(12)}"
-    # The k16 wgmmas of a step are issued back to back; a serialized kernel (ptxas C7512, with
-    # the producer's setmaxnreg at 40) waits for zero after every HGMMA instead.
-    events = re.findall(r"\b(HGMMA|WARPGROUP\.DEPBAR)\b", sass)
-    assert any(a == b == "HGMMA" for a, b in zip(events, events[1:])), "every wgmma is serialized"
+    assert ops["HGMMA"] + ops["QGMMA"] > 0 and ops["UTMALDG"] > 0, f"wgmma and TMA loads expected: {ops.most_common(12)}"
+    assert wgmma_overlaps(sass), "every wgmma is serialized"
     # 128-token tiles: ptxas spills up to 35 tile-setup and epilogue values (none in the K loop,
     # read off the SASS) within the consumers' 192 registers; smaller tiles have none.
     allowed = 80 if sm90_mx_token_tile(fmt, tokens_per_slot) == 128 else 0
@@ -182,8 +211,7 @@ def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue)
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", epilogue)
     sass = offline.sass(compiled)
     ops = offline.opcode_counts(sass)
-    events = re.findall(r"\b(HGMMA|WARPGROUP\.DEPBAR)\b", sass)
-    assert any(a == b == "HGMMA" for a, b in zip(events, events[1:])), "every wgmma is serialized"
+    assert wgmma_overlaps(sass), "every wgmma is serialized"
     allowed = 80 if sm90_mx_token_tile(fmt, tokens_per_slot) == 128 else 0
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES

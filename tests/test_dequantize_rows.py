@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moegemm
+from moegemm import layouts
 from moegemm.formats import FORMATS
 from moegemm.kernels import portable
 from moegemm.ops import interpreter_usable
@@ -43,3 +44,34 @@ def test_dequantize_rows_interpreted(fmt, layout, pattern):
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_dequantize_rows_compiled(fmt, layout, pattern):
     check_dequantize_rows(fmt, layout, pattern, "cuda")
+
+
+def check_decode_row_scales(layout, pattern, device):
+    """The mxfp8 promotion kernel's token-scale pre-pass: fp32 values of A's e8m0 scales in the
+    plain layout, columns padded to whole stages plus one with 2^-127 (kernels/sm90_mxfp8.py)."""
+    p = make_problem("mxfp8", layout, pattern, 64, 608, device)
+    problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
+    got = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True)
+    plain = p.a.scales if layout == "plain" else layouts.unswizzle_a_scales(p.a.scales, p.a_offsets, problem.m,
+                                                                                   problem.num_k_scales)
+    expected = plain.view(torch.float8_e8m0fnu).float()  # 0 -> 2^-127, 255 -> NaN
+    num_kb = problem.num_k_scales
+    assert got.shape == (problem.m, 4 * (-(-num_kb // 4) + 1))
+    valid = p.valid_rows().to(device)
+    assert bool(valid.any())
+    assert torch.equal(got[valid, :num_kb].view(torch.int32), expected[valid].view(torch.int32))
+    assert bool((got[valid, num_kb:] == 2.0 ** -127).all()), "padding columns must hold 2^-127"
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_decode_row_scales_interpreted(layout, pattern):
+    check_decode_row_scales(layout, pattern, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_decode_row_scales_compiled(layout, pattern):
+    check_decode_row_scales(layout, pattern, "cuda")

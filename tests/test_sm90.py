@@ -1,7 +1,7 @@
 """The Hopper Gluon kernels (backend="sm90") against the fp64 reference: every SPEC section 7
 token pattern, every format and scale layout, every tile arrangement (normal, split-n and
-swapped for fp8_block/bf16; token tiles of 16..256 for the block formats), partial K and N
-blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
+swapped for fp8_block/bf16; token tiles of 16..256 for the block formats; the mxfp8 promotion
+kernel), partial K and N blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
 
 import dataclasses
 
@@ -85,6 +85,21 @@ def test_sm90_block_formats_wide_stages(fmt, sub_steps, token_tile, pattern, k):
     run_sm90(fmt, pattern, n=320, k=k, config=config, layout="swizzled")
 
 
+def mxfp8_promotion_config(token_tile: int, stages: int = 4) -> Sm90Config:
+    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1, swap=True, consumer_regs=192,
+                      fp8_mma=True)
+
+
+@pytest.mark.parametrize("k", [608, 7168])
+@pytest.mark.parametrize("token_tile", [16, 32])
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_sm90_mxfp8_promotion_matches_reference(layout, pattern, token_tile, k):
+    # kernels/sm90_mxfp8.py: K=608 has 19 scale blocks (the last stage holds three, and its
+    # swizzled word one padding byte); K=7168 runs 56 stages a tile. N=320: a partial weight tile.
+    run_sm90("mxfp8", pattern, n=320, k=k, config=mxfp8_promotion_config(token_tile), layout=layout)
+
+
 @pytest.mark.parametrize("token_tile", [32, 64])
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_sm90_block_formats_other_token_tiles(fmt, token_tile):
@@ -143,16 +158,26 @@ def test_sm90_rejects_what_it_cannot_run():
     assert not bool(out[p.valid_rows().cuda()].isnan().any())
 
 
-@pytest.mark.parametrize("fmt,layout", [("fp8_block", "plain"), ("bf16", "plain"), ("mxfp8", "plain"),
-                                        ("mxfp4", "swizzled"), ("nvfp4", "swizzled"), ("w4a8", "plain")])
-def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout):
+@pytest.mark.parametrize("fmt,layout,promotion", [
+    ("fp8_block", "plain", False), ("bf16", "plain", False), ("mxfp8", "plain", False), ("mxfp8", "swizzled", True),
+    ("mxfp4", "swizzled", False), ("nvfp4", "swizzled", False), ("w4a8", "plain", False)])
+def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, promotion):
     # The launch reads no device value: capture once, change offsets and ids, replay. (Swizzled
     # A scales: a_scale_offsets is derived on the device inside the captured call; the new
-    # groups need 17 scale blocks of the 18 the tensor has.)
+    # groups need 17 scale blocks of the 18 the tensor has.) promotion: the mxfp8 promotion
+    # kernel and its token-scale pre-pass, forced (its regime is decode).
     pattern = TOKEN_PATTERNS[3]
     p = make_problem(fmt, layout, pattern, 256, 512, "cuda")
     out = torch.zeros(p.m, 256, dtype=torch.bfloat16, device="cuda")
-    call = lambda: moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")  # noqa: E731
+    config = mxfp8_promotion_config(32) if promotion else None
+
+    def call():
+        if config is None:
+            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+        else:
+            with override_config(config):
+                moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -114,22 +114,24 @@ def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.co
 
 
 @triton.jit
+def _scale_offsets(r, kb, NUM_KB, KB4, SWIZZLED: tl.constexpr):
+    """Offset of the scale (row r, K block kb): plain r * NUM_KB + kb; swizzled (128x4 atom)
+    (r // 128) * KB4 * 512 + (kb // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb % 4."""
+    if SWIZZLED:
+        return (r // 128) * (KB4 * 512) + (kb // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb % 4
+    else:
+        return r * NUM_KB + kb
+
+
+@triton.jit
 def _apply_block_scales(x, scale_ptr, scale_rows, row_mask, k0, NUM_KB, KB4,
                         SCALE: tl.constexpr, SWIZZLED: tl.constexpr, VEC: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Multiply x [BLOCK_R, BLOCK_K] by its per-(row, VEC-wide K block) scales.
-
-    plain: scale (r, kb) at r * NUM_KB + kb. swizzled (128x4 atom):
-    (r // 128) * KB4 * 512 + (kb // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb % 4.
-    """
+    """Multiply x [BLOCK_R, BLOCK_K] by its per-(row, VEC-wide K block) scales (_scale_offsets)."""
     kb = k0 // VEC + tl.arange(0, BLOCK_K // VEC)
     mask = row_mask[:, None] & (kb[None, :] < NUM_KB)
-    r = scale_rows[:, None]
-    if SWIZZLED:
-        offs = (r // 128) * (KB4 * 512) + (kb[None, :] // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + kb[None, :] % 4
-    else:
-        offs = r * NUM_KB + kb[None, :]
-    raw = tl.load(scale_ptr + offs, mask=mask, other=0)
+    raw = tl.load(scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED), mask=mask,
+                  other=0)
     if SCALE == SCALE_E8M0:
         s = _decode_e8m0(raw)
     else:
@@ -266,3 +268,40 @@ def dequantize_rows_kernel(
             cols = k0 + tl.arange(0, BLOCK_K)
             tl.store(out_ptr + rows[:, None] * K + cols[None, :], _to_bf16_rne(x),
                      mask=row_mask[:, None] & (cols[None, :] < K))
+
+
+@triton.jit
+def decode_row_scales_kernel(
+    a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
+    M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
+    SWIZZLED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """out[m, kb] = fp32 value of A's e8m0 scale (m, kb), plain [M, COLUMNS] (COLUMNS >= NUM_KB;
+    columns past NUM_KB get 2^-127, the value of a zero byte), for the rows m of every valid
+    slot (the mxfp8 decode kernel's token scales, kernels/sm90_mxfp8.py); other rows are not
+    written. Slots and parts as in dequantize_rows_kernel."""
+    g = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    s = tl.load(a_offsets_ptr + g)
+    t = tl.load(a_offsets_ptr + g + 1)
+    e = tl.load(expert_ids_ptr + g)
+    s = tl.minimum(tl.maximum(s, 0), M)
+    t = tl.minimum(tl.maximum(t, s), M)
+    end = tl.where((e >= 0) & (e < E), t, s)
+    if SWIZZLED:
+        scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
+    else:
+        scale_row_base = s * 0
+    for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        rows = rows.to(tl.int64)
+        scale_rows = rows + scale_row_base
+        scale_mask = row_mask & (scale_rows >= 0) & (scale_rows < NUM_SCALE_ROWS)
+        for kb0 in range(0, COLUMNS, BLOCK_KB):
+            kb = kb0 + tl.arange(0, BLOCK_KB)
+            raw = tl.load(a_scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED),
+                          mask=scale_mask[:, None] & (kb[None, :] < NUM_KB), other=0)
+            tl.store(out_ptr + rows[:, None] * COLUMNS + kb[None, :], _decode_e8m0(raw),
+                     mask=row_mask[:, None] & (kb[None, :] < COLUMNS))

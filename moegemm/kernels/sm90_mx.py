@@ -11,7 +11,8 @@ kernel does the latter (docs/design.md records the measurements):
     tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows) into a bf16
              [M, K] buffer, TMA-loaded as the wgmma B operand (the narrow N side)
     weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, 128
-             bytes of each weight row per stage (SUB = 2 steps of 64 K: one step, 32 or 64
+             bytes of each weight row per stage at decode (SUB = 2 steps of 64 K; 128-token tiles one step,
+             config._sm90_mx_config says why: one step, 32 or 64
              bytes a row, took the same ~0.7 us per stage whatever its bytes, H100); each
              consumer warpgroup decodes its 64 weight rows times the block scales (gathered
              from global memory, plain or swizzled layout, one step ahead) into a bf16
@@ -235,16 +236,24 @@ def supports(p: GroupedProblem) -> bool:
 def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
            row_scales, out, epilogue: dict | None = None):
     """Decode the tokens (pre-pass), then launch the kernel into `out`; no device value is read.
-    `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue."""
+    `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue. mxfp8 with few
+    tokens per expert goes to kernels/sm90_mxfp8.py instead (config.sm90_mx_config)."""
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return out
     swizzled = p.scale_layout == "swizzled"
     if swizzled and a_scale_offsets is None:
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-    tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
     cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups)
+    if cfg.fp8_mma:  # mxfp8 with few tokens per expert: no decoding (kernels/sm90_mxfp8.py)
+        from . import sm90_mxfp8  # (it imports this module's scale addressing)
+
+        if epilogue is not None:
+            cfg = with_epilogue_scratch(cfg, 1, 2)
+        return sm90_mxfp8.launch(p, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
+                                 expert_scales, row_scales, out, epilogue)
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(p.fmt))
+    tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)

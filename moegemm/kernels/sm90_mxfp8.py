@@ -1,0 +1,251 @@
+"""Hopper (sm_90) grouped matmul for `mxfp8` with few tokens per expert: fp8 wgmma per
+32-wide K block, the block scales applied by fp32 promotion.
+
+Both operands of mxfp8 are e4m3 with an e8m0 scale per 32 elements of K, one per weight row
+and one per token. One k32 wgmma covers exactly one scale block, so
+
+    C[n, m] = sum_kb  sw[n, kb] * st[m, kb] * (W[n, kb-block] . T[m, kb-block])
+
+is computed as it reads: a fresh wgmma per K block, then acc += part * (sw outer st) in fp32
+(two FP32 operations per accumulator element and K block). The operands go from the TMA ring
+straight into the wgmma: no decoding, no token pre-pass, no shared-memory stores or fences in
+the main loop. kernels/sm90_mx.py decodes the weights to bf16 instead; Nsight Compute put its
+decode-regime run at ~670 instructions per consumer warp and stage, its warps stalled on the
+fence before each wgmma (which drains the scale loads), and the ring full
+(docs/perf-notes.md). The promotion costs grow with the token tile, the decoding does not:
+this kernel takes the decode regimes (config.sm90_mx_config), the decoding kernel prefill.
+
+Tiles are swapped as in sm90_mx.py: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens,
+the producer, schedule and epilogues are those of kernels/sm90.py and sm90_epilogue.py.
+
+Steady state of one consumer (stage s holds 128 K = four scale blocks):
+    load the scales of stage s+1 (weights: 2 rows a thread, tokens: its columns)
+    wait ready[s]
+    p0 = wgmma(k32 block 0); p1 = wgmma(block 1)
+    wait until p0 retired; acc += p0 * scale(0); p2 = wgmma(block 2)
+    wait p1; acc += p1 * scale(1); p3 = wgmma(block 3)
+    wait p2; acc += ...; wait p3; arrive empty[s]; acc += p3 * scale(3)
+The partials never cross a loop iteration: a loop-carried wgmma in flight made ptxas
+serialize every wgmma in the fp8_block kernel (sm90._promote).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..validation import GroupedProblem
+from . import portable
+from .sm90 import WG_ROWS, _band_coords, _epilogue, _first_tile, _layout, _load_partition, _slot, _sm_count
+from .sm90_epilogue import epilogue_args, fused_epilogue
+from .sm90_mx import _scale_row_offsets
+
+SCALE_BLOCK = gl.constexpr(32)  # K elements per e8m0 scale, and the K of one fp8 wgmma
+
+
+@gluon.jit
+def _e8m0_f32(bits):
+    """An e8m0 byte b already shifted to fp32's exponent field (b << 23) -> 2^(b-127) in fp32:
+    0 -> 2^-127 (an fp32 subnormal), 255 -> NaN (+inf | quiet bit); two integer operations."""
+    bits = gl.maximum(bits, 0x00400000)
+    bits = bits | (((bits + 0x00800000) >> 9) & 0x00400000)  # only 0x7F800000 carries into the sign
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _weight_scales(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
+    """fp32 scales of stage kk's four K blocks, one [64] vector each, for this warpgroup's rows.
+
+    swizzled: the four scales of a row sit in one 32-bit word (word (row, kk) of the 128x4
+    atoms), one load a row; bytes past NUM_KB (the atom's padding) are cleared. plain: four
+    byte loads a row."""
+    if SWIZZLED:
+        word = gl.load(w_scale_rows + kk * 128, mask=w_ok & (kk < KB4), other=0)
+        pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
+        keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
+        word = word & keep.to(gl.int32)
+        s0 = _e8m0_f32((word << 23) & 0x7F800000)
+        s1 = _e8m0_f32((word << 15) & 0x7F800000)
+        s2 = _e8m0_f32((word << 7) & 0x7F800000)
+        s3 = _e8m0_f32((word >> 1) & 0x7F800000)
+    else:
+        kb = 4 * kk
+        s0 = _e8m0_f32(gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0).to(gl.int32) << 23)
+        s1 = _e8m0_f32(gl.load(w_scale_rows + kb + 1, mask=w_ok & (kb + 1 < NUM_KB), other=0).to(gl.int32) << 23)
+        s2 = _e8m0_f32(gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0).to(gl.int32) << 23)
+        s3 = _e8m0_f32(gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0).to(gl.int32) << 23)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _token_scales(t_scale_rows, t_ok, kk):
+    """fp32 scales of stage kk's four K blocks, one [TOK_TILE] vector each, from the decoded
+    copy (portable.decode_row_scales: rows padded past the last stage, so only the tokens
+    are masked)."""
+    s0 = gl.load(t_scale_rows + 4 * kk, mask=t_ok, other=0.0)
+    s1 = gl.load(t_scale_rows + 4 * kk + 1, mask=t_ok, other=0.0)
+    s2 = gl.load(t_scale_rows + 4 * kk + 2, mask=t_ok, other=0.0)
+    s3 = gl.load(t_scale_rows + 4 * kk + 3, mask=t_ok, other=0.0)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _promote(acc, part, sw, st):
+    return acc + part * (gl.expand_dims(sw, 1) * gl.expand_dims(st, 0))
+
+
+@gluon.jit
+def _block_operands(w_stage, t_stage, j: gl.constexpr):
+    """k32 block j of a stage: the weight rows [64, 32] and the tokens^T [32, TOK_TILE]."""
+    return (w_stage.slice(j * SCALE_BLOCK, SCALE_BLOCK, dim=1),
+            t_stage.slice(j * SCALE_BLOCK, SCALE_BLOCK, dim=1).permute((1, 0)))
+
+
+@gluon.jit
+def _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows, t_ok, NUM_KB, KB4, it,
+                   k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr):
+    """acc = sum over the k_steps stages of the four promoted k32 blocks (module docstring)."""
+    acc = zero
+    sw0, sw1, sw2, sw3 = _weight_scales(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    st0, st1, st2, st3 = _token_scales(t_scale_rows, t_ok, 0)
+    for kk in range(k_steps):
+        # The next stage's scales, loaded a stage ahead (masked past the last one).
+        nsw0, nsw1, nsw2, nsw3 = _weight_scales(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
+        nst0, nst1, nst2, nst3 = _token_scales(t_scale_rows, t_ok, kk + 1)
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
+        t_stage = t_bufs.index(stage)
+        w, t = _block_operands(w_stage, t_stage, 0)
+        p0 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+        w, t = _block_operands(w_stage, t_stage, 1)
+        p1 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+        p0 = warpgroup_mma_wait(1, deps=(p0, ))
+        acc = _promote(acc, p0, sw0, st0)
+        w, t = _block_operands(w_stage, t_stage, 2)
+        p2 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+        p1 = warpgroup_mma_wait(1, deps=(p1, ))
+        acc = _promote(acc, p1, sw1, st1)
+        w, t = _block_operands(w_stage, t_stage, 3)
+        p3 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+        p2 = warpgroup_mma_wait(1, deps=(p2, ))
+        acc = _promote(acc, p2, sw2, st2)
+        p3 = warpgroup_mma_wait(0, deps=(p3, ))
+        mbarrier.arrive(empty.index(stage), count=1)
+        acc = _promote(acc, p3, sw3, st3)
+        sw0, st0, sw1, st1, sw2, st2, sw3, st3 = nsw0, nst0, nsw1, nst1, nsw2, nst2, nsw3, nst3
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _mxfp8_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
+                              expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
+                              W_TILE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                              GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
+                              HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr):
+    # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, TOK_TILE, SCALE_BLOCK])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    w_tiles = gl.cdiv(N, W_TILE)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
+    tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
+    w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    it = 0
+    tile_base = 0
+    for g in range(G):
+        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
+        group_tiles = tok_tiles * w_tiles
+        for tile in range(_first_tile(tile_base, pid, nprog), tile_base + group_tiles, nprog):
+            tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
+            toks = s + tok_block * TOK_TILE + tok_offsets
+            tok_mask = toks < t
+            ns = w_block * W_TILE + w_offsets
+            w_ok = ns < N
+            if SWIZZLED:  # 32-bit words: one a row per stage (_weight_scales)
+                w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED) // 4
+            else:
+                w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED)
+            t_scale_rows = t_scale_ptr + toks.to(gl.int64) * (4 * KB4 + 4)  # decode_row_scales' row stride
+            acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows, tok_mask,
+                                     NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
+            if EPI[0] != 0:  # the fused SwiGLU epilogue
+                fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
+                               w_block * W_TILE + WG * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
+            else:
+                _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
+                          0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+        tile_base += group_tiles
+
+
+@gluon.jit
+def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
+                                     expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                     epi,
+                                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
+                                     HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
+    """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
+    weight tiles [128, 128] of B viewed as [E*N, K]; one of each fills a ring stage."""
+    TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
+    W_TILE: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
+    gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a stage holds four scale blocks (_promote_chain)")
+    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
+                                     expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                     epi, 0, TOK_TILE, W_TILE, BLOCK_K, STAGES,
+                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)),
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
+                                     expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                     epi, 1, TOK_TILE, W_TILE, BLOCK_K, STAGES,
+                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)),
+        (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, 120])
+
+
+def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
+           row_scales, out, epilogue: dict | None = None):
+    """Decode the token scales to fp32 (pre-pass), then launch into `out` with the config
+    sm90_mx.launch chose (cfg.fp8_mma); no device value is read."""
+    swizzled = p.scale_layout == "swizzled"
+    token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages=True)
+    upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
+    num_programs = min(_sm_count(out.device), upper_tiles)
+    t_block = (cfg.token_tile, cfg.block_k)
+    t_desc = TensorDescriptor.from_tensor(a, list(t_block), _layout(t_block, a.dtype))
+    w_block = (cfg.weight_tile, cfg.block_k)
+    w_desc = TensorDescriptor.from_tensor(b.reshape(p.num_experts * p.n, p.k), list(w_block), _layout(w_block, b.dtype))
+    # Swizzled weight scales are read a 32-bit word (a row's four K blocks) at a time.
+    weight_scales = b_scales.view(torch.uint8)
+    if swizzled:
+        weight_scales = weight_scales.view(torch.int32)
+    num_kb = p.num_k_scales
+    dummy = a_offsets
+    epi, epi_consts = epilogue_args(epilogue, dummy)
+    grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
+        t_desc, w_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
+        expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
+        p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4), epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
+        HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+    )
+    return out
