@@ -230,6 +230,23 @@ def grouped_matmul_kernel(
 
 
 @triton.jit
+def _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED: tl.constexpr):
+    """Rows [s, end) of slot g (empty when its expert id is outside [0, E)) and the offset from a
+    row to its A-scale row (swizzled: 128 * (a_scale_offsets[g] + s // 128) - s; plain: 0)."""
+    s = tl.load(a_offsets_ptr + g)
+    t = tl.load(a_offsets_ptr + g + 1)
+    e = tl.load(expert_ids_ptr + g)
+    s = tl.minimum(tl.maximum(s, 0), M)
+    t = tl.minimum(tl.maximum(t, s), M)
+    end = tl.where((e >= 0) & (e < E), t, s)
+    if SWIZZLED:
+        scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
+    else:
+        scale_row_base = s * 0
+    return s, end, scale_row_base
+
+
+@triton.jit
 def dequantize_rows_kernel(
     a_ptr, a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
     M, K, E, G, NUM_KB, KB4, NUM_SCALE_ROWS,
@@ -245,16 +262,7 @@ def dequantize_rows_kernel(
     g = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    s = tl.load(a_offsets_ptr + g)
-    t = tl.load(a_offsets_ptr + g + 1)
-    e = tl.load(expert_ids_ptr + g)
-    s = tl.minimum(tl.maximum(s, 0), M)
-    t = tl.minimum(tl.maximum(t, s), M)
-    end = tl.where((e >= 0) & (e < E), t, s)
-    if SWIZZLED:
-        scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
-    else:
-        scale_row_base = s * 0
+    s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
@@ -283,16 +291,7 @@ def decode_row_scales_kernel(
     g = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    s = tl.load(a_offsets_ptr + g)
-    t = tl.load(a_offsets_ptr + g + 1)
-    e = tl.load(expert_ids_ptr + g)
-    s = tl.minimum(tl.maximum(s, 0), M)
-    t = tl.minimum(tl.maximum(t, s), M)
-    end = tl.where((e >= 0) & (e < E), t, s)
-    if SWIZZLED:
-        scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
-    else:
-        scale_row_base = s * 0
+    s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
