@@ -8,7 +8,8 @@ and one per token. One k32 wgmma covers exactly one scale block, so
 
 is computed as it reads: a fresh wgmma per K block, then acc += part * (sw outer st) in fp32
 (two FP32 operations per accumulator element and K block). The operands go from the TMA ring
-straight into the wgmma: no decoding, no token pre-pass, no shared-memory stores or fences in
+straight into the wgmma: no decoding (the token pre-pass only turns the token scales into fp32,
+portable.decode_row_scales), no shared-memory stores or fences in
 the main loop. kernels/sm90_mx.py decodes the weights to bf16 instead; Nsight Compute put its
 decode-regime run at ~670 instructions per consumer warp and stage, its warps stalled on the
 fence before each wgmma (which drains the scale loads), and the ring full
