@@ -71,6 +71,12 @@ class Sm90Config:
     def weight_tile(self) -> int:
         return 128 if self.swap else (2 * self.block_n if self.split_n else self.block_n)
 
+    @property
+    def wide_promotion(self) -> bool:
+        """fp8_mma tiles of 64 or 128 tokens: their token scales travel through the ring
+        (kernels/sm90_mxfp8.py)."""
+        return self.fp8_mma and self.token_tile > 32
+
     def epilogue_n(self, promote: bool) -> int:
         """Columns of one accumulator: fp8_block computes a normal 256-wide tile as two halves."""
         return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
@@ -82,6 +88,8 @@ class Sm90Config:
         operands = 0 if weight_bytes is None else 2 * 2 * 64 * self.block_k * 2
         weight_bytes = element_bytes if weight_bytes is None else weight_bytes
         stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.stage_k)
+        if self.wide_promotion:  # the tokens' fp32 scales of the stage's four K blocks
+            stage += 4 * 4 * self.token_tile
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
         return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
 
@@ -92,10 +100,14 @@ class Sm90Config:
             if fmt.name != "mxfp8" or not self.swap or self.block_k != 128 or self.sub_steps != 1:
                 raise ValueError(f"config: fp8_mma runs mxfp8 on swapped tiles with block_k=128 (four scale blocks "
                                  f"a stage): {self}")
-            if self.block_n > 32:
-                # Registers: the accumulator, two partial tiles in flight and two stages of token
-                # scales (4 x block_n / 4 each) spilled ~1000 values at 64 tokens (sm_90 compile).
-                raise ValueError(f"config: fp8_mma tiles hold <= 32 tokens: {self}")
+            if self.block_n > 128:
+                raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
+            # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
+            # consumers' share of the 64K-register file is what is left.
+            max_regs = 232 if self.wide_promotion else 192
+            if self.consumer_regs > max_regs:
+                raise ValueError(f"config: fp8_mma tiles of {self.token_tile} tokens allow consumer_regs <= "
+                                 f"{max_regs}: {self}")
             if self.smem_bytes(1, out_bytes) > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {self.smem_bytes(1, out_bytes)} bytes of shared memory > {SM90_SMEM_BYTES}")
             return
@@ -105,6 +117,10 @@ class Sm90Config:
                                  f"with block_k=64: {self}")
             if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
                 raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
+            if self.sub_steps > 1 and self.token_tile == 128:
+                # Wrong rows in the MoE layer's gate/up product (tests/test_moe.py, ~75 tokens an
+                # expert, H100), different ones each run; cause not found (docs/perf-notes.md).
+                raise ValueError(f"config: 128-token tiles of the MX kernel take one K step a stage: {self}")
             smem = self.smem_bytes(2, out_bytes, weight_bytes(fmt))
             if smem > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
@@ -227,10 +243,20 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         # Both operands are e4m3: fp8 wgmma straight from the ring, scales promoted per k32 block
         # (kernels/sm90_mxfp8.py), no weight decoding: 1.24-1.37x the decoding kernel at 2 and 16
         # tokens an expert (DeepSeek-V3 shapes, H100). At ~32-48 tokens an expert the decoding
-        # kernel's 64-token tiles were faster (1.08-1.57x) than two 32-token promotion tiles
-        # (64 spill: the token scales of two stages, 4 x 16 registers each).
+        # kernel's 64-token tiles were faster (1.08-1.57x) than two 32-token promotion tiles.
         cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
                          fp8_mma=True)
+    elif fmt_name == "mxfp8":
+        # More tokens an expert: the same fp8 wgmma and promotion on 64-token (regime 64) or
+        # 128-token tiles, the token scales through the ring (kernels/sm90_mxfp8.py):
+        # 1.10-1.17x the decoding kernel's tiles of the same size (DeepSeek-V3 shapes at 40, 128
+        # and 1024 tokens an expert, bench/results/mxfp8-wide-*.json, H100). Bands of 8 token
+        # blocks were within 4% of 4 either way.
+        tokens = 64 if regime == 64 else 128
+        cfg = Sm90Config(block_n=tokens, block_k=128, stages=2, group_m=4, swap=True, consumer_regs=232, fp8_mma=True)
+    else:
+        cfg = None
+    if cfg is not None:
         while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2) <= SM90_SMEM_BYTES:
             cfg = replace(cfg, stages=cfg.stages + 1)
         _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime}", cfg)

@@ -112,7 +112,8 @@ def moe_forward(
     (gpt-oss): gate_up_bias [E, 2I] in w_gate_up's row order, down_bias [E, H]. Extra per-expert
     fp32 scales multiply each product. nvfp4: the token global scale defaults to amax(x)/2688,
     the intermediate's to a dynamic one (unfused) — pass `intermediate_global_scale` to fuse.
-    Choices with ids outside [0, E) are dropped. Returns [T, H] in x's dtype.
+    fused=True uses the sm90 fused SwiGLU epilogue where it measured faster than the unfused
+    chain (not for mxfp8 weights at prefill: kernels/sm90_epilogue.fused_pays). Choices with ids outside [0, E) are dropped. Returns [T, H] in x's dtype.
     """
     if torch.compiler.is_compiling():
         return torch.ops.moegemm.moe_forward(
@@ -151,13 +152,23 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
         activation=activation, a_scale_offsets=aso, expert_scales=gate_up_expert_scales, bias=gate_up_bias,
         scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
         out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
-        fused=fused and (intermediate_global_scale is not None or not get_format(fmt).global_scale),
+        fused=fused and _fused_pays(fmt, w_gate_up, a, plan) and (
+            intermediate_global_scale is not None or not get_format(fmt).global_scale),
         backend=backend, gate_up_layout=gate_up_layout)
     down_expert_scales = _expert_scales(w_down, down_scales, mid.global_scale)
     c = grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
                        a_scale_offsets=aso, expert_scales=down_expert_scales, scale_layout=layout,
                        backend=backend)
     return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
+
+
+def _fused_pays(fmt: str, w_gate_up, a, plan) -> bool:
+    """Whether the fused SwiGLU epilogue is the faster gate/up step for this call's shapes
+    (host values only: the weight shape and the plan's row and slot bounds)."""
+    from .kernels.sm90_epilogue import fused_pays
+
+    groups = max(plan.expert_ids.numel(), 1)
+    return fused_pays(fmt, w_gate_up.data.shape[1], w_gate_up.data.shape[2], a.data.shape[0] / groups)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,

@@ -61,6 +61,22 @@ def check_decode_row_scales(layout, pattern, device):
     assert bool(valid.any())
     assert torch.equal(got[valid, :num_kb].view(torch.int32), expected[valid].view(torch.int32))
     assert bool((got[valid, num_kb:] == 2.0 ** -127).all()), "padding columns must hold 2^-127"
+    # The transposed copy of the wide promotion tiles: [num_kb, columns], slot g's rows from
+    # column 4 * ceil(s / 4) + 4 * g (16-byte aligned for TMA), no padding blocks.
+    transposed = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, kb_major=True)
+    assert transposed.shape == (num_kb, -(-problem.m // 4) * 4 + 4 * problem.num_groups)
+    offsets = p.a_offsets.tolist()
+    checked = 0
+    for g, e in enumerate(p.expert_ids.tolist()):
+        s, t = min(max(offsets[g], 0), problem.m), min(max(offsets[g + 1], offsets[g], 0), problem.m)
+        if not 0 <= e < problem.num_experts or t <= s:
+            continue
+        first = 4 * -(-s // 4) + 4 * g
+        assert first % 4 == 0 and first + t - s <= transposed.shape[1]
+        got_rows = transposed[:, first:first + t - s].t().contiguous().view(torch.int32)
+        assert torch.equal(got_rows, expected[s:t].contiguous().view(torch.int32))
+        checked += t - s
+    assert checked == int(valid.sum())
 
 
 @pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")

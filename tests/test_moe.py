@@ -397,3 +397,16 @@ def test_torch_compile_fullgraph_gpu():
     x = torch.randn(7, h, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
+
+
+def test_fused_epilogue_choice_follows_the_measurements():
+    # The layer skips the fused epilogue only where it measured slower: mxfp8 weights on the
+    # 128-token promotion tiles (prefill); decode-sized groups and other formats keep it.
+    from moegemm.kernels.sm90_epilogue import fused_pays
+
+    assert not fused_pays("mxfp8", 4096, 7168, 128.0)
+    assert not fused_pays("mxfp8", 4096, 7168, 3000.0)
+    assert fused_pays("mxfp8", 4096, 7168, 2.0)
+    assert fused_pays("mxfp8", 4096, 7168, 40.0)  # 64-token promotion tiles
+    for fmt in ("bf16", "mxfp4", "nvfp4", "w4a8", "fp8_block"):
+        assert fused_pays(fmt, 4096, 7168, 128.0)

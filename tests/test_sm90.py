@@ -71,7 +71,7 @@ def test_sm90_block_formats_match_reference(fmt, layout, pattern, token_tile):
 def wide_stage_cases():
     for fmt in MX_FORMATS:
         for sub_steps in (2, 4) if FORMATS[fmt].b.element.packed else (2, ):
-            for token_tile in (16, 128):
+            for token_tile in (16, 64):  # (128-token tiles take one step: config.check says why)
                 yield fmt, sub_steps, token_tile
 
 
@@ -81,23 +81,38 @@ def wide_stage_cases():
 def test_sm90_block_formats_wide_stages(fmt, sub_steps, token_tile, pattern, k):
     # A stage carrying 2 or 4 K steps (128 bytes of each weight row): K=608 ends inside the
     # first (4 steps: 256) or fifth stage; K=7168 runs 28-56 stages a tile.
-    config = dataclasses.replace(mx_config(token_tile), sub_steps=sub_steps, stages=2 if token_tile == 128 else 3)
+    config = dataclasses.replace(mx_config(token_tile), sub_steps=sub_steps, stages=3)
     run_sm90(fmt, pattern, n=320, k=k, config=config, layout="swizzled")
 
 
 def mxfp8_promotion_config(token_tile: int, stages: int = 4) -> Sm90Config:
-    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1, swap=True, consumer_regs=192,
-                      fp8_mma=True)
+    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1 if token_tile <= 32 else 4,
+                      swap=True, consumer_regs=192 if token_tile <= 32 else 232, fp8_mma=True)
 
 
 @pytest.mark.parametrize("k", [608, 7168])
-@pytest.mark.parametrize("token_tile", [16, 32])
+@pytest.mark.parametrize("token_tile", [16, 32, 64, 128])
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_sm90_mxfp8_promotion_matches_reference(layout, pattern, token_tile, k):
     # kernels/sm90_mxfp8.py: K=608 has 19 scale blocks (the last stage holds three, and its
     # swizzled word one padding byte); K=7168 runs 56 stages a tile. N=320: a partial weight tile.
+    # 64 and 128 tokens: the wide tiles, token scales through the ring.
     run_sm90("mxfp8", pattern, n=320, k=k, config=mxfp8_promotion_config(token_tile), layout=layout)
+
+
+LAYER_TOKENS = [(75, 80, 70, 77, 73, 76, 74, 75), (160, 0, 130, 97, 135, 128)]
+
+
+@pytest.mark.parametrize("tokens", LAYER_TOKENS, ids=["75-a-group", "ragged-128"])
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_block_formats_layer_shapes(fmt, tokens):
+    # The MoE layer's gate/up shapes (tests/test_moe.py: N = 2 x 256, K = 256, ~75 tokens an
+    # expert), where 128-token tiles with two K steps a stage once gave wrong rows that the
+    # kernel tests above did not catch; the default config, run three times.
+    from cases import TokenPattern
+    for _ in range(3):
+        run_sm90(fmt, TokenPattern("layer", tokens), n=512, k=256, layout="swizzled")
 
 
 @pytest.mark.parametrize("token_tile", [32, 64])

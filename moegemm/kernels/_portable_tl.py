@@ -281,17 +281,23 @@ def dequantize_rows_kernel(
 @triton.jit
 def decode_row_scales_kernel(
     a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
-    M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
-    SWIZZLED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr,
+    M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE, KB_STRIDE,
+    SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr,
 ):
-    """out[m, kb] = fp32 value of A's e8m0 scale (m, kb), plain [M, COLUMNS] (COLUMNS >= NUM_KB;
-    columns past NUM_KB get 2^-127, the value of a zero byte), for the rows m of every valid
-    slot (the mxfp8 decode kernel's token scales, kernels/sm90_mxfp8.py); other rows are not
-    written. Slots and parts as in dequantize_rows_kernel."""
+    """out[m' * ROW_STRIDE + kb * KB_STRIDE] = fp32 value of A's e8m0 scale (m, kb) for kb <
+    COLUMNS (>= NUM_KB; those past NUM_KB get 2^-127, the value of a zero byte), for the rows m
+    of every valid slot (the token scales of the mxfp8 promotion kernel, kernels/sm90_mxfp8.py);
+    other rows are not written. m' = m, or with ALIGN_GROUPS m - s + 4 * ceil(s / 4) + 4 * g
+    (slot g starts at row s): every slot's first row at a multiple of 4. Slots and parts as in
+    dequantize_rows_kernel."""
     g = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
     s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
+    if ALIGN_GROUPS:
+        out_shift = 4 * ((s + 3) // 4) + 4 * g - s
+    else:
+        out_shift = s * 0
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
@@ -302,5 +308,5 @@ def decode_row_scales_kernel(
             kb = kb0 + tl.arange(0, BLOCK_KB)
             raw = tl.load(a_scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED),
                           mask=scale_mask[:, None] & (kb[None, :] < NUM_KB), other=0)
-            tl.store(out_ptr + rows[:, None] * COLUMNS + kb[None, :], _decode_e8m0(raw),
+            tl.store(out_ptr + (rows + out_shift)[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, _decode_e8m0(raw),
                      mask=row_mask[:, None] & (kb[None, :] < COLUMNS))

@@ -53,10 +53,11 @@ def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: d
     return triton.compile(GluonASTSource(jit_fn, sig, constexprs), target=SM90, options=options)
 
 
-def tensordesc_signature(dtype_name: str, block: list[int]) -> str:
-    """The signature string of a host TensorDescriptor argument ("fp8e4nv", "bf16", "fp32")."""
+def tensordesc_signature(dtype_name: str, block: list[int], layout=None) -> str:
+    """The signature string of a host TensorDescriptor argument ("fp8e4nv", "bf16", "fp32");
+    its shared layout the default for the block unless given."""
     from triton.experimental.gluon import language as gl
 
     dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32, "u8": gl.uint8}[dtype_name]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    layout = layout or gl.NVMMASharedLayout.get_default_for(block, dtype)
     return "tensordesc<%s[%s],%s>" % (dtype_name, ", ".join(map(str, block)), layout)

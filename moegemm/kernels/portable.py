@@ -134,18 +134,42 @@ def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_sca
 
 
 def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scale_offsets,
-                      pad_stages: bool = False) -> torch.Tensor:
+                      pad_stages: bool = False, kb_major: bool = False) -> torch.Tensor:
     """fp32 [M, num_k_scales]: A's e8m0 scales decoded (2^(b-127); 0 -> 2^-127, 255 -> NaN) into
     the plain layout, for the rows of every valid slot; other rows are left unwritten.
 
     pad_stages: rows hold 4 * (ceil(num_k_scales / 4) + 1) columns, those past num_k_scales
     2^-127, so the mxfp8 decode kernel (kernels/sm90_mxfp8.py) loads the four scales of a
-    stage, and the next stage's ahead of time, with no K mask."""
+    stage, and the next stage's ahead of time, with no K mask.
+    kb_major: the transpose, [num_k_scales, 4 * ceil(M / 4) + 4 * G], so that a [4, tokens] box
+    holds one ring stage's token scales (the kernel's wide tiles). TMA needs a box to start
+    16-byte aligned on the contiguous axis (an illegal instruction otherwise, H100), so slot g's
+    row m sits at column m - s + 4 * ceil(s / 4) + 4 * g (s: the slot's clamped first row):
+    every slot starts at a multiple of 4, and the slots stay in order without overlapping."""
     num_kb = p.num_k_scales
     columns = 4 * (math.ceil(num_kb / 4) + 1) if pad_stages else num_kb
-    out = torch.empty(p.m, columns, dtype=torch.float32, device=a_scales.device)
+    if kb_major:
+        m_pad = 4 * math.ceil(p.m / 4) + 4 * p.num_groups
+        out = torch.empty(columns, m_pad, dtype=torch.float32, device=a_scales.device)
+        row_stride, kb_stride = 1, m_pad
+    else:
+        out = torch.empty(p.m, columns, dtype=torch.float32, device=a_scales.device)
+        row_stride, kb_stride = columns, 1
     if p.num_groups == 0 or p.m == 0:
         return out
+    module = kernel_module(a_scales.device.type == "cpu")
+    swizzled = p.scale_layout == "swizzled"
+    if swizzled and a_scale_offsets is None:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    block_m = 32
+    parts = max(1, min(math.ceil(p.m / block_m), math.ceil(4 * _num_programs(a_scales.device, 1 << 30, 1) / p.num_groups)))
+    module.decode_row_scales_kernel[(p.num_groups, parts)](
+        _bytes(a_scales), a_offsets, expert_ids, a_scale_offsets if a_scale_offsets is not None else a_offsets, out,
+        p.m, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if swizzled else p.m,
+        columns, row_stride, kb_stride, SWIZZLED=swizzled, ALIGN_GROUPS=kb_major, BLOCK_M=block_m, BLOCK_KB=64,
+        num_warps=4,
+    )
+    return out
     module = kernel_module(a_scales.device.type == "cpu")
     swizzled = p.scale_layout == "swizzled"
     if swizzled and a_scale_offsets is None:

@@ -108,15 +108,21 @@ def _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim: gl.constexpr,
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None):
     """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
     (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
-    i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py)."""
+    i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py). With s_desc, a stage
+    also holds the tokens' fp32 scales of its K blocks, a [K blocks, TOK_TILE] box of their
+    K-block-major copy (the wide tiles of kernels/sm90_mxfp8.py)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
     k_steps = gl.cdiv(K, BLOCK_K * SUB)
-    stage_bytes: gl.constexpr = SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    if s_desc is None:
+        stage_bytes: gl.constexpr = SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    else:
+        stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes + s_desc.block_type.nbytes
+        S_STEP: gl.constexpr = s_desc.block_type.shape[0]
     # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
     B_STEP: gl.constexpr = b_desc.block_type.shape[1]
     it = 0
@@ -136,6 +142,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     tma.async_copy_global_to_shared(a_desc, [a_row, (kk * SUB + j) * BLOCK_K], ready.index(stage),
                                                     a_bufs.index(stage * SUB + j))
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage), b_bufs.index(stage))
+                if s_desc is not None:  # the slot's columns start 16-byte aligned (portable.decode_row_scales)
+                    s_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE
+                    tma.async_copy_global_to_shared(s_desc, [kk * S_STEP, s_col], ready.index(stage), s_bufs.index(stage))
                 it += 1
         tile_base += group_tiles
 

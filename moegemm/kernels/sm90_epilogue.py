@@ -211,6 +211,21 @@ def fused_supports(p, out_fmt: str) -> bool:
     return in_kernel and _out_kind(out_fmt)[0] >= 0 and p.n % 128 == 0
 
 
+def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
+    """False where the fused epilogue measured slower than the unfused chain it replaces, so
+    that the MoE layer (moe.py) runs the chain there: mxfp8 weights on 128-token promotion
+    tiles (config.sm90_mx_config, prefill). DeepSeek-V3's gate/up product at 4096 tokens took
+    9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring depth made no
+    difference, and 64-token promotion tiles took 8.88 ms fused (H100, docs/perf-notes.md).
+    The cause is not found yet."""
+    from ..config import sm90_mx_config
+
+    if fmt_name != "mxfp8":
+        return True
+    cfg = sm90_mx_config(get_format(fmt_name), n, k, tokens_per_slot)
+    return not (cfg.wide_promotion and cfg.token_tile == 128)
+
+
 def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,
                  out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit):
     """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue."""

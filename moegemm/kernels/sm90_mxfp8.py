@@ -1,5 +1,5 @@
-"""Hopper (sm_90) grouped matmul for `mxfp8` with few tokens per expert: fp8 wgmma per
-32-wide K block, the block scales applied by fp32 promotion.
+"""Hopper (sm_90) grouped matmul for `mxfp8`: fp8 wgmma per 32-wide K block, the block
+scales applied by fp32 promotion.
 
 Both operands of mxfp8 are e4m3 with an e8m0 scale per 32 elements of K, one per weight row
 and one per token. One k32 wgmma covers exactly one scale block, so
@@ -13,13 +13,21 @@ portable.decode_row_scales), no shared-memory stores or fences in
 the main loop. kernels/sm90_mx.py decodes the weights to bf16 instead; Nsight Compute put its
 decode-regime run at ~670 instructions per consumer warp and stage, its warps stalled on the
 fence before each wgmma (which drains the scale loads), and the ring full
-(docs/perf-notes.md). The promotion costs grow with the token tile, the decoding does not:
-this kernel takes the decode regimes (config.sm90_mx_config), the decoding kernel prefill.
+(docs/perf-notes.md); at prefill its e4m3 -> bf16 conversions (F2F) bound it. This kernel
+runs mxfp8 in every regime (config.sm90_mx_config): 1.24-1.37x the decoding kernel at decode,
+1.10-1.17x at 40 to 1024 tokens an expert.
+
+Narrow tiles (16 or 32 tokens): the token scales are loaded from global memory a stage
+ahead, four vectors of TOK_TILE / 4 a thread, and two partial tiles are in flight (below).
+Wide tiles (64 or 128 tokens): that would be 8 x TOK_TILE / 4 registers (64 tokens spilled),
+so the producer also loads each stage's token scales, a [4, TOK_TILE] fp32 box of their
+K-block-major copy, into the ring; a warpgroup reads one block's vector at a time while its
+wgmma runs and keeps one partial tile in flight (a second measured no faster).
 
 Tiles are swapped as in sm90_mx.py: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens,
 the producer, schedule and epilogues are those of kernels/sm90.py and sm90_epilogue.py.
 
-Steady state of one consumer (stage s holds 128 K = four scale blocks):
+Steady state of one consumer, narrow tiles (stage s holds 128 K = four scale blocks):
     load the scales of stage s+1 (weights: 2 rows a thread, tokens: its columns)
     wait ready[s]
     p0 = wgmma(k32 block 0); p1 = wgmma(block 1)
@@ -32,6 +40,7 @@ serialize every wgmma in the fp8_block kernel (sm90._promote).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -145,11 +154,51 @@ def _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_sca
 
 
 @gluon.jit
-def _mxfp8_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
+def _promote_block(acc, w_stage, t_stage, s_stage, zero, sw, j: gl.constexpr, acc_layout: gl.constexpr):
+    """acc += wgmma(k32 block j) * (sw outer st), the token scales st (a [1, TOK_TILE] row in
+    the accumulator's layout) read from the stage's shared-memory box while the wgmma runs."""
+    w, t = _block_operands(w_stage, t_stage, j)
+    part = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    st = s_stage.slice(j, 1).load(acc_layout)
+    part = warpgroup_mma_wait(0, deps=(part, ))
+    return acc + part * (gl.expand_dims(sw, 1) * st)
+
+
+@gluon.jit
+def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB, KB4, it, k_steps,
+                        WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr, acc_layout: gl.constexpr):
+    """The wide tiles' main loop (64 or 128 tokens): the token scales of a stage come with it
+    through the ring (s_bufs, [4, TOK_TILE] fp32), one k32 block's vector loaded at a time, so
+    a thread holds TOK_TILE / 4 of them instead of 8 * TOK_TILE / 4 (two stages of four
+    blocks, which spilled at 64 tokens). One partial tile in flight per warpgroup: while one
+    warpgroup promotes (FP32 pipe), the other's wgmma runs."""
+    acc = zero
+    sw0, sw1, sw2, sw3 = _weight_scales(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    for kk in range(k_steps):
+        nsw0, nsw1, nsw2, nsw3 = _weight_scales(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
+        t_stage = t_bufs.index(stage)
+        s_stage = s_bufs.index(stage)
+        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw0, 0, acc_layout)
+        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw1, 1, acc_layout)
+        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw2, 2, acc_layout)
+        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw3, 3, acc_layout)
+        # (The compiler puts a warpgroup barrier before the arrive: every warp has read the
+        # stage's scales and passed its wgmma wait.)
+        mbarrier.arrive(empty.index(stage), count=1)
+        sw0, sw1, sw2, sw3 = nsw0, nsw1, nsw2, nsw3
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
                               expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
                               W_TILE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                              HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr):
+                              HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr, WIDE: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, SCALE_BLOCK])
@@ -175,9 +224,13 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr
                 w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED) // 4
             else:
                 w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED)
-            t_scale_rows = t_scale_ptr + toks.to(gl.int64) * (4 * KB4 + 4)  # decode_row_scales' row stride
-            acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows, tok_mask,
-                                     NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
+            if WIDE:
+                acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
+                                              KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
+            else:
+                t_scale_rows = t_scale_ptr + toks.to(gl.int64) * (4 * KB4 + 4)  # decode_row_scales' row stride
+                acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows,
+                                         tok_mask, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
             if EPI[0] != 0:  # the fused SwiGLU epilogue
                 fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
                                w_block * W_TILE + WG * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
@@ -188,38 +241,53 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr
 
 
 @gluon.jit
-def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
+def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
                                      expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                      epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
-    weight tiles [128, 128] of B viewed as [E*N, K]; one of each fills a ring stage."""
+    weight tiles [128, 128] of B viewed as [E*N, K]; one of each fills a ring stage. s_desc
+    (wide tiles, TOK_TILE >= 64; else None): fp32 token-scale boxes [4, TOK_TILE] of the
+    K-block-major copy, a third part of each stage (t_scale_ptr is then unused)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
+    WIDE: gl.constexpr = s_desc is not None
     gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
     gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a stage holds four scale blocks (_promote_chain)")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    if WIDE:
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+    else:
+        s_bufs = t_bufs  # unused
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
-                                     expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
-                                     epi, 0, TOK_TILE, W_TILE, BLOCK_K, STAGES,
-                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)),
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
-                                     expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
-                                     epi, 1, TOK_TILE, W_TILE, BLOCK_K, STAGES,
-                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)),
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
+                                     a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
+                                     NUM_KB, KB4, epi, 0, TOK_TILE, W_TILE, BLOCK_K, STAGES,
+                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE)),
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
+                                     a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
+                                     NUM_KB, KB4, epi, 1, TOK_TILE, W_TILE, BLOCK_K, STAGES,
+                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
-    ], [4, 1], [CONSUMER_REGS, 120])
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, 1, s_desc,
+                           s_bufs if WIDE else None)),
+    # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
+    # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
+    ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
+
+
+@functools.lru_cache(maxsize=None)
+def _unswizzled_f32_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
@@ -227,7 +295,13 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     """Decode the token scales to fp32 (pre-pass), then launch into `out` with the config
     sm90_mx.launch chose (cfg.fp8_mma); no device value is read."""
     swizzled = p.scale_layout == "swizzled"
-    token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages=True)
+    wide = cfg.token_tile > 32
+    token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
+                                              pad_stages=not wide, kb_major=wide)
+    s_desc = None
+    if wide:  # a [4, TOK_TILE] box of the K-block-major scales per stage; unswizzled rows
+        s_block = [4, cfg.token_tile]
+        s_desc = TensorDescriptor.from_tensor(token_scales, s_block, _unswizzled_f32_layout())
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)
@@ -242,7 +316,7 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     dummy = a_offsets
     epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
-        t_desc, w_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
+        t_desc, w_desc, s_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
         p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4), epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
