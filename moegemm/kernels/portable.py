@@ -170,15 +170,3 @@ def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scal
         num_warps=4,
     )
     return out
-    module = kernel_module(a_scales.device.type == "cpu")
-    swizzled = p.scale_layout == "swizzled"
-    if swizzled and a_scale_offsets is None:
-        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-    block_m = 32
-    parts = max(1, min(math.ceil(p.m / block_m), math.ceil(4 * _num_programs(a_scales.device, 1 << 30, 1) / p.num_groups)))
-    module.decode_row_scales_kernel[(p.num_groups, parts)](
-        _bytes(a_scales), a_offsets, expert_ids, a_scale_offsets if a_scale_offsets is not None else a_offsets, out,
-        p.m, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if swizzled else p.m,
-        columns, SWIZZLED=swizzled, BLOCK_M=block_m, BLOCK_KB=64, num_warps=4,
-    )
-    return out
