@@ -121,7 +121,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
     if s_desc is None:
         stage_bytes: gl.constexpr = SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     else:
-        stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes + s_desc.block_type.nbytes
+        stage_bytes: gl.constexpr = (SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes +
+                                     s_desc.block_type.nbytes)
         S_STEP: gl.constexpr = s_desc.block_type.shape[0]
     # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
     B_STEP: gl.constexpr = b_desc.block_type.shape[1]

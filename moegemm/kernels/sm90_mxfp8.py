@@ -262,7 +262,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, out_ptr, t_scale_pt
     if WIDE:
         s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
     else:
-        s_bufs = t_bufs  # unused
+        s_bufs = t_bufs  # unused (the producer loads no scales without s_desc)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -278,8 +278,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, out_ptr, t_scale_pt
                                      NUM_KB, KB4, epi, 1, TOK_TILE, W_TILE, BLOCK_K, STAGES,
                                      GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, 1, s_desc,
-                           s_bufs if WIDE else None)),
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, 1, s_desc, s_bufs)),
     # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
     # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
     ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
@@ -295,7 +294,7 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     """Decode the token scales to fp32 (pre-pass), then launch into `out` with the config
     sm90_mx.launch chose (cfg.fp8_mma); no device value is read."""
     swizzled = p.scale_layout == "swizzled"
-    wide = cfg.token_tile > 32
+    wide = cfg.wide_promotion
     token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
                                               pad_stages=not wide, kb_major=wide)
     s_desc = None
