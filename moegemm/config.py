@@ -56,7 +56,9 @@ class Sm90Config:
     split_n: bool = False
     consumer_regs: int = 232
     sub_steps: int = 1  # MX kernel: block_k-wide steps per ring stage (weight rows in wider TMA boxes)
-    fp8_mma: bool = False  # mxfp8: fp8 wgmma per 32-wide K block and fp32 promotion (kernels/sm90_mxfp8.py)
+    # fp8 wgmma per 32-wide K block and fp32 promotion (kernels/sm90_mxfp8.py): mxfp8, and the
+    # e2m1 weights of mxfp4/w4a8 decoded to e4m3 (two 128-wide token tiles a stage: sub_steps=2)
+    fp8_mma: bool = False
 
     @property
     def stage_k(self) -> int:
@@ -84,8 +86,14 @@ class Sm90Config:
     def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None) -> int:
         """Shared memory of the ring and epilogue; `weight_bytes` per weight element when the
         weights stay compressed in the ring (MX/NV formats: 1 or 1/2), else `element_bytes`."""
-        # The MX kernel decodes the weights into two bf16 [64, block_k] buffers per warpgroup.
-        operands = 0 if weight_bytes is None else 2 * 2 * 64 * self.block_k * 2
+        # The MX kernel decodes the weights into two bf16 [64, block_k] buffers per warpgroup;
+        # the promotion kernel its e2m1 weights into two e4m3 [64, 128] buffers.
+        if weight_bytes is None or (self.fp8_mma and weight_bytes == 1):
+            operands = 0
+        elif self.fp8_mma:
+            operands = 2 * 2 * 64 * self.block_k
+        else:
+            operands = 2 * 2 * 64 * self.block_k * 2
         weight_bytes = element_bytes if weight_bytes is None else weight_bytes
         stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.stage_k)
         if self.wide_promotion:  # the tokens' fp32 scales of the stage's four K blocks
@@ -97,9 +105,13 @@ class Sm90Config:
         if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
             raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
         if self.fp8_mma:
-            if fmt.name != "mxfp8" or not self.swap or self.block_k != 128 or self.sub_steps != 1:
-                raise ValueError(f"config: fp8_mma runs mxfp8 on swapped tiles with block_k=128 (four scale blocks "
-                                 f"a stage): {self}")
+            if fmt.name not in FP8_MMA_FORMATS or not self.swap or self.block_k != 128:
+                raise ValueError(f"config: fp8_mma runs {'/'.join(FP8_MMA_FORMATS)} on swapped tiles with block_k=128 "
+                                 f"(four scale blocks a token tile): {self}")
+            e2m1_weights = fmt.b.element.packed
+            if self.sub_steps != (2 if e2m1_weights else 1) or (e2m1_weights and self.token_tile != 16):
+                raise ValueError(f"config: fp8_mma stages hold 128 bytes of a weight row: one token tile with mxfp8, "
+                                 f"two with e2m1 weights (sub_steps=2, 16-token tiles): {self}")
             if self.block_n > 128:
                 raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
             # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
@@ -108,8 +120,9 @@ class Sm90Config:
             if self.consumer_regs > max_regs:
                 raise ValueError(f"config: fp8_mma tiles of {self.token_tile} tokens allow consumer_regs <= "
                                  f"{max_regs}: {self}")
-            if self.smem_bytes(1, out_bytes) > SM90_SMEM_BYTES:
-                raise ValueError(f"config: {self.smem_bytes(1, out_bytes)} bytes of shared memory > {SM90_SMEM_BYTES}")
+            smem = self.smem_bytes(1, out_bytes, weight_bytes(fmt))
+            if smem > SM90_SMEM_BYTES:
+                raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
             return
         if fmt.name in MX_FORMATS:
             if not self.swap or self.block_k != 64:
@@ -139,6 +152,7 @@ class Sm90Config:
 
 SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
 MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # the block formats of kernels/sm90_mx.py
+FP8_MMA_FORMATS = ("mxfp8", "mxfp4", "w4a8")  # e8m0 scales per 32: one k32 fp8 wgmma a scale block
 
 
 def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None):
@@ -254,10 +268,20 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         # blocks were within 4% of 4 either way.
         tokens = 64 if regime == 64 else 128
         cfg = Sm90Config(block_n=tokens, block_k=128, stages=2, group_m=4, swap=True, consumer_regs=232, fp8_mma=True)
+    elif fmt_name in ("mxfp4", "w4a8") and regime == 16:
+        # e2m1 weights at decode: decoded to e4m3 in shared memory (1.5 instructions an element)
+        # and run like mxfp8, 256 K a stage (kernels/sm90_mxfp8.py); mxfp4 tokens are
+        # re-encoded as e4m3 by a pre-pass. 1.31-1.39x the decoding kernel at 2 tokens an expert
+        # (gpt-oss and DeepSeek-V3 shapes, bench/results/e2m1-promotion-*.json, H100). Regime 32
+        # stays on the decoding kernel: 32-token tiles spilled ~190 values, and two 16-token
+        # tiles were 0.96-1.0x its 32-token tile at 16 tokens an expert.
+        cfg = Sm90Config(block_n=16, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
+                         sub_steps=2, fp8_mma=True)
     else:
         cfg = None
     if cfg is not None:
-        while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2) <= SM90_SMEM_BYTES:
+        w_bytes = weight_bytes(FORMATS[fmt_name])
+        while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2, w_bytes) <= SM90_SMEM_BYTES:
             cfg = replace(cfg, stages=cfg.stages + 1)
         _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime}", cfg)
         return cfg

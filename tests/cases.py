@@ -90,8 +90,12 @@ SM90_TOLERANCES = {
     # the same fp8 accumulator, promoted 4x as often; first GPU run: 4.7e-6 of sum |a*b|, past
     # the exact bound. The fp8_block bounds apply.
     "mxfp8": Tolerance(4e-3, 5e-4, 2e-4),
+    # w4a8 at decode runs the same fp8 wgmma (e2m1 weights decoded to e4m3): e4m3 x e2m1 products
+    # need more bits than the accumulator keeps (first GPU run: 1e-5 of sum |a*b|). mxfp4 on the
+    # same path stays exact: its products are multiples of 1/4 below 36, a k32 sum below 2^11.
+    "w4a8": Tolerance(4e-3, 5e-4, 2e-4),
     # The other block formats run bf16 wgmma on exactly decoded operands: the bf16 kernel's bounds.
-    **{name: TOLERANCES[name] for name in ("mxfp4", "nvfp4", "w4a8")},
+    **{name: TOLERANCES[name] for name in ("mxfp4", "nvfp4")},
 }
 
 

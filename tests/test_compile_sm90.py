@@ -125,7 +125,7 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
     if cfg.fp8_mma:
-        return mxfp8_kernel_compiled(cfg, layout, epilogue)
+        return mxfp8_kernel_compiled(cfg, layout, epilogue, fmt)
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(f))
     fp4 = f.b.element.packed
@@ -144,13 +144,14 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
                                           {"num_warps": 4})
 
 
-def mxfp8_kernel_compiled(cfg, layout, epilogue=None):
-    """kernels/sm90_mxfp8.py (the config sm90_mx_config picks for mxfp8 with fp8_mma)."""
-    from moegemm.config import with_epilogue_scratch
+def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8"):
+    """kernels/sm90_mxfp8.py (the configs sm90_mx_config picks with fp8_mma): mxfp8, or the
+    e2m1 weights of mxfp4/w4a8 (packed bytes in the ring)."""
+    from moegemm.config import weight_bytes, with_epilogue_scratch
     from moegemm.kernels import sm90_mxfp8
 
     if epilogue is not None:
-        cfg = with_epilogue_scratch(cfg, 1, 2)
+        cfg = with_epilogue_scratch(cfg, 1, 2, weight_bytes(FORMATS[fmt]))
     swizzled = layout == "swizzled"
     constexprs = {}
     if cfg.wide_promotion:
@@ -160,10 +161,12 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None):
         scales, constexprs = {}, {"s_desc": None}
     signature = {
         "t_desc": offline.tensordesc_signature("fp8e4nv", [cfg.token_tile, cfg.block_k]),
-        "w_desc": offline.tensordesc_signature("fp8e4nv", [cfg.weight_tile, cfg.block_k]), **scales,
+        "w_desc": offline.tensordesc_signature("u8" if FORMATS[fmt].b.element.packed else "fp8e4nv",
+                                               [cfg.weight_tile, cfg.block_k]), **scales,
         "out_ptr": "*u8" if epilogue else "*bf16", "t_scale_ptr": "*fp32", "b_scale_ptr": "*i32" if swizzled else "*u8",
         "a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
-        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
+        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4", "T_SCALE_STRIDE")},
+        "epi": EPILOGUE_SIGNATURE,
     }
     constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=True,
                       HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
@@ -218,6 +221,7 @@ FUSED_MX_CASES = [
     ("nvfp4", 32, (1, 4, True, False, 16)),
     ("w4a8", 8192, (1, 2, False, True, 32)),
     ("mxfp8", 128, (2, 0, False, True, 32)),
+    ("mxfp4", 8, (2, 3, True, True, 32)),  # e2m1 weights on the promotion kernel
 ]
 
 
@@ -234,3 +238,23 @@ def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue)
     allowed = 80 if sm90_mx_token_tile(fmt, tokens_per_slot) == 128 else 0
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
+
+
+def test_e2m1_promotion_config_rules():
+    """The default decode config of mxfp4/w4a8 is the e2m1 promotion kernel's (16-token tiles,
+    two token boxes a stage); the shapes it cannot run are refused rather than launched."""
+    import dataclasses
+
+    from moegemm.config import Sm90Config, sm90_mx_config
+
+    for fmt in ("mxfp4", "w4a8"):
+        cfg = sm90_mx_config(FORMATS[fmt], 5760, 2880, 2)
+        assert cfg.fp8_mma and cfg.token_tile == 16 and cfg.sub_steps == 2 and cfg.stage_k == 256
+        assert not sm90_mx_config(FORMATS[fmt], 5760, 2880, 16).fp8_mma  # regime 32: the decoding kernel
+        for bad in (dataclasses.replace(cfg, block_n=32), dataclasses.replace(cfg, sub_steps=1)):
+            with pytest.raises(ValueError, match="fp8_mma stages"):
+                bad.check(FORMATS[fmt])
+    e2m1_cfg = Sm90Config(block_n=16, block_k=128, stages=4, group_m=1, swap=True, consumer_regs=192, sub_steps=2,
+                          fp8_mma=True)
+    with pytest.raises(ValueError, match="fp8_mma runs"):
+        e2m1_cfg.check(FORMATS["nvfp4"])  # 16-wide scale blocks: no k32 wgmma per block

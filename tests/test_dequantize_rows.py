@@ -61,6 +61,12 @@ def check_decode_row_scales(layout, pattern, device):
     assert bool(valid.any())
     assert torch.equal(got[valid, :num_kb].view(torch.int32), expected[valid].view(torch.int32))
     assert bool((got[valid, num_kb:] == 2.0 ** -127).all()), "padding columns must hold 2^-127"
+    # Stages of eight K blocks (e2m1 weights): whole stages plus four blocks.
+    wide_stages = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True,
+                                             stage_blocks=8)
+    assert wide_stages.shape == (problem.m, 8 * -(-num_kb // 8) + 4)
+    assert torch.equal(wide_stages[valid, :got.shape[1]].view(torch.int32), got[valid].view(torch.int32))
+    assert bool((wide_stages[valid, num_kb:] == 2.0 ** -127).all())
     # The transposed copy of the wide promotion tiles: [num_kb, columns], slot g's rows from
     # column 4 * ceil(s / 4) + 4 * g (16-byte aligned for TMA), no padding blocks.
     transposed = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, kb_major=True)
@@ -91,3 +97,25 @@ def test_decode_row_scales_interpreted(layout, pattern):
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_decode_row_scales_compiled(layout, pattern):
     check_decode_row_scales(layout, pattern, "cuda")
+
+
+def check_e2m1_to_e4m3(device):
+    """mxfp4 tokens re-encoded for the fp8 tensor cores: every byte value (both nibbles, both
+    signs), bit-identical to torch's e4m3 of the decoded values, element 2i from the low nibble."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device).reshape(4, 64)
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], device=device)
+    expected = torch.stack([values[(codes & 15).long()], values[(codes >> 4).long()]], dim=-1).reshape(4, 128)
+    got = portable.e2m1_to_e4m3(codes)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (4, 128)
+    assert torch.equal(got.view(torch.uint8), expected.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert portable.e2m1_to_e4m3(codes[:0]).shape == (0, 128)
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+def test_e2m1_to_e4m3_interpreted():
+    check_e2m1_to_e4m3("cpu")
+
+
+@pytest.mark.gpu
+def test_e2m1_to_e4m3_compiled():
+    check_e2m1_to_e4m3("cuda")

@@ -310,3 +310,25 @@ def decode_row_scales_kernel(
                           mask=scale_mask[:, None] & (kb[None, :] < NUM_KB), other=0)
             tl.store(out_ptr + (rows + out_shift)[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, _decode_e8m0(raw),
                      mask=row_mask[:, None] & (kb[None, :] < COLUMNS))
+
+
+@triton.jit
+def _e2m1_code_to_e4m3(nibble):
+    mag = nibble & 7
+    byte = tl.where(mag == 0, 0, tl.where(mag == 1, 0x30, 0x30 + 4 * mag))
+    return byte | ((nibble & 8) << 4)
+
+
+@triton.jit
+def e2m1_to_e4m3_kernel(src_ptr, out_ptr, NUM_BYTES, BLOCK: tl.constexpr):
+    """out[2i], out[2i + 1] = the e4m3 bytes of the low and high e2m1 nibble of src[i], exact
+    (every e2m1 value is an e4m3 value): magnitude codes 0..7 -> 0x00, 0x30 (0.5), then
+    0x30 + 4 * code (1, 1.5, 2, 3, 4, 6); the sign bit moves from bit 3 to bit 7."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < NUM_BYTES
+    packed = tl.load(src_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    low = _e2m1_code_to_e4m3(packed & 15)
+    high = _e2m1_code_to_e4m3(packed >> 4)
+    out_offsets = 2 * offsets
+    tl.store(out_ptr + tl.join(out_offsets, out_offsets + 1), tl.join(low, high).to(tl.uint8),
+             mask=tl.join(mask, mask))

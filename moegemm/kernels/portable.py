@@ -133,21 +133,35 @@ def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_sca
     return out
 
 
+def e2m1_to_e4m3(a: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [R, K/2] (uint8, element 2i in the low nibble) -> e4m3 [R, K], exact (every
+    e2m1 value is an e4m3 value; see e2m1_to_e4m3_kernel): mxfp4 tokens for the fp8 tensor cores
+    (kernels/sm90_mxfp8.py). Every row is converted, so no slot data is read on the host."""
+    out = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
+    num_bytes = a.numel()
+    if num_bytes == 0:
+        return out
+    block = 1024
+    kernel_module(a.device.type == "cpu").e2m1_to_e4m3_kernel[(math.ceil(num_bytes / block), )](
+        _bytes(a.contiguous()), out.view(torch.uint8), num_bytes, BLOCK=block, num_warps=4)
+    return out
+
+
 def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scale_offsets,
-                      pad_stages: bool = False, kb_major: bool = False) -> torch.Tensor:
+                      pad_stages: bool = False, kb_major: bool = False, stage_blocks: int = 4) -> torch.Tensor:
     """fp32 [M, num_k_scales]: A's e8m0 scales decoded (2^(b-127); 0 -> 2^-127, 255 -> NaN) into
     the plain layout, for the rows of every valid slot; other rows are left unwritten.
 
-    pad_stages: rows hold 4 * (ceil(num_k_scales / 4) + 1) columns, those past num_k_scales
-    2^-127, so the mxfp8 decode kernel (kernels/sm90_mxfp8.py) loads the four scales of a
-    stage, and the next stage's ahead of time, with no K mask.
+    pad_stages: rows hold stage_blocks * ceil(num_k_scales / stage_blocks) + 4 columns, those past
+    num_k_scales 2^-127, so the promotion kernel's narrow tiles (kernels/sm90_mxfp8.py) load the
+    scales of a stage of stage_blocks K blocks, and the next four ahead of time, with no K mask.
     kb_major: the transpose, [num_k_scales, 4 * ceil(M / 4) + 4 * G], so that a [4, tokens] box
     holds one ring stage's token scales (the kernel's wide tiles). TMA needs a box to start
     16-byte aligned on the contiguous axis (an illegal instruction otherwise, H100), so slot g's
     row m sits at column m - s + 4 * ceil(s / 4) + 4 * g (s: the slot's clamped first row):
     every slot starts at a multiple of 4, and the slots stay in order without overlapping."""
     num_kb = p.num_k_scales
-    columns = 4 * (math.ceil(num_kb / 4) + 1) if pad_stages else num_kb
+    columns = stage_blocks * math.ceil(num_kb / stage_blocks) + 4 if pad_stages else num_kb
     if kb_major:
         m_pad = 4 * math.ceil(p.m / 4) + 4 * p.num_groups
         out = torch.empty(columns, m_pad, dtype=torch.float32, device=a_scales.device)

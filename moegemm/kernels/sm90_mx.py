@@ -236,20 +236,21 @@ def supports(p: GroupedProblem) -> bool:
 def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
            row_scales, out, epilogue: dict | None = None):
     """Decode the tokens (pre-pass), then launch the kernel into `out`; no device value is read.
-    `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue. mxfp8 goes to
-    kernels/sm90_mxfp8.py instead (config.sm90_mx_config picks it in every regime; a forced
-    decoding config still runs here)."""
+    `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue. Configs with
+    fp8_mma go to kernels/sm90_mxfp8.py instead (config.sm90_mx_config picks it for mxfp8 in
+    every regime, for mxfp4 and w4a8 at up to 12 tokens a slot; a forced decoding config still
+    runs here)."""
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return out
     swizzled = p.scale_layout == "swizzled"
     if swizzled and a_scale_offsets is None:
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
     cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups)
-    if cfg.fp8_mma:  # mxfp8: no decoding (kernels/sm90_mxfp8.py)
+    if cfg.fp8_mma:  # fp8 wgmma and promotion (kernels/sm90_mxfp8.py): mxfp8, and e2m1 weights at decode
         from . import sm90_mxfp8  # (it imports this module's scale addressing)
 
         if epilogue is not None:
-            cfg = with_epilogue_scratch(cfg, 1, 2)
+            cfg = with_epilogue_scratch(cfg, 1, 2, weight_bytes(p.fmt))
         return sm90_mxfp8.launch(p, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
                                  expert_scales, row_scales, out, epilogue)
     if epilogue is not None:

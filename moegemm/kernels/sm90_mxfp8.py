@@ -1,5 +1,5 @@
-"""Hopper (sm_90) grouped matmul for `mxfp8`: fp8 wgmma per 32-wide K block, the block
-scales applied by fp32 promotion.
+"""Hopper (sm_90) grouped matmul for `mxfp8`, and for `mxfp4`/`w4a8` at decode: fp8 wgmma per
+32-wide K block, the block scales applied by fp32 promotion.
 
 Both operands of mxfp8 are e4m3 with an e8m0 scale per 32 elements of K, one per weight row
 and one per token. One k32 wgmma covers exactly one scale block, so
@@ -24,6 +24,15 @@ so the producer also loads each stage's token scales, a [4, TOK_TILE] fp32 box o
 K-block-major copy, into the ring; a warpgroup reads one block's vector at a time while its
 wgmma runs and keeps one partial tile in flight (a second measured no faster).
 
+e2m1 weights (mxfp4, w4a8; 16-token tiles, config.sm90_mx_config's regime 16): every e2m1 value
+is an e4m3 value, so the weights come through the ring packed (128 bytes of a row = 256 K a
+stage, with two token boxes) and each consumer warpgroup decodes its rows to e4m3 (PRMT table,
+1.5 instructions an element) into two shared-memory operand buffers, then runs the same k32
+wgmmas and promotion (_promote_chain_fp4). mxfp4 tokens are re-encoded as e4m3 by a pre-pass
+(portable.e2m1_to_e4m3); w4a8 tokens already are. 1.31-1.39x the decoding kernel at 2 tokens
+an expert (bench/results/e2m1-promotion-*.json, H100). mxfp4's k32 sums stay exact in the fp8
+accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not, like mxfp8.
+
 Tiles are swapped as in sm90_mx.py: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens,
 the producer, schedule and epilogues are those of kernels/sm90.py and sm90_epilogue.py.
 
@@ -46,7 +55,8 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..validation import GroupedProblem
@@ -75,14 +85,11 @@ def _weight_scales(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
     atoms), one load a row; bytes past NUM_KB (the atom's padding) are cleared. plain: four
     byte loads a row."""
     if SWIZZLED:
-        word = gl.load(w_scale_rows + kk * 128, mask=w_ok & (kk < KB4), other=0)
-        pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
-        keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
-        word = word & keep.to(gl.int32)
-        s0 = _e8m0_f32((word << 23) & 0x7F800000)
-        s1 = _e8m0_f32((word << 15) & 0x7F800000)
-        s2 = _e8m0_f32((word << 7) & 0x7F800000)
-        s3 = _e8m0_f32((word >> 1) & 0x7F800000)
+        word = _weight_scale_words(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED)
+        s0 = _word_scale(word, 0)
+        s1 = _word_scale(word, 1)
+        s2 = _word_scale(word, 2)
+        s3 = _word_scale(word, 3)
     else:
         kb = 4 * kk
         s0 = _e8m0_f32(gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0).to(gl.int32) << 23)
@@ -90,6 +97,34 @@ def _weight_scales(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
         s2 = _e8m0_f32(gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0).to(gl.int32) << 23)
         s3 = _e8m0_f32(gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0).to(gl.int32) << 23)
     return s0, s1, s2, s3
+
+
+@gluon.jit
+def _weight_scale_words(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
+    """The e8m0 bytes of four K blocks 4kk..4kk+3 of this warpgroup's rows, one int32 word a
+    row (block 4kk + j in byte j; bytes past NUM_KB cleared, as are the swizzled atom's padding
+    bytes): _weight_scales before decoding, a quarter of its registers (the e2m1 chain holds two
+    stages of them)."""
+    if SWIZZLED:
+        word = gl.load(w_scale_rows + kk * 128, mask=w_ok & (kk < KB4), other=0)
+        pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
+        keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
+        return word & keep.to(gl.int32)
+    else:
+        kb = 4 * kk
+        word = gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0).to(gl.int32)
+        word |= gl.load(w_scale_rows + kb + 1, mask=w_ok & (kb + 1 < NUM_KB), other=0).to(gl.int32) << 8
+        word |= gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0).to(gl.int32) << 16
+        return word | (gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0).to(gl.int32) << 24)
+
+
+@gluon.jit
+def _word_scale(word, j: gl.constexpr):
+    """fp32 scale of byte j of a _weight_scale_words word."""
+    if j == 3:
+        return _e8m0_f32((word >> 1) & 0x7F800000)
+    else:
+        return _e8m0_f32((word << (23 - 8 * j)) & 0x7F800000)
 
 
 @gluon.jit
@@ -193,19 +228,140 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     return acc, it
 
 
+# e2m1 -> e4m3 for eight packed elements (one 32-bit word w, element i in nibble i), exact: every
+# e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6) is an e4m3 value. The magnitude (3 bits) indexes a
+# PRMT table of the eight e4m3 bytes; each element's sign (bit 3 of its nibble) is moved to bit
+# 7 of its byte by a byte shuffle and a shift. $0 = e4m3 of elements 0-3 (nibbles 0-3), $1 = of
+# elements 4-7: as pack=4 uint16 outputs, byte i of the input gives uint16 i = its two elements'
+# e4m3 bytes, low nibble first: the elements' order in K is kept. 12 instructions for 8 elements.
+_E2M1_TO_E4M3_PTX = gl.constexpr("""{
+.reg .b32 lo_lut, hi_lut, mag, mag_hi, t0, t1, u0, u1;
+mov.b32 lo_lut, 0x3C383000;
+mov.b32 hi_lut, 0x4C484440;
+and.b32 mag, $2, 0x77777777;
+shr.u32 mag_hi, mag, 16;
+prmt.b32 t0, $2, 0, 0x1100;
+prmt.b32 t1, $2, 0, 0x3322;
+shl.b32 u0, t0, 4;
+shl.b32 u1, t1, 4;
+lop3.b32 t0, u0, t0, 0x00800080, 0xE4;
+lop3.b32 t1, u1, t1, 0x00800080, 0xE4;
+prmt.b32 u0, lo_lut, hi_lut, mag;
+prmt.b32 u1, lo_lut, hi_lut, mag_hi;
+lop3.b32 $0, u0, t0, 0x80808080, 0xF8;
+lop3.b32 $1, u1, t1, 0x80808080, 0xF8;
+}""")
+
+
 @gluon.jit
-def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
-                              expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
-                              W_TILE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+def _e2m1_to_e4m3_pairs(raw):
+    """uint8 bytes of packed e2m1 (element 2i in the low nibble) -> uint16, each the e4m3 bytes
+    of its byte's two elements (element 2i in the low byte): the row's elements in K order."""
+    return gl.inline_asm_elementwise(_E2M1_TO_E4M3_PTX, "=r,=r,r", [raw], dtype=gl.uint16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _decode_half(w_stage, h: gl.constexpr, operand, raw_layout: gl.constexpr):
+    """Half h of this warpgroup's weight rows in the stage (64 bytes = 128 e2m1 of each row) to
+    e4m3 in its shared-memory operand buffer (viewed as uint16 pairs)."""
+    raw = w_stage.slice(h * 64, 64, dim=1).load(raw_layout)
+    operand.store(_e2m1_to_e4m3_pairs(raw))
+
+
+@gluon.jit
+def _issue_half(operand, t_half, zero):
+    """The four k32 wgmmas of a 128-wide half stage, left in flight: operand the decoded weights
+    [64, 128] e4m3, t_half the tokens [TOK_TILE, 128]."""
+    w, t = _block_operands(operand, t_half, 0)
+    p0 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    w, t = _block_operands(operand, t_half, 1)
+    p1 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    w, t = _block_operands(operand, t_half, 2)
+    p2 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    w, t = _block_operands(operand, t_half, 3)
+    p3 = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _promote_half(acc, p0, p1, p2, p3, w_word, st0, st1, st2, st3, LATER: gl.constexpr):
+    """acc += the four partials of a half stage, each promoted as soon as it retired (weight
+    scales: the half's _weight_scale_words); LATER wgmmas were issued after them and may stay
+    in flight."""
+    p0 = warpgroup_mma_wait(LATER + 3, deps=(p0, ))
+    acc = _promote(acc, p0, _word_scale(w_word, 0), st0)
+    p1 = warpgroup_mma_wait(LATER + 2, deps=(p1, ))
+    acc = _promote(acc, p1, _word_scale(w_word, 1), st1)
+    p2 = warpgroup_mma_wait(LATER + 1, deps=(p2, ))
+    acc = _promote(acc, p2, _word_scale(w_word, 2), st2)
+    p3 = warpgroup_mma_wait(LATER, deps=(p3, ))
+    return _promote(acc, p3, _word_scale(w_word, 3), st3)
+
+
+@gluon.jit
+def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows, t_ok, NUM_KB, KB4,
+                       it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr):
+    """The main loop with e2m1 weights (mxfp4, w4a8): a stage holds 256 K, each weight row's 128
+    bytes and two [TOK_TILE, 128] token boxes. Per stage: decode both halves into this
+    warpgroup's two e4m3 operand buffers, one fence, issue the eight k32 wgmmas (all in flight,
+    8 registers each on 16-token tiles; 32-token tiles spilled), promote them in order.
+
+    The scale loads of the next stage are issued after the fence: the fence
+    (fence.proxy.async, a MEMBAR.ALL.CTA in SASS) waits for every memory access still in flight,
+    global loads included, so loads issued before it stall the warpgroup for their whole
+    latency. Loaded a half stage ahead (before the fence) the kernel ran 1.7x slower than with
+    no scale loads in the loop at all (gpt-oss up, 2 tokens an expert, H100)."""
+    raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    f8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    gl.static_assert(zero.shape[1] == 16, "e2m1 weights run 16-token tiles")
+    op0 = a_bufs.index(2 * WG)
+    op1 = a_bufs.index(2 * WG + 1)
+    op0_f8 = op0._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
+    op1_f8 = op1._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
+    acc = zero
+    w_lo = _weight_scale_words(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    w_hi = _weight_scale_words(w_scale_rows, w_ok, 1, NUM_KB, KB4, SWIZZLED)
+    st0, st1, st2, st3 = _token_scales(t_scale_rows, t_ok, 0)
+    st4, st5, st6, st7 = _token_scales(t_scale_rows, t_ok, 1)
+    for kk in range(k_steps):
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
+        # (The compiler adds the warpgroup barriers: every warp's stores before the wgmmas read
+        # them, and the previous stage's wgmmas retired before the buffers are rewritten.)
+        _decode_half(w_stage, 0, op0, raw_layout)
+        _decode_half(w_stage, 1, op1, raw_layout)
+        fence_async_shared()
+        n_w_lo = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 2, NUM_KB, KB4, SWIZZLED)
+        n_w_hi = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 3, NUM_KB, KB4, SWIZZLED)
+        p0, p1, p2, p3 = _issue_half(op0_f8, t_bufs.index(stage * 2), zero)
+        q0, q1, q2, q3 = _issue_half(op1_f8, t_bufs.index(stage * 2 + 1), zero)
+        acc = _promote_half(acc, p0, p1, p2, p3, w_lo, st0, st1, st2, st3, 4)
+        # Each half's token scales are replaced once they are used (fewer live registers).
+        st0, st1, st2, st3 = _token_scales(t_scale_rows, t_ok, 2 * kk + 2)
+        acc = _promote_half(acc, q0, q1, q2, q3, w_hi, st4, st5, st6, st7, 0)
+        st4, st5, st6, st7 = _token_scales(t_scale_rows, t_ok, 2 * kk + 3)
+        mbarrier.arrive(empty.index(stage), count=1)
+        w_lo, w_hi = n_w_lo, n_w_hi
+        it += 1
+    return acc, it
+
+
+@gluon.jit
+def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
+                              a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB,
+                              KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
+                              W_TILE: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                              HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr, WIDE: gl.constexpr):
+                              HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr, WIDE: gl.constexpr,
+                              FP4W: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, SCALE_BLOCK])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    k_steps = gl.cdiv(K, STAGE_K)
     zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
     tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
     w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
@@ -227,8 +383,12 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_s
             if WIDE:
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
                                               KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
+            elif FP4W:
+                t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
+                acc, it = _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ready, empty, zero, w_scale_rows, w_ok,
+                                             t_scale_rows, tok_mask, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
             else:
-                t_scale_rows = t_scale_ptr + toks.to(gl.int64) * (4 * KB4 + 4)  # decode_row_scales' row stride
+                t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
                 acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows,
                                          tok_mask, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
             if EPI[0] != 0:  # the fused SwiGLU epilogue
@@ -243,42 +403,53 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_s
 @gluon.jit
 def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
                                      expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
-                                     epi,
+                                     T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
-    weight tiles [128, 128] of B viewed as [E*N, K]; one of each fills a ring stage. s_desc
-    (wide tiles, TOK_TILE >= 64; else None): fp32 token-scale boxes [4, TOK_TILE] of the
-    K-block-major copy, a third part of each stage (t_scale_ptr is then unused)."""
+    weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
+    e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
+    K, one weight tile and two token tiles). s_desc (wide tiles, TOK_TILE >= 64; else None): fp32
+    token-scale boxes [4, TOK_TILE] of the K-block-major copy, a third part of each stage
+    (t_scale_ptr is then unused; else its rows are T_SCALE_STRIDE floats apart)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
     WIDE: gl.constexpr = s_desc is not None
+    FP4W: gl.constexpr = w_desc.dtype == gl.uint8
+    SUB: gl.constexpr = 2 if FP4W else 1  # token tiles a stage
     gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
-    gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a stage holds four scale blocks (_promote_chain)")
-    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES] + t_desc.block_type.shape, t_desc.layout)
+    gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a token tile holds four scale blocks (_promote_chain)")
+    gl.static_assert(not (FP4W and WIDE), "e2m1 weights run 16-token tiles")
+    gl.static_assert(w_desc.block_type.shape[1] == BLOCK_K, "a weight row's 128 bytes a stage")
+    t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     if WIDE:
         s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
     else:
         s_bufs = t_bufs  # unused (the producer loads no scales without s_desc)
+    if FP4W:  # two decoded e4m3 [64, 128] operand buffers a consumer warpgroup, stored as uint16 pairs
+        a_bufs = gl.allocate_shared_memory(gl.uint16, [4, WG_ROWS, 64],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    else:
+        a_bufs = t_bufs  # unused
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
                                      a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
-                                     NUM_KB, KB4, epi, 0, TOK_TILE, W_TILE, BLOCK_K, STAGES,
-                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE)),
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
+                                     NUM_KB, KB4, T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES,
+                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W)),
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
                                      a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
-                                     NUM_KB, KB4, epi, 1, TOK_TILE, W_TILE, BLOCK_K, STAGES,
-                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE)),
+                                     NUM_KB, KB4, T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES,
+                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, 1, s_desc, s_bufs)),
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs)),
     # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
     # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
     ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
@@ -291,12 +462,16 @@ def _unswizzled_f32_layout():
 
 def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
            row_scales, out, epilogue: dict | None = None):
-    """Decode the token scales to fp32 (pre-pass), then launch into `out` with the config
-    sm90_mx.launch chose (cfg.fp8_mma); no device value is read."""
+    """Decode the token scales to fp32 (pre-pass; e2m1 tokens are also re-encoded as e4m3), then
+    launch into `out` with the config sm90_mx.launch chose (cfg.fp8_mma); no device value is
+    read."""
     swizzled = p.scale_layout == "swizzled"
     wide = cfg.wide_promotion
+    fp4_weights = p.fmt.b.element.packed
     token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
-                                              pad_stages=not wide, kb_major=wide)
+                                              pad_stages=not wide, kb_major=wide, stage_blocks=cfg.stage_k // 32)
+    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value is an e4m3 value
+        a = portable.e2m1_to_e4m3(a)
     s_desc = None
     if wide:  # a [4, TOK_TILE] box of the K-block-major scales per stage; unswizzled rows
         s_block = [4, cfg.token_tile]
@@ -305,8 +480,11 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)
     t_desc = TensorDescriptor.from_tensor(a, list(t_block), _layout(t_block, a.dtype))
+    # 128 bytes of each weight row a stage: 128 e4m3, or 256 packed e2m1 (two token tiles).
+    weights = b.view(torch.uint8) if fp4_weights else b
     w_block = (cfg.weight_tile, cfg.block_k)
-    w_desc = TensorDescriptor.from_tensor(b.reshape(p.num_experts * p.n, p.k), list(w_block), _layout(w_block, b.dtype))
+    w_desc = TensorDescriptor.from_tensor(weights.reshape(p.num_experts * p.n, weights.shape[-1]), list(w_block),
+                                          _layout(w_block, weights.dtype))
     # Swizzled weight scales are read a 32-bit word (a row's four K blocks) at a time.
     weight_scales = b_scales.view(torch.uint8)
     if swizzled:
@@ -317,7 +495,8 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
         t_desc, w_desc, s_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
-        p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4), epi,
+        p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
+        0 if wide else token_scales.shape[1], epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
