@@ -61,10 +61,10 @@ def check_decode_row_scales(layout, pattern, device):
     assert bool(valid.any())
     assert torch.equal(got[valid, :num_kb].view(torch.int32), expected[valid].view(torch.int32))
     assert bool((got[valid, num_kb:] == 2.0 ** -127).all()), "padding columns must hold 2^-127"
-    # Stages of eight K blocks (e2m1 weights): whole stages plus four blocks.
+    # Stages of eight K blocks (e2m1 weights): whole stages plus one, which the kernel prefetches.
     wide_stages = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True,
                                              stage_blocks=8)
-    assert wide_stages.shape == (problem.m, 8 * -(-num_kb // 8) + 4)
+    assert wide_stages.shape == (problem.m, 8 * (-(-num_kb // 8) + 1))
     assert torch.equal(wide_stages[valid, :got.shape[1]].view(torch.int32), got[valid].view(torch.int32))
     assert bool((wide_stages[valid, num_kb:] == 2.0 ** -127).all())
     # The transposed copy of the wide promotion tiles: [num_kb, columns], slot g's rows from

@@ -152,16 +152,17 @@ def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scal
     """fp32 [M, num_k_scales]: A's e8m0 scales decoded (2^(b-127); 0 -> 2^-127, 255 -> NaN) into
     the plain layout, for the rows of every valid slot; other rows are left unwritten.
 
-    pad_stages: rows hold stage_blocks * ceil(num_k_scales / stage_blocks) + 4 columns, those past
-    num_k_scales 2^-127, so the promotion kernel's narrow tiles (kernels/sm90_mxfp8.py) load the
-    scales of a stage of stage_blocks K blocks, and the next four ahead of time, with no K mask.
+    pad_stages: rows hold stage_blocks * (ceil(num_k_scales / stage_blocks) + 1) columns, those
+    past num_k_scales 2^-127, so the promotion kernel's narrow tiles (kernels/sm90_mxfp8.py) load
+    the scales of a stage of stage_blocks K blocks, and the next stage's ahead of time, with no
+    K mask.
     kb_major: the transpose, [num_k_scales, 4 * ceil(M / 4) + 4 * G], so that a [4, tokens] box
     holds one ring stage's token scales (the kernel's wide tiles). TMA needs a box to start
     16-byte aligned on the contiguous axis (an illegal instruction otherwise, H100), so slot g's
     row m sits at column m - s + 4 * ceil(s / 4) + 4 * g (s: the slot's clamped first row):
     every slot starts at a multiple of 4, and the slots stay in order without overlapping."""
     num_kb = p.num_k_scales
-    columns = stage_blocks * math.ceil(num_kb / stage_blocks) + 4 if pad_stages else num_kb
+    columns = stage_blocks * (math.ceil(num_kb / stage_blocks) + 1) if pad_stages else num_kb
     if kb_major:
         m_pad = 4 * math.ceil(p.m / 4) + 4 * p.num_groups
         out = torch.empty(columns, m_pad, dtype=torch.float32, device=a_scales.device)
