@@ -154,14 +154,21 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8"):
         cfg = with_epilogue_scratch(cfg, 1, 2, weight_bytes(FORMATS[fmt]))
     swizzled = layout == "swizzled"
     constexprs = {}
-    if cfg.wide_promotion:
-        scales = {"s_desc": offline.tensordesc_signature("fp32", [4, cfg.token_tile],
-                                                         sm90_mxfp8._unswizzled_f32_layout())}
+    fp4_weights = FORMATS[fmt].b.element.packed
+    scales = {}
+    if cfg.wide_promotion or fp4_weights:  # token scales through the ring
+        scales["s_desc"] = offline.tensordesc_signature("fp32", [cfg.stage_k // 32, cfg.token_tile],
+                                                        sm90_mxfp8._unswizzled_32bit_layout())
     else:
-        scales, constexprs = {}, {"s_desc": None}
+        constexprs["s_desc"] = None
+    if fp4_weights and swizzled:  # and the weight scales' atoms
+        scales["ws_desc"] = offline.tensordesc_signature("i32", [cfg.stage_k // 128 * 32, 4],
+                                                         sm90_mxfp8._unswizzled_32bit_layout())
+    else:
+        constexprs["ws_desc"] = None
     signature = {
         "t_desc": offline.tensordesc_signature("fp8e4nv", [cfg.token_tile, cfg.block_k]),
-        "w_desc": offline.tensordesc_signature("u8" if FORMATS[fmt].b.element.packed else "fp8e4nv",
+        "w_desc": offline.tensordesc_signature("u8" if fp4_weights else "fp8e4nv",
                                                [cfg.weight_tile, cfg.block_k]), **scales,
         "out_ptr": "*u8" if epilogue else "*bf16", "t_scale_ptr": "*fp32", "b_scale_ptr": "*i32" if swizzled else "*u8",
         "a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
@@ -190,7 +197,8 @@ def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, layout)
     sass = offline.sass(compiled)
     ops = offline.opcode_counts(sass)
-    assert ops["HGMMA"] + ops["QGMMA"] > 0 and ops["UTMALDG"] > 0, f"wgmma and TMA loads expected: {ops.most_common(12)}"
+    assert ops["HGMMA"] + ops["QGMMA"] > 0 and ops["UTMALDG"] > 0, \
+        f"wgmma and TMA loads expected: {ops.most_common(12)}"
     check_wgmma_pipelining(sass, fmt, tokens_per_slot)
     # 128-token tiles: ptxas spills up to 35 tile-setup and epilogue values (none in the K loop,
     # read off the SASS) within the consumers' 192 (mxfp8: 232) registers; smaller tiles have none.
@@ -198,6 +206,30 @@ def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     assert ops["SHFL"] == 0, "decoding the weights moved data between threads (operand layout mismatch)"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
+
+
+def first_mma_loop(sass: str) -> list[str]:
+    """The instructions of the first loop that contains a wgmma: from the target of the first
+    backward branch past the first HGMMA/QGMMA to that branch."""
+    instructions = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    first_mma = next(a for a, text in instructions if "GMMA" in text)
+    for address, text in instructions:
+        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if target and address > first_mma and int(target.group(1), 16) <= first_mma:
+            return [t for a, t in instructions if int(target.group(1), 16) <= a <= address]
+    raise AssertionError("no loop around the first wgmma")
+
+
+@pytest.mark.parametrize("fmt", ("mxfp4", "w4a8"))
+def test_e2m1_promotion_loop_issues_no_global_loads(fmt):
+    # With swizzled weight scales the producer copies every scale of a stage into the ring
+    # (five TMA loads: two token boxes, the weights, token scales, weight-scale atoms), so the
+    # consumers' K loop has no LDG for its fence (a MEMBAR) to wait on (kernels/sm90_mxfp8.py).
+    sass = offline.sass(mx_kernel_compiled(fmt, 8, "swizzled"))
+    loop = first_mma_loop(sass)
+    assert sum("QGMMA" in t for t in loop) == 8, "eight k32 wgmmas a stage"
+    assert not [t for t in loop if re.search(r"\bLDG\b", t)], "global loads in the e2m1 K loop"
+    assert offline.opcode_counts(sass)["UTMALDG"] == 5
 
 
 @pytest.mark.parametrize("fmt", ("mxfp8", "mxfp4", "nvfp4", "w4a8"))

@@ -58,6 +58,7 @@ def tensordesc_signature(dtype_name: str, block: list[int], layout=None) -> str:
     its shared layout the default for the block unless given."""
     from triton.experimental.gluon import language as gl
 
-    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32, "u8": gl.uint8}[dtype_name]
+    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp32": gl.float32, "u8": gl.uint8,
+             "i32": gl.int32}[dtype_name]
     layout = layout or gl.NVMMASharedLayout.get_default_for(block, dtype)
     return "tensordesc<%s[%s],%s>" % (dtype_name, ", ".join(map(str, block)), layout)

@@ -108,12 +108,15 @@ def _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim: gl.constexpr,
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None,
+                    ws_desc=None, ws_bufs=None, KB4=0):
     """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
     (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
     i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py). With s_desc, a stage
     also holds the tokens' fp32 scales of its K blocks, a [K blocks, TOK_TILE] box of their
-    K-block-major copy (the wide tiles of kernels/sm90_mxfp8.py)."""
+    K-block-major copy (kernels/sm90_mxfp8.py). With ws_desc, also the weight tile's e8m0
+    scales in the swizzled layout, seen as [atoms * 32, 4] int32 (a 128x4 atom is 32 x 4 words,
+    KB4 atoms per 128 weight rows): an [atoms * 32, 4] box (kernels/sm90_mxfp8.py, e2m1 weights)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
@@ -122,8 +125,11 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
         stage_bytes: gl.constexpr = SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     else:
         stage_bytes: gl.constexpr = (SUB * a_desc.block_type.nbytes + b_desc.block_type.nbytes +
-                                     s_desc.block_type.nbytes)
+                                     s_desc.block_type.nbytes + (0 if ws_desc is None else ws_desc.block_type.nbytes))
         S_STEP: gl.constexpr = s_desc.block_type.shape[0]
+    if ws_desc is not None:
+        gl.static_assert(s_desc is not None and W_TILE == 128, "weight scales come with token scales, 128-row tiles")
+        WS_ATOMS: gl.constexpr = ws_desc.block_type.shape[0] // 32
     # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
     B_STEP: gl.constexpr = b_desc.block_type.shape[1]
     it = 0
@@ -146,6 +152,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                 if s_desc is not None:  # the slot's columns start 16-byte aligned (portable.decode_row_scales)
                     s_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE
                     tma.async_copy_global_to_shared(s_desc, [kk * S_STEP, s_col], ready.index(stage), s_bufs.index(stage))
+                if ws_desc is not None:  # (an atom row past the block's KB4 is cleared by the consumer)
+                    ws_row = ((e * w_tiles + w_block) * KB4 + kk * WS_ATOMS) * 32
+                    tma.async_copy_global_to_shared(ws_desc, [ws_row, 0], ready.index(stage), ws_bufs.index(stage))
                 it += 1
         tile_base += group_tiles
 

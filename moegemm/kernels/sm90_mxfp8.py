@@ -29,8 +29,11 @@ is an e4m3 value, so the weights come through the ring packed (128 bytes of a ro
 stage, with two token boxes) and each consumer warpgroup decodes its rows to e4m3 (PRMT table,
 1.5 instructions an element) into two shared-memory operand buffers, then runs the same k32
 wgmmas and promotion (_promote_chain_fp4). mxfp4 tokens are re-encoded as e4m3 by a pre-pass
-(portable.e2m1_to_e4m3); w4a8 tokens already are. 1.31-1.39x the decoding kernel at 2 tokens
-an expert (bench/results/e2m1-promotion-*.json, H100). mxfp4's k32 sums stay exact in the fp8
+(portable.e2m1_to_e4m3); w4a8 tokens already are. The producer also copies each stage's scales
+into the ring (tokens always, weights when swizzled), so the loop issues no global load before
+its fence. 1.31-1.39x the decoding kernel at 2 tokens an expert with the scales loaded by the
+consumers (bench/results/e2m1-promotion-*.json), then 1.17-1.28x from the ring
+(e2m1-staged-scales-*.json, H100). mxfp4's k32 sums stay exact in the fp8
 accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not, like mxfp8.
 
 Tiles are swapped as in sm90_mx.py: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens,
@@ -284,73 +287,114 @@ def _issue_half(operand, t_half, zero):
 
 
 @gluon.jit
-def _promote_half(acc, p0, p1, p2, p3, w_word, st0, st1, st2, st3, LATER: gl.constexpr):
-    """acc += the four partials of a half stage, each promoted as soon as it retired (weight
-    scales: the half's _weight_scale_words); LATER wgmmas were issued after them and may stay
-    in flight."""
-    p0 = warpgroup_mma_wait(LATER + 3, deps=(p0, ))
-    acc = _promote(acc, p0, _word_scale(w_word, 0), st0)
-    p1 = warpgroup_mma_wait(LATER + 2, deps=(p1, ))
-    acc = _promote(acc, p1, _word_scale(w_word, 1), st1)
-    p2 = warpgroup_mma_wait(LATER + 1, deps=(p2, ))
-    acc = _promote(acc, p2, _word_scale(w_word, 2), st2)
-    p3 = warpgroup_mma_wait(LATER, deps=(p3, ))
-    return _promote(acc, p3, _word_scale(w_word, 3), st3)
+def _staged_scale_words(ws_stage, h: gl.constexpr, kk, NUM_KB, WG: gl.constexpr, row_layout: gl.constexpr):
+    """_weight_scale_words of K blocks 4kk..4kk+3 from the stage's copy of the swizzled scales
+    (atom h of its [64, 4] words box): row n's word is at [n % 32, n // 32] of the atom, so a
+    warpgroup's 64 rows are two of its columns. Bytes past NUM_KB (padding, or the next row
+    block's atom after an odd KB4) are cleared."""
+    # The atom's [32, 4] words, loaded whole, in the distribution of the accumulator's rows (warp
+    # w: rows 16w..16w+15 of a warpgroup, lane // 4 and a register +8; a column is 32 rows); the
+    # warpgroup's two columns are then picked and flattened in registers (a relabeling).
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 2]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [0, 1]], block_bases=[], shape=[32, 4])
+    words = ws_stage.slice(32 * h, 32).load(words_layout)
+    halves = gl.permute(gl.reshape(words, [32, 2, 2]), (0, 2, 1))  # [row % 32, column % 2, column // 2]
+    first, second = gl.split(halves)
+    mine = first if WG == 0 else second  # [row % 32, row // 32 - 2 WG]
+    word = gl.convert_layout(gl.reshape(gl.permute(mine, (1, 0)), [WG_ROWS]), row_layout)
+    pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
+    keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
+    return word & keep.to(gl.int32)
 
 
 @gluon.jit
-def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows, t_ok, NUM_KB, KB4,
-                       it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr):
+def _staged_token_scales(ts_stage, h: gl.constexpr, acc_layout: gl.constexpr):
+    """The four [1, TOK_TILE] token-scale rows of half h of the stage's [8, TOK_TILE] box."""
+    return (ts_stage.slice(4 * h, 1).load(acc_layout), ts_stage.slice(4 * h + 1, 1).load(acc_layout),
+            ts_stage.slice(4 * h + 2, 1).load(acc_layout), ts_stage.slice(4 * h + 3, 1).load(acc_layout))
+
+
+@gluon.jit
+def _promote_rows(acc, part, sw, st_row):
+    """_promote with the token scales as a [1, TOK_TILE] row of the accumulator's layout."""
+    return acc + part * (gl.expand_dims(sw, 1) * st_row)
+
+
+@gluon.jit
+def _promote_half(acc, p0, p1, p2, p3, w_word, ts_stage, h: gl.constexpr, LATER: gl.constexpr,
+                         acc_layout: gl.constexpr):
+    """acc += the four partials of a half stage, each promoted as soon as it retired (weight
+    scales: the half's _weight_scale_words word; token scales: half h of the stage's box);
+    LATER wgmmas were issued after them and may stay in flight."""
+    st0, st1, st2, st3 = _staged_token_scales(ts_stage, h, acc_layout)
+    p0 = warpgroup_mma_wait(LATER + 3, deps=(p0, ))
+    acc = _promote_rows(acc, p0, _word_scale(w_word, 0), st0)
+    p1 = warpgroup_mma_wait(LATER + 2, deps=(p1, ))
+    acc = _promote_rows(acc, p1, _word_scale(w_word, 1), st1)
+    p2 = warpgroup_mma_wait(LATER + 1, deps=(p2, ))
+    acc = _promote_rows(acc, p2, _word_scale(w_word, 2), st2)
+    p3 = warpgroup_mma_wait(LATER, deps=(p3, ))
+    return _promote_rows(acc, p3, _word_scale(w_word, 3), st3)
+
+
+@gluon.jit
+def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB, KB4,
+                       it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr,
+                       acc_layout: gl.constexpr):
     """The main loop with e2m1 weights (mxfp4, w4a8): a stage holds 256 K, each weight row's 128
     bytes and two [TOK_TILE, 128] token boxes. Per stage: decode both halves into this
     warpgroup's two e4m3 operand buffers, one fence, issue the eight k32 wgmmas (all in flight,
     8 registers each on 16-token tiles; 32-token tiles spilled), promote them in order.
 
-    The scale loads of the next stage are issued after the fence: the fence
-    (fence.proxy.async, a MEMBAR.ALL.CTA in SASS) waits for every memory access still in flight,
-    global loads included, so loads issued before it stall the warpgroup for their whole
-    latency. Loaded a half stage ahead (before the fence) the kernel ran 1.7x slower than with
-    no scale loads in the loop at all (gpt-oss up, 2 tokens an expert, H100)."""
+    The scales come through the ring: the producer copies each stage's token scales ([8,
+    TOK_TILE] fp32 of the K-block-major copy) and, with swizzled weight scales, the weight
+    tile's two 128x4 atoms, so the loop issues no global load. That matters because the fence
+    (fence.proxy.async, a MEMBAR.ALL.CTA in SASS) waits for every memory access still in
+    flight, global loads included. Plain weight scales are still loaded from global memory, a
+    stage ahead and after the fence (loaded before it, the kernel ran 1.7x slower than with no
+    scale loads at all: gpt-oss up, 2 tokens an expert, H100)."""
     raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     f8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     gl.static_assert(zero.shape[1] == 16, "e2m1 weights run 16-token tiles")
     op0 = a_bufs.index(2 * WG)
     op1 = a_bufs.index(2 * WG + 1)
     op0_f8 = op0._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
     op1_f8 = op1._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
     acc = zero
-    w_lo = _weight_scale_words(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
-    w_hi = _weight_scale_words(w_scale_rows, w_ok, 1, NUM_KB, KB4, SWIZZLED)
-    st0, st1, st2, st3 = _token_scales(t_scale_rows, t_ok, 0)
-    st4, st5, st6, st7 = _token_scales(t_scale_rows, t_ok, 1)
+    if not SWIZZLED:
+        w_lo = _weight_scale_words(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+        w_hi = _weight_scale_words(w_scale_rows, w_ok, 1, NUM_KB, KB4, SWIZZLED)
     for kk in range(k_steps):
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        # (The compiler adds the warpgroup barriers: every warp's stores before the wgmmas read
-        # them, and the previous stage's wgmmas retired before the buffers are rewritten.)
+        ts_stage = ts_bufs.index(stage)
+        if SWIZZLED:
+            w_lo = _staged_scale_words(ws_bufs.index(stage), 0, 2 * kk, NUM_KB, WG, row_layout)
+            w_hi = _staged_scale_words(ws_bufs.index(stage), 1, 2 * kk + 1, NUM_KB, WG, row_layout)
         _decode_half(w_stage, 0, op0, raw_layout)
         _decode_half(w_stage, 1, op1, raw_layout)
         fence_async_shared()
-        n_w_lo = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 2, NUM_KB, KB4, SWIZZLED)
-        n_w_hi = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 3, NUM_KB, KB4, SWIZZLED)
+        if not SWIZZLED:
+            n_w_lo = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 2, NUM_KB, KB4, SWIZZLED)
+            n_w_hi = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 3, NUM_KB, KB4, SWIZZLED)
         p0, p1, p2, p3 = _issue_half(op0_f8, t_bufs.index(stage * 2), zero)
         q0, q1, q2, q3 = _issue_half(op1_f8, t_bufs.index(stage * 2 + 1), zero)
-        acc = _promote_half(acc, p0, p1, p2, p3, w_lo, st0, st1, st2, st3, 4)
-        # Each half's token scales are replaced once they are used (fewer live registers).
-        st0, st1, st2, st3 = _token_scales(t_scale_rows, t_ok, 2 * kk + 2)
-        acc = _promote_half(acc, q0, q1, q2, q3, w_hi, st4, st5, st6, st7, 0)
-        st4, st5, st6, st7 = _token_scales(t_scale_rows, t_ok, 2 * kk + 3)
+        acc = _promote_half(acc, p0, p1, p2, p3, w_lo, ts_stage, 0, 4, acc_layout)
+        acc = _promote_half(acc, q0, q1, q2, q3, w_hi, ts_stage, 1, 0, acc_layout)
         mbarrier.arrive(empty.index(stage), count=1)
-        w_lo, w_hi = n_w_lo, n_w_hi
+        if not SWIZZLED:
+            w_lo, w_hi = n_w_lo, n_w_hi
         it += 1
     return acc, it
 
 
 @gluon.jit
-def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
-                              a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB,
-                              KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
+def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
+                              b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K,
+                              E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
                               W_TILE: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                               HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr, WIDE: gl.constexpr,
@@ -384,9 +428,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
                                               KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
             elif FP4W:
-                t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
-                acc, it = _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ready, empty, zero, w_scale_rows, w_ok,
-                                             t_scale_rows, tok_mask, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
+                acc, it = _promote_chain_fp4(w_bufs, t_bufs, a_bufs, s_bufs, ws_bufs, ready, empty, zero, w_scale_rows,
+                                             w_ok, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
             else:
                 t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
                 acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows,
@@ -401,34 +444,42 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_
 
 
 @gluon.jit
-def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr,
-                                     expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
-                                     T_SCALE_STRIDE, epi,
+def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t_scale_ptr, b_scale_ptr,
+                                     a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
+                                     NUM_KB, KB4, T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
     weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
     e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
-    K, one weight tile and two token tiles). s_desc (wide tiles, TOK_TILE >= 64; else None): fp32
-    token-scale boxes [4, TOK_TILE] of the K-block-major copy, a third part of each stage
-    (t_scale_ptr is then unused; else its rows are T_SCALE_STRIDE floats apart)."""
+    K, one weight tile and two token tiles). s_desc (wide tiles, TOK_TILE >= 64, and e2m1
+    weights; else None): fp32 token-scale boxes [K blocks a stage, TOK_TILE] of the
+    K-block-major copy, a third part of each stage (t_scale_ptr is then unused; else its rows
+    are T_SCALE_STRIDE floats apart). ws_desc (e2m1 weights with swizzled scales; else None):
+    the weight scales as [atoms * 32, 4] int32 (a 128x4 atom of e8m0 bytes is 32 x 4 words), a
+    [64, 4] box (two atoms) a stage."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
-    WIDE: gl.constexpr = s_desc is not None
     FP4W: gl.constexpr = w_desc.dtype == gl.uint8
+    WIDE: gl.constexpr = s_desc is not None and not FP4W
     SUB: gl.constexpr = 2 if FP4W else 1  # token tiles a stage
     gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
     gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a token tile holds four scale blocks (_promote_chain)")
-    gl.static_assert(not (FP4W and WIDE), "e2m1 weights run 16-token tiles")
+    gl.static_assert(not FP4W or (s_desc is not None and TOK_TILE == 16),
+                     "e2m1 weights: 16-token tiles, token scales in the ring")
     gl.static_assert(w_desc.block_type.shape[1] == BLOCK_K, "a weight row's 128 bytes a stage")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    if WIDE:
+    if s_desc is not None:
         s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
     else:
         s_bufs = t_bufs  # unused (the producer loads no scales without s_desc)
+    if ws_desc is not None:
+        ws_bufs = gl.allocate_shared_memory(ws_desc.dtype, [STAGES] + ws_desc.block_type.shape, ws_desc.layout)
+    else:
+        ws_bufs = t_bufs  # unused
     if FP4W:  # two decoded e4m3 [64, 128] operand buffers a consumer warpgroup, stored as uint16 pairs
         a_bufs = gl.allocate_shared_memory(gl.uint16, [4, WG_ROWS, 64],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
@@ -440,23 +491,26 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, out_ptr, t_scale_pt
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
-                                     a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
-                                     NUM_KB, KB4, T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES,
-                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W)),
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ready, empty, out_ptr, t_scale_ptr, b_scale_ptr,
-                                     a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
-                                     NUM_KB, KB4, T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES,
-                                     GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W)),
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
+                                     b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
+                                     M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE,
+                                     SUB * BLOCK_K, STAGES, GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI,
+                                     WIDE, FP4W)),
+        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
+                                     b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
+                                     M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE,
+                                     SUB * BLOCK_K, STAGES, GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI,
+                                     WIDE, FP4W)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs)),
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
+                           ws_bufs, KB4)),
     # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
     # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
     ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
 
 
 @functools.lru_cache(maxsize=None)
-def _unswizzled_f32_layout():
+def _unswizzled_32bit_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
@@ -468,14 +522,15 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     swizzled = p.scale_layout == "swizzled"
     wide = cfg.wide_promotion
     fp4_weights = p.fmt.b.element.packed
+    staged = wide or fp4_weights  # token scales through the ring
     token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
-                                              pad_stages=not wide, kb_major=wide, stage_blocks=cfg.stage_k // 32)
+                                              pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32)
     if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value is an e4m3 value
         a = portable.e2m1_to_e4m3(a)
-    s_desc = None
-    if wide:  # a [4, TOK_TILE] box of the K-block-major scales per stage; unswizzled rows
-        s_block = [4, cfg.token_tile]
-        s_desc = TensorDescriptor.from_tensor(token_scales, s_block, _unswizzled_f32_layout())
+    s_desc = ws_desc = None
+    if staged:  # a [K blocks, TOK_TILE] box of the K-block-major scales per stage; unswizzled rows
+        s_block = [cfg.stage_k // 32, cfg.token_tile]
+        s_desc = TensorDescriptor.from_tensor(token_scales, s_block, _unswizzled_32bit_layout())
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)
@@ -489,14 +544,17 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     weight_scales = b_scales.view(torch.uint8)
     if swizzled:
         weight_scales = weight_scales.view(torch.int32)
+        if fp4_weights:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
+            ws_desc = TensorDescriptor.from_tensor(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4],
+                                                   _unswizzled_32bit_layout())
     num_kb = p.num_k_scales
     dummy = a_offsets
     epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
-        t_desc, w_desc, s_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
+        t_desc, w_desc, s_desc, ws_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
         p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
-        0 if wide else token_scales.shape[1], epi,
+        0 if staged else token_scales.shape[1], epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
