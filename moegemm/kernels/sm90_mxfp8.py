@@ -110,15 +110,21 @@ def _weight_scale_words(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.conste
     stages of them)."""
     if SWIZZLED:
         word = gl.load(w_scale_rows + kk * 128, mask=w_ok & (kk < KB4), other=0)
-        pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
-        keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
-        return word & keep.to(gl.int32)
+        return _clear_padding(word, kk, NUM_KB)
     else:
         kb = 4 * kk
         word = gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0).to(gl.int32)
         word |= gl.load(w_scale_rows + kb + 1, mask=w_ok & (kb + 1 < NUM_KB), other=0).to(gl.int32) << 8
         word |= gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0).to(gl.int32) << 16
         return word | (gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0).to(gl.int32) << 24)
+
+
+@gluon.jit
+def _clear_padding(word, kk, NUM_KB):
+    """A swizzled scale word of K blocks 4kk..4kk+3 with the bytes of blocks >= NUM_KB cleared."""
+    pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
+    keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
+    return word & keep.to(gl.int32)
 
 
 @gluon.jit
@@ -145,6 +151,12 @@ def _token_scales(t_scale_rows, t_ok, kk):
 @gluon.jit
 def _promote(acc, part, sw, st):
     return acc + part * (gl.expand_dims(sw, 1) * gl.expand_dims(st, 0))
+
+
+@gluon.jit
+def _promote_rows(acc, part, sw, st_row):
+    """_promote with the token scales as a [1, TOK_TILE] row of the accumulator's layout."""
+    return acc + part * (gl.expand_dims(sw, 1) * st_row)
 
 
 @gluon.jit
@@ -199,7 +211,7 @@ def _promote_block(acc, w_stage, t_stage, s_stage, zero, sw, j: gl.constexpr, ac
     part = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
     st = s_stage.slice(j, 1).load(acc_layout)
     part = warpgroup_mma_wait(0, deps=(part, ))
-    return acc + part * (gl.expand_dims(sw, 1) * st)
+    return _promote_rows(acc, part, sw, st)
 
 
 @gluon.jit
@@ -303,9 +315,7 @@ def _staged_scale_words(ws_stage, h: gl.constexpr, kk, NUM_KB, WG: gl.constexpr,
     first, second = gl.split(halves)
     mine = first if WG == 0 else second  # [row % 32, row // 32 - 2 WG]
     word = gl.convert_layout(gl.reshape(gl.permute(mine, (1, 0)), [WG_ROWS]), row_layout)
-    pad_bytes = gl.minimum(gl.maximum(4 * kk + 4 - NUM_KB, 0), 4)
-    keep = ((pad_bytes * 0 + 1).to(gl.int64) << (32 - 8 * pad_bytes)) - 1  # the low 4 - pad bytes
-    return word & keep.to(gl.int32)
+    return _clear_padding(word, kk, NUM_KB)
 
 
 @gluon.jit
@@ -313,12 +323,6 @@ def _staged_token_scales(ts_stage, h: gl.constexpr, acc_layout: gl.constexpr):
     """The four [1, TOK_TILE] token-scale rows of half h of the stage's [8, TOK_TILE] box."""
     return (ts_stage.slice(4 * h, 1).load(acc_layout), ts_stage.slice(4 * h + 1, 1).load(acc_layout),
             ts_stage.slice(4 * h + 2, 1).load(acc_layout), ts_stage.slice(4 * h + 3, 1).load(acc_layout))
-
-
-@gluon.jit
-def _promote_rows(acc, part, sw, st_row):
-    """_promote with the token scales as a [1, TOK_TILE] row of the accumulator's layout."""
-    return acc + part * (gl.expand_dims(sw, 1) * st_row)
 
 
 @gluon.jit
