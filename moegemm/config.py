@@ -104,16 +104,18 @@ class Sm90Config:
         return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
 
     def check(self, fmt: Format, out_bytes: int = 2):
-        if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
-            raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
+        e2m1_fp8 = self.fp8_mma and fmt.b.element.packed
+        if self.block_n not in ((8, 16) if e2m1_fp8 else (16, 32, 64, 128, 256)) or (self.swap and self.split_n):
+            raise ValueError(f"config: block_n must be 16..256 (powers of two; 8 or 16 for e2m1 weights on fp8_mma), "
+                             f"swap and split_n exclusive: {self}")
         if self.fp8_mma:
             if fmt.name not in FP8_MMA_FORMATS or not self.swap or self.block_k != 128:
                 raise ValueError(f"config: fp8_mma runs {'/'.join(FP8_MMA_FORMATS)} on swapped tiles with block_k=128 "
                                  f"(four scale blocks a token tile): {self}")
             e2m1_weights = fmt.b.element.packed
-            if self.sub_steps != (2 if e2m1_weights else 1) or (e2m1_weights and self.token_tile != 16):
+            if self.sub_steps != (2 if e2m1_weights else 1):
                 raise ValueError(f"config: fp8_mma stages hold 128 bytes of a weight row: one token tile with mxfp8, "
-                                 f"two with e2m1 weights (sub_steps=2, 16-token tiles): {self}")
+                                 f"two with e2m1 weights (sub_steps=2, 8- or 16-token tiles): {self}")
             if self.block_n > 128:
                 raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
             # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
@@ -209,10 +211,13 @@ def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: 
     return config
 
 
-def _regime(tokens_per_slot: float) -> int:
+def _regime(tokens_per_slot: float, smallest: int = 16) -> int:
     """Bucket the mean tokens per slot so the config cache stays small: 16, 32, 64 (decode:
-    the token tile that holds a group of +-30% around the mean), 192 (small groups) or 0 (many)."""
-    for bound, regime in ((12, 16), (24, 32), (48, 64), (192, 192)):
+    the token tile that holds a group of +-30% around the mean; 8 below 4 tokens a slot where
+    the kernel has 8-token tiles, smallest=8), 192 (small groups) or 0 (many)."""
+    for bound, regime in ((4, 8), (12, 16), (24, 32), (48, 64), (192, 192)):
+        if regime < smallest:
+            continue
         if tokens_per_slot <= bound:
             return regime
     return 0
@@ -248,7 +253,9 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> 
 
 def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float) -> Sm90Config:
     """The MX/NV kernel's config: a pure function of (format, N, K, token regime)."""
-    config = _overrides.get(Sm90Config) or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot))
+    # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90_mxfp8.py).
+    smallest = 8 if fmt.b.element.packed and fmt.name in FP8_MMA_FORMATS else 16
+    config = _overrides.get(Sm90Config) or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot, smallest))
     config.check(fmt)
     return config
 
@@ -270,14 +277,16 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         # blocks were within 4% of 4 either way.
         tokens = 64 if regime == 64 else 128
         cfg = Sm90Config(block_n=tokens, block_k=128, stages=2, group_m=4, swap=True, consumer_regs=232, fp8_mma=True)
-    elif fmt_name in ("mxfp4", "w4a8") and regime == 16:
-        # e2m1 weights at decode: decoded to e4m3 in shared memory (1.5 instructions an element)
+    elif fmt_name in ("mxfp4", "w4a8") and regime in (8, 16):
+        # e2m1 weights at decode: decoded to e4m3 in shared memory (1 instruction an element)
         # and run like mxfp8, 256 K a stage (kernels/sm90_mxfp8.py); mxfp4 tokens are
         # re-encoded as e4m3 by a pre-pass. 1.31-1.39x the decoding kernel at 2 tokens an expert
-        # (gpt-oss and DeepSeek-V3 shapes, bench/results/e2m1-promotion-*.json, H100). Regime 32
+        # (gpt-oss and DeepSeek-V3 shapes, bench/results/e2m1-promotion-*.json, H100). 8-token
+        # tiles up to 4 tokens a slot (regime 8): half the promotion of 16 (4 accumulators a
+        # thread and K block), 1.13-1.15x at 1-4 tokens an expert (e2m1-decode8-*.json). Regime 32
         # stays on the decoding kernel: 32-token tiles spilled ~190 values, and two 16-token
         # tiles were 0.96-1.0x its 32-token tile at 16 tokens an expert.
-        cfg = Sm90Config(block_n=16, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
+        cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
                          sub_steps=2, fp8_mma=True)
     else:
         cfg = None

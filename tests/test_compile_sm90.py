@@ -177,7 +177,7 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8"):
     }
     constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=True,
                       HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
-                      EPI=epilogue or PLAIN_EPILOGUE)
+                      EPI=epilogue or PLAIN_EPILOGUE, ACC_FACTOR=64.0 if fmt == "w4a8" else 1.0)
     return offline.gluon_compile_for_sm90(sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
@@ -225,11 +225,17 @@ def test_e2m1_promotion_loop_issues_no_global_loads(fmt):
     # With swizzled weight scales the producer copies every scale of a stage into the ring
     # (five TMA loads: two token boxes, the weights, token scales, weight-scale atoms), so the
     # consumers' K loop has no LDG for its fence (a MEMBAR) to wait on (kernels/sm90_mxfp8.py).
-    sass = offline.sass(mx_kernel_compiled(fmt, 8, "swizzled"))
-    loop = first_mma_loop(sass)
-    assert sum("QGMMA" in t for t in loop) == 8, "eight k32 wgmmas a stage"
-    assert not [t for t in loop if re.search(r"\bLDG\b", t)], "global loads in the e2m1 K loop"
-    assert offline.opcode_counts(sass)["UTMALDG"] == 5
+    # The decode is 8 instructions for 8 elements (_E2M1_TO_E4M3_PTX, no byte shuffles), and an
+    # 8-token tile promotes 4 accumulators a thread and K block: 428 instructions a stage at
+    # 8 tokens (593 with the PRMT table on 16-token tiles).
+    for tokens_per_slot, most in ((2, 440), (8, 520)):
+        sass = offline.sass(mx_kernel_compiled(fmt, tokens_per_slot, "swizzled"))
+        loop = first_mma_loop(sass)
+        assert sum("QGMMA" in t for t in loop) == 8, "eight k32 wgmmas a stage"
+        assert not [t for t in loop if re.search(r"\bLDG\b", t)], "global loads in the e2m1 K loop"
+        assert not [t for t in loop if t.split()[0] == "PRMT"], "byte shuffles in the e2m1 decode"
+        assert len(loop) <= most, f"{len(loop)} instructions a stage"
+        assert offline.opcode_counts(sass)["UTMALDG"] == 5
 
 
 @pytest.mark.parametrize("fmt", ("mxfp8", "mxfp4", "nvfp4", "w4a8"))
@@ -254,6 +260,7 @@ FUSED_MX_CASES = [
     ("w4a8", 8192, (1, 2, False, True, 32)),
     ("mxfp8", 128, (2, 0, False, True, 32)),
     ("mxfp4", 8, (2, 3, True, True, 32)),  # e2m1 weights on the promotion kernel
+    ("w4a8", 2, (1, 2, True, False, 32)),  # and its 8-token tiles
 ]
 
 
@@ -273,19 +280,25 @@ def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue)
 
 
 def test_e2m1_promotion_config_rules():
-    """The default decode config of mxfp4/w4a8 is the e2m1 promotion kernel's (16-token tiles,
-    two token boxes a stage); the shapes it cannot run are refused rather than launched."""
+    """The default decode config of mxfp4/w4a8 is the e2m1 promotion kernel's (8-token tiles up
+    to 4 tokens a slot, then 16; two token boxes a stage); the shapes it cannot run are refused
+    rather than launched."""
     import dataclasses
 
     from moegemm.config import Sm90Config, sm90_mx_config
 
     for fmt in ("mxfp4", "w4a8"):
         cfg = sm90_mx_config(FORMATS[fmt], 5760, 2880, 2)
-        assert cfg.fp8_mma and cfg.token_tile == 16 and cfg.sub_steps == 2 and cfg.stage_k == 256
+        assert cfg.fp8_mma and cfg.token_tile == 8 and cfg.sub_steps == 2 and cfg.stage_k == 256
+        assert sm90_mx_config(FORMATS[fmt], 5760, 2880, 8).token_tile == 16
         assert not sm90_mx_config(FORMATS[fmt], 5760, 2880, 16).fp8_mma  # regime 32: the decoding kernel
-        for bad in (dataclasses.replace(cfg, block_n=32), dataclasses.replace(cfg, sub_steps=1)):
-            with pytest.raises(ValueError, match="fp8_mma stages"):
-                bad.check(FORMATS[fmt])
+        with pytest.raises(ValueError, match="fp8_mma stages"):
+            dataclasses.replace(cfg, sub_steps=1).check(FORMATS[fmt])
+        with pytest.raises(ValueError, match="block_n"):
+            dataclasses.replace(cfg, block_n=32).check(FORMATS[fmt])
+    # 8-token tiles are the e2m1 promotion kernel's only: the other formats and kernels keep 16.
+    assert sm90_mx_config(FORMATS["mxfp8"], 5760, 2880, 2).token_tile == 16
+    assert sm90_mx_config(FORMATS["nvfp4"], 5760, 2880, 2).token_tile == 16
     e2m1_cfg = Sm90Config(block_n=16, block_k=128, stages=4, group_m=1, swap=True, consumer_regs=192, sub_steps=2,
                           fp8_mma=True)
     with pytest.raises(ValueError, match="fp8_mma runs"):

@@ -101,14 +101,27 @@ def test_decode_row_scales_compiled(layout, pattern):
 
 def check_e2m1_to_e4m3(device):
     """mxfp4 tokens re-encoded for the fp8 tensor cores: every byte value (both nibbles, both
-    signs), bit-identical to torch's e4m3 of the decoded values, element 2i from the low nibble."""
+    signs), bit-identical to torch's e4m3 of the decoded values times 2^exponent (0, and the 6
+    the sm90 kernel uses), element 2i from the low nibble."""
     codes = torch.arange(256, dtype=torch.uint8, device=device).reshape(4, 64)
     values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], device=device)
     expected = torch.stack([values[(codes & 15).long()], values[(codes >> 4).long()]], dim=-1).reshape(4, 128)
-    got = portable.e2m1_to_e4m3(codes)
-    assert got.dtype == torch.float8_e4m3fn and got.shape == (4, 128)
-    assert torch.equal(got.view(torch.uint8), expected.to(torch.float8_e4m3fn).view(torch.uint8))
+    for exponent in (0, 6):
+        got = portable.e2m1_to_e4m3(codes, exponent)
+        assert got.dtype == torch.float8_e4m3fn and got.shape == (4, 128)
+        want = (expected * 2.0**exponent).to(torch.float8_e4m3fn)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"exponent {exponent}"
+        # The order the sm90 kernel decodes e2m1 weights into: 0 2 4 6 1 3 5 7 in each group of 8.
+        got = portable.e2m1_to_e4m3(codes, exponent, even_odd=True)
+        order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7], device=device)
+        want_even_odd = want.view(torch.uint8).reshape(4, 16, 8)[:, :, order].reshape(4, 128)
+        assert torch.equal(got.view(torch.uint8), want_even_odd), f"even_odd, exponent {exponent}"
+        assert torch.equal(portable.even_odd_k(want).view(torch.uint8), want_even_odd)
     assert portable.e2m1_to_e4m3(codes[:0]).shape == (0, 128)
+    with pytest.raises(ValueError, match="exponent"):
+        portable.e2m1_to_e4m3(codes, 7)
+    with pytest.raises(ValueError, match="8-element groups"):
+        portable.even_odd_k(want[:, :12])
 
 
 @pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")

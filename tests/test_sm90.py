@@ -104,19 +104,21 @@ def test_sm90_mxfp8_promotion_matches_reference(layout, pattern, token_tile, k):
 E2M1_WEIGHT_FORMATS = ("mxfp4", "w4a8")
 
 
-def e2m1_promotion_config(stages: int = 4) -> Sm90Config:
-    return Sm90Config(block_n=16, block_k=128, stages=stages, group_m=1, swap=True, consumer_regs=192, sub_steps=2,
-                      fp8_mma=True)
+def e2m1_promotion_config(stages: int = 4, token_tile: int = 16) -> Sm90Config:
+    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1, swap=True, consumer_regs=192,
+                      sub_steps=2, fp8_mma=True)
 
 
 @pytest.mark.parametrize("k", [608, 7168])
+@pytest.mark.parametrize("token_tile", [8, 16])
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 @pytest.mark.parametrize("fmt", E2M1_WEIGHT_FORMATS)
-def test_sm90_e2m1_weights_promotion_matches_reference(fmt, layout, pattern, k):
+def test_sm90_e2m1_weights_promotion_matches_reference(fmt, layout, pattern, token_tile, k):
     # kernels/sm90_mxfp8.py with e2m1 weights decoded to e4m3 (256 K a stage): K=608 ends in the
     # third stage, its last half holding three scale blocks; K=7168 runs 28 stages a tile.
-    run_sm90(fmt, pattern, n=320, k=k, config=e2m1_promotion_config(), layout=layout)
+    # 8-token tiles: the patterns' larger groups take several.
+    run_sm90(fmt, pattern, n=320, k=k, config=e2m1_promotion_config(token_tile=token_tile), layout=layout)
 
 
 LAYER_TOKENS = [(75, 80, 70, 77, 73, 76, 74, 75), (160, 0, 130, 97, 135, 128)]

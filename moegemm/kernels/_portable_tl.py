@@ -313,22 +313,31 @@ def decode_row_scales_kernel(
 
 
 @triton.jit
-def _e2m1_code_to_e4m3(nibble):
+def _e2m1_code_to_e4m3(nibble, EXP: tl.constexpr):
     mag = nibble & 7
-    byte = tl.where(mag == 0, 0, tl.where(mag == 1, 0x30, 0x30 + 4 * mag))
+    base = 0x30 + 8 * EXP  # the code of 0.5 * 2^EXP (0 <= EXP <= 6: normal, below 448)
+    byte = tl.where(mag == 0, 0, tl.where(mag == 1, base, base + 4 * mag))
     return byte | ((nibble & 8) << 4)
 
 
 @triton.jit
-def e2m1_to_e4m3_kernel(src_ptr, out_ptr, NUM_BYTES, BLOCK: tl.constexpr):
-    """out[2i], out[2i + 1] = the e4m3 bytes of the low and high e2m1 nibble of src[i], exact
-    (every e2m1 value is an e4m3 value): magnitude codes 0..7 -> 0x00, 0x30 (0.5), then
-    0x30 + 4 * code (1, 1.5, 2, 3, 4, 6); the sign bit moves from bit 3 to bit 7."""
+def e2m1_to_e4m3_kernel(src_ptr, out_ptr, NUM_BYTES, EXP: tl.constexpr, EVEN_ODD: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out[2i], out[2i + 1] = the e4m3 bytes of the low and high e2m1 nibble of src[i] times
+    2^EXP, exact: magnitude codes 0..7 -> 0x00, then 0.5 * 2^EXP (0x30 + 8 * EXP), then 4 more
+    per code (1, 1.5, 2, 3, 4, 6 times 2^EXP); the sign bit moves from bit 3 to bit 7.
+    EVEN_ODD: each group of 8 elements (4 bytes) is stored as elements 0, 2, 4, 6, 1, 3, 5, 7
+    (the low nibbles, then the high ones): byte i's go to 2i - i % 4 and 4 past it."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < NUM_BYTES
     packed = tl.load(src_ptr + offsets, mask=mask, other=0).to(tl.int32)
-    low = _e2m1_code_to_e4m3(packed & 15)
-    high = _e2m1_code_to_e4m3(packed >> 4)
-    out_offsets = 2 * offsets
-    tl.store(out_ptr + tl.join(out_offsets, out_offsets + 1), tl.join(low, high).to(tl.uint8),
+    low = _e2m1_code_to_e4m3(packed & 15, EXP)
+    high = _e2m1_code_to_e4m3(packed >> 4, EXP)
+    if EVEN_ODD:
+        low_offsets = 2 * offsets - offsets % 4
+        high_offsets = low_offsets + 4
+    else:
+        low_offsets = 2 * offsets
+        high_offsets = low_offsets + 1
+    tl.store(out_ptr + tl.join(low_offsets, high_offsets), tl.join(low, high).to(tl.uint8),
              mask=tl.join(mask, mask))

@@ -133,18 +133,38 @@ def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_sca
     return out
 
 
-def e2m1_to_e4m3(a: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 [R, K/2] (uint8, element 2i in the low nibble) -> e4m3 [R, K], exact (every
-    e2m1 value is an e4m3 value; see e2m1_to_e4m3_kernel): mxfp4 tokens for the fp8 tensor cores
-    (kernels/sm90_mxfp8.py). Every row is converted, so no slot data is read on the host."""
+def e2m1_to_e4m3(a: torch.Tensor, exponent: int = 0, even_odd: bool = False) -> torch.Tensor:
+    """Packed e2m1 [R, K/2] (uint8, element 2i in the low nibble) -> e4m3 [R, K] of the values
+    times 2^exponent (0..6), exact (every e2m1 value times 2^0..2^6 is an e4m3 value; see
+    e2m1_to_e4m3_kernel): mxfp4 tokens for the fp8 tensor cores (kernels/sm90_mxfp8.py, which
+    takes them times 2^6, even_odd). even_odd: within each group of 8 elements of K the order
+    is 0, 2, 4, 6, 1, 3, 5, 7 (see even_odd_k). Every row is converted, so no slot data is read
+    on the host."""
+    if not 0 <= exponent <= 6:
+        raise ValueError(f"exponent must be in 0..6 (e4m3 holds 6 * 2^6 = 384), got {exponent}")
     out = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
     num_bytes = a.numel()
     if num_bytes == 0:
         return out
+    if even_odd and a.shape[-1] % 4:
+        raise ValueError(f"even_odd needs rows of whole 8-element groups, got {2 * a.shape[-1]} elements")
     block = 1024
     kernel_module(a.device.type == "cpu").e2m1_to_e4m3_kernel[(math.ceil(num_bytes / block), )](
-        _bytes(a.contiguous()), out.view(torch.uint8), num_bytes, BLOCK=block, num_warps=4)
+        _bytes(a.contiguous()), out.view(torch.uint8), num_bytes, EXP=exponent, EVEN_ODD=even_odd, BLOCK=block,
+        num_warps=4)
     return out
+
+
+def even_odd_k(a: torch.Tensor) -> torch.Tensor:
+    """A copy of the 1-byte [R, K] rows with each group of 8 elements of K reordered as 0, 2, 4,
+    6, 1, 3, 5, 7: the order kernels/sm90_mxfp8.py decodes e2m1 weights into (the low nibbles of
+    four bytes, then the high ones), so that w4a8's e4m3 tokens meet them. A dot product over a
+    group is unchanged; the groups stay inside their 32-element scale blocks."""
+    rows, k = a.shape
+    if k % 8:
+        raise ValueError(f"even_odd_k needs rows of whole 8-element groups, got {k} elements")
+    grouped = a.contiguous().view(torch.uint8).view(rows, k // 8, 4, 2)
+    return grouped.transpose(-1, -2).contiguous().view(rows, k).view(a.dtype)
 
 
 def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scale_offsets,

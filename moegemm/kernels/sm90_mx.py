@@ -47,7 +47,7 @@ from ..config import MX_FORMATS, sm90_mx_config, weight_bytes, with_epilogue_scr
 from ..validation import GroupedProblem
 from . import portable
 from .sm90_epilogue import epilogue_args, fused_epilogue
-from .sm90 import WG_ROWS, _band_coords, _epilogue, _first_tile, _layout, _load_partition, _slot, _sm_count
+from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count
 
 
 @gluon.jit
@@ -163,10 +163,13 @@ def _mx_consumer_partition(t_bufs, w_bufs, a_bufs, ready, empty, out_ptr, b_scal
     w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, dec_layout)))
     it = 0
     tile_base = 0
+    next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
         s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
         group_tiles = tok_tiles * w_tiles
-        for tile in range(_first_tile(tile_base, pid, nprog), tile_base + group_tiles, nprog):
+        while next_tile < tile_base + group_tiles:  # (sm90._load_partition says why not a for)
+            tile = next_tile
+            next_tile += nprog
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             toks = s + tok_block * TOK_TILE + tok_offsets
             tok_mask = toks < t

@@ -24,16 +24,20 @@ so the producer also loads each stage's token scales, a [4, TOK_TILE] fp32 box o
 K-block-major copy, into the ring; a warpgroup reads one block's vector at a time while its
 wgmma runs and keeps one partial tile in flight (a second measured no faster).
 
-e2m1 weights (mxfp4, w4a8; 16-token tiles, config.sm90_mx_config's regime 16): every e2m1 value
-is an e4m3 value, so the weights come through the ring packed (128 bytes of a row = 256 K a
-stage, with two token boxes) and each consumer warpgroup decodes its rows to e4m3 (PRMT table,
-1.5 instructions an element) into two shared-memory operand buffers, then runs the same k32
-wgmmas and promotion (_promote_chain_fp4). mxfp4 tokens are re-encoded as e4m3 by a pre-pass
-(portable.e2m1_to_e4m3); w4a8 tokens already are. The producer also copies each stage's scales
-into the ring (tokens always, weights when swizzled), so the loop issues no global load before
-its fence. 1.31-1.39x the decoding kernel at 2 tokens an expert with the scales loaded by the
+e2m1 weights (mxfp4, w4a8; 8-token tiles up to 4 tokens a slot, then 16: config.sm90_mx_config's
+regimes 8 and 16): every e2m1 value times 2^-6 is an e4m3 value, so the weights come through
+the ring packed (128 bytes of a row = 256 K a stage, with two token boxes) and each consumer
+warpgroup decodes its rows to e4m3 (_E2M1_TO_E4M3_PTX: 8 instructions for 8 elements, which
+land in the order 0 2 4 6 1 3 5 7 within each group of 8) into two shared-memory operand
+buffers, then runs the same k32 wgmmas and promotion (_promote_chain_fp4). The tokens meet
+them in that order: mxfp4 tokens are re-encoded as e4m3 times 2^6 by a pre-pass
+(portable.e2m1_to_e4m3), so the products are the true ones; w4a8's e4m3 tokens are reordered
+(portable.even_odd_k) and its accumulator is multiplied by 2^6 before the epilogue. The
+producer also copies each stage's scales into the ring (tokens always, weights when swizzled),
+so the loop issues no global load before its fence. 1.31-1.39x the decoding kernel at 2 tokens an expert with the scales loaded by the
 consumers (bench/results/e2m1-promotion-*.json), then 1.17-1.28x from the ring
-(e2m1-staged-scales-*.json, H100). mxfp4's k32 sums stay exact in the fp8
+(e2m1-staged-scales-*.json, H100); the 8-instruction decode and 8-token tiles 1.23-1.28x more
+(e2m1-decode8-*.json, outputs bit-identical). mxfp4's k32 sums stay exact in the fp8
 accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not, like mxfp8.
 
 Tiles are swapped as in sm90_mx.py: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens,
@@ -64,7 +68,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..validation import GroupedProblem
 from . import portable
-from .sm90 import WG_ROWS, _band_coords, _epilogue, _first_tile, _layout, _load_partition, _slot, _sm_count
+from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count
 from .sm90_epilogue import epilogue_args, fused_epilogue
 from .sm90_mx import _scale_row_offsets
 
@@ -243,35 +247,37 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     return acc, it
 
 
-# e2m1 -> e4m3 for eight packed elements (one 32-bit word w, element i in nibble i), exact: every
-# e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6) is an e4m3 value. The magnitude (3 bits) indexes a
-# PRMT table of the eight e4m3 bytes; each element's sign (bit 3 of its nibble) is moved to bit
-# 7 of its byte by a byte shuffle and a shift. $0 = e4m3 of elements 0-3 (nibbles 0-3), $1 = of
-# elements 4-7: as pack=4 uint16 outputs, byte i of the input gives uint16 i = its two elements'
-# e4m3 bytes, low nibble first: the elements' order in K is kept. 12 instructions for 8 elements.
+# e2m1 -> e4m3 scaled by 2^-6 (E2M1_WEIGHT_EXP) for eight packed elements (one 32-bit word,
+# element i in nibble i), exact, 8 instructions (a PRMT table of the true values in K order took
+# 14, its two table constants re-materialized at every use). A nibble s|e1 e0 m moved to bits
+# 7|4 3 2 of a byte is the e4m3 code of the e2m1 value times 2^-6: e1 e0 are the low exponent
+# bits (bias 7 vs 1) and m the top mantissa bit, and 0.5 lands on the subnormal 2^-7 as it
+# should. The magnitude moves by 2 bits and the sign by 4: with x = the nibble << 2 (sign then
+# at bit 5), the byte is x + 3 * (x & 0x20), no carry leaving the byte. $0 = elements 0, 2, 4, 6
+# (the low nibbles), $1 = 1, 3, 5, 7: the K order within each group of 8 is 0 2 4 6 1 3 5 7, and
+# the tokens come in the same order (portable.e2m1_to_e4m3 even_odd, portable.even_odd_k), so
+# every dot product over a group, and over a 32-wide scale block, is unchanged.
 _E2M1_TO_E4M3_PTX = gl.constexpr("""{
-.reg .b32 lo_lut, hi_lut, mag, mag_hi, t0, t1, u0, u1;
-mov.b32 lo_lut, 0x3C383000;
-mov.b32 hi_lut, 0x4C484440;
-and.b32 mag, $2, 0x77777777;
-shr.u32 mag_hi, mag, 16;
-prmt.b32 t0, $2, 0, 0x1100;
-prmt.b32 t1, $2, 0, 0x3322;
-shl.b32 u0, t0, 4;
-shl.b32 u1, t1, 4;
-lop3.b32 t0, u0, t0, 0x00800080, 0xE4;
-lop3.b32 t1, u1, t1, 0x00800080, 0xE4;
-prmt.b32 u0, lo_lut, hi_lut, mag;
-prmt.b32 u1, lo_lut, hi_lut, mag_hi;
-lop3.b32 $0, u0, t0, 0x80808080, 0xF8;
-lop3.b32 $1, u1, t1, 0x80808080, 0xF8;
+.reg .b32 a, b, xl, xh, sl, sh;
+shl.b32 a, $2, 2;
+shr.u32 b, $2, 2;
+and.b32 xl, a, 0x3C3C3C3C;
+and.b32 xh, b, 0x3C3C3C3C;
+and.b32 sl, a, 0x20202020;
+and.b32 sh, b, 0x20202020;
+mad.lo.u32 $0, sl, 3, xl;
+mad.lo.u32 $1, sh, 3, xh;
 }""")
+# The weights' factor: the kernel's mxfp4 tokens are re-encoded times 2^+6 (portable.e2m1_to_e4m3),
+# so their products are exact; w4a8's given e4m3 tokens have no room, so its accumulator is
+# multiplied by 2^6 before the epilogue (exact; the promoted terms are 2^-6 smaller meanwhile).
+E2M1_WEIGHT_EXP = 6
 
 
 @gluon.jit
 def _e2m1_to_e4m3_pairs(raw):
-    """uint8 bytes of packed e2m1 (element 2i in the low nibble) -> uint16, each the e4m3 bytes
-    of its byte's two elements (element 2i in the low byte): the row's elements in K order."""
+    """uint8 bytes of packed e2m1 (element 2i in the low nibble) -> uint16 pairs of e4m3 bytes
+    (times 2^-6), four bytes' eight elements in the order 0 2 4 6 1 3 5 7 (_E2M1_TO_E4M3_PTX)."""
     return gl.inline_asm_elementwise(_E2M1_TO_E4M3_PTX, "=r,=r,r", [raw], dtype=gl.uint16, is_pure=True, pack=4)
 
 
@@ -345,7 +351,7 @@ def _promote_half(acc, p0, p1, p2, p3, w_word, ts_stage, h: gl.constexpr, LATER:
 @gluon.jit
 def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB, KB4,
                        it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr,
-                       acc_layout: gl.constexpr):
+                       acc_layout: gl.constexpr, ACC_FACTOR: gl.constexpr):
     """The main loop with e2m1 weights (mxfp4, w4a8): a stage holds 256 K, each weight row's 128
     bytes and two [TOK_TILE, 128] token boxes. Per stage: decode both halves into this
     warpgroup's two e4m3 operand buffers, one fence, issue the eight k32 wgmmas (all in flight,
@@ -361,7 +367,7 @@ def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, z
     raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     f8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    gl.static_assert(zero.shape[1] == 16, "e2m1 weights run 16-token tiles")
+    gl.static_assert(zero.shape[1] <= 16, "e2m1 weights run 8- or 16-token tiles")
     op0 = a_bufs.index(2 * WG)
     op1 = a_bufs.index(2 * WG + 1)
     op0_f8 = op0._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
@@ -392,6 +398,8 @@ def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, z
         if not SWIZZLED:
             w_lo, w_hi = n_w_lo, n_w_hi
         it += 1
+    if ACC_FACTOR != 1.0:  # w4a8: the weights' 2^-6 (E2M1_WEIGHT_EXP), exact
+        acc = acc * ACC_FACTOR
     return acc, it
 
 
@@ -402,7 +410,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, em
                               W_TILE: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr,
                               GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                               HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr, WIDE: gl.constexpr,
-                              FP4W: gl.constexpr):
+                              FP4W: gl.constexpr, ACC_FACTOR: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, SCALE_BLOCK])
@@ -415,10 +423,13 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, em
     w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
     it = 0
     tile_base = 0
+    next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
         s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
         group_tiles = tok_tiles * w_tiles
-        for tile in range(_first_tile(tile_base, pid, nprog), tile_base + group_tiles, nprog):
+        while next_tile < tile_base + group_tiles:  # (sm90._load_partition says why not a for)
+            tile = next_tile
+            next_tile += nprog
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             toks = s + tok_block * TOK_TILE + tok_offsets
             tok_mask = toks < t
@@ -433,7 +444,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, em
                                               KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
             elif FP4W:
                 acc, it = _promote_chain_fp4(w_bufs, t_bufs, a_bufs, s_bufs, ws_bufs, ready, empty, zero, w_scale_rows,
-                                             w_ok, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
+                                             w_ok, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout,
+                                             ACC_FACTOR)
             else:
                 t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
                 acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows,
@@ -453,7 +465,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
                                      NUM_KB, KB4, T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
+                                     CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
     weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
     e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
@@ -471,8 +483,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
     SUB: gl.constexpr = 2 if FP4W else 1  # token tiles a stage
     gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
     gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a token tile holds four scale blocks (_promote_chain)")
-    gl.static_assert(not FP4W or (s_desc is not None and TOK_TILE == 16),
-                     "e2m1 weights: 16-token tiles, token scales in the ring")
+    gl.static_assert(not FP4W or (s_desc is not None and TOK_TILE <= 16),
+                     "e2m1 weights: 8- or 16-token tiles, token scales in the ring")
     gl.static_assert(w_desc.block_type.shape[1] == BLOCK_K, "a weight row's 128 bytes a stage")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -499,12 +511,12 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
                                      b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
                                      M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE,
                                      SUB * BLOCK_K, STAGES, GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI,
-                                     WIDE, FP4W)),
+                                     WIDE, FP4W, ACC_FACTOR)),
         (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
                                      b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
                                      M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE,
                                      SUB * BLOCK_K, STAGES, GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI,
-                                     WIDE, FP4W)),
+                                     WIDE, FP4W, ACC_FACTOR)),
         (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                            M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                            ws_bufs, KB4)),
@@ -529,8 +541,12 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     staged = wide or fp4_weights  # token scales through the ring
     token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
                                               pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32)
-    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value is an e4m3 value
-        a = portable.e2m1_to_e4m3(a)
+    acc_factor = 1.0
+    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value
+        a = portable.e2m1_to_e4m3(a, E2M1_WEIGHT_EXP, even_odd=True)
+    elif fp4_weights:  # w4a8 (see E2M1_WEIGHT_EXP)
+        a = portable.even_odd_k(a)
+        acc_factor = float(2**E2M1_WEIGHT_EXP)
     s_desc = ws_desc = None
     if staged:  # a [K blocks, TOK_TILE] box of the K-block-major scales per stage; unswizzled rows
         s_block = [cfg.stage_k // 32, cfg.token_tile]
@@ -561,6 +577,6 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         0 if staged else token_scales.shape[1], epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, num_warps=4,
     )
     return out
