@@ -112,8 +112,7 @@ class Sm90Config:
             if fmt.name not in FP8_MMA_FORMATS or not self.swap or self.block_k != 128:
                 raise ValueError(f"config: fp8_mma runs {'/'.join(FP8_MMA_FORMATS)} on swapped tiles with block_k=128 "
                                  f"(four scale blocks a token tile): {self}")
-            e2m1_weights = fmt.b.element.packed
-            if self.sub_steps != (2 if e2m1_weights else 1):
+            if self.sub_steps != (2 if e2m1_fp8 else 1):
                 raise ValueError(f"config: fp8_mma stages hold 128 bytes of a weight row: one token tile with mxfp8, "
                                  f"two with e2m1 weights (sub_steps=2, 8- or 16-token tiles): {self}")
             if self.block_n > 128:
