@@ -121,6 +121,17 @@ def test_sm90_e2m1_weights_promotion_matches_reference(fmt, layout, pattern, tok
     run_sm90(fmt, pattern, n=320, k=k, config=e2m1_promotion_config(token_tile=token_tile), layout=layout)
 
 
+@pytest.mark.parametrize("k", [288, 416, 480])
+@pytest.mark.parametrize("pattern", [TOKEN_PATTERNS[3], TOKEN_PATTERNS[6]], ids=lambda p: p.name)
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", E2M1_WEIGHT_FORMATS)
+def test_sm90_e2m1_weights_last_stage(fmt, layout, pattern, k):
+    # The last 256-K stage decodes only its first half when the rest lies past K (_promote_chain_fp4):
+    # K = 288 leaves one scale block in it, 480 a full first half and nothing else; 416 takes
+    # both halves, the second one partial.
+    run_sm90(fmt, pattern, n=320, k=k, config=e2m1_promotion_config(token_tile=8), layout=layout)
+
+
 LAYER_TOKENS = [(75, 80, 70, 77, 73, 76, 74, 75), (160, 0, 130, 97, 135, 128)]
 
 
@@ -133,6 +144,33 @@ def test_sm90_block_formats_layer_shapes(fmt, tokens):
     from cases import TokenPattern
     for _ in range(3):
         run_sm90(fmt, TokenPattern("layer", tokens), n=512, k=256, layout="swizzled")
+
+
+def many_slots_pattern():
+    """100 slots (the other patterns have at most 4): tiny, empty and skipped slots, a run of 32
+    slots with no tile, a large group, a repeated expert, a_offsets[0] > 0 and rows after the
+    end. (A 32-slot-chunk schedule was tried against it: docs/perf-notes.md.)"""
+    from cases import TokenPattern
+    tokens = [3, 0, 1, 7, 2, 0, 4, 1] * 3 + [0, 2, 0, 5, 1, 0, 9, 40]  # slots 0..31
+    tokens += [0] * 16 + [6] * 16  # slots 32..63: empty, then skipped
+    tokens += [1, 300, 0, 17, 2, 0, 33, 5] * 4  # slots 64..95
+    tokens += [4, 0, 129, 2]  # slots 96..99
+    ids = [g if g % 11 != 5 else -1 for g in range(len(tokens))]
+    ids[48:64] = [-1] * 16
+    ids[31] = 7  # (a repeated expert)
+    return TokenPattern("many_slots", tuple(tokens), tuple(ids), start=5, tail=3)
+
+
+@pytest.mark.parametrize("fmt,config", [
+    ("fp8_block", forced_config("fp8_block", "normal128")), ("fp8_block", forced_config("fp8_block", "swapped")),
+    ("bf16", forced_config("bf16", "split_n")), ("mxfp8", mxfp8_promotion_config(16)),
+    ("mxfp8", mxfp8_promotion_config(128)), ("mxfp4", e2m1_promotion_config(token_tile=8)),
+    ("w4a8", e2m1_promotion_config(token_tile=16)), ("nvfp4", mx_config(16)), ("mxfp4", mx_config(128))],
+    ids=lambda v: v if isinstance(v, str) else f"{v.block_n}{'-fp8mma' if v.fp8_mma else ''}")
+def test_sm90_many_slots(fmt, config):
+    # Every partition of every kernel walks all the slots; each group's tiles must run, once.
+    layout = "swizzled" if FORMATS[fmt].swizzle_capable else "plain"
+    run_sm90(fmt, many_slots_pattern(), n=256, k=512, config=config, layout=layout)
 
 
 @pytest.mark.parametrize("token_tile", [32, 64])

@@ -37,8 +37,10 @@ producer also copies each stage's scales into the ring (tokens always, weights w
 so the loop issues no global load before its fence. 1.31-1.39x the decoding kernel at 2 tokens an expert with the scales loaded by the
 consumers (bench/results/e2m1-promotion-*.json), then 1.17-1.28x from the ring
 (e2m1-staged-scales-*.json, H100); the 8-instruction decode and 8-token tiles 1.23-1.28x more
-(e2m1-decode8-*.json, outputs bit-identical). mxfp4's k32 sums stay exact in the fp8
-accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not, like mxfp8.
+(e2m1-decode8-*.json, outputs bit-identical); a last stage that stops within its first half
+(gpt-oss K = 2880) runs that half only: 1.03-1.04x (e2m1-last-half-*.json). mxfp4's k32 sums
+stay exact in the fp8 accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x
+e2m1) do not, like mxfp8.
 
 Tiles are swapped as in sm90_mx.py: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens,
 the producer, schedule and epilogues are those of kernels/sm90.py and sm90_epilogue.py.
@@ -349,13 +351,57 @@ def _promote_half(acc, p0, p1, p2, p3, w_word, ts_stage, h: gl.constexpr, LATER:
 
 
 @gluon.jit
-def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB, KB4,
-                       it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr,
+def _fp4_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, a_bufs, w_lo, w_hi, w_scale_rows, w_ok,
+               NUM_KB, KB4, it, kk, HALVES: gl.constexpr, WG: gl.constexpr, STAGES: gl.constexpr,
+               SWIZZLED: gl.constexpr, acc_layout: gl.constexpr):
+    """One ring stage of _promote_chain_fp4: decode HALVES (2, or 1 when the rest of the stage
+    lies past K) 128-wide halves of this warpgroup's weight rows into its e4m3 operand
+    buffers, one fence, issue their k32 wgmmas (all in flight), promote them in order, release
+    the stage. w_lo, w_hi: plain weight-scale words of this stage (loaded a stage ahead, the
+    next stage's are returned); swizzled ones come with the stage."""
+    raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    f8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    stage = it % STAGES
+    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+    w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
+    ts_stage = ts_bufs.index(stage)
+    if SWIZZLED:
+        w_lo = _staged_scale_words(ws_bufs.index(stage), 0, 2 * kk, NUM_KB, WG, row_layout)
+        if HALVES == 2:
+            w_hi = _staged_scale_words(ws_bufs.index(stage), 1, 2 * kk + 1, NUM_KB, WG, row_layout)
+    _decode_half(w_stage, 0, a_bufs.index(2 * WG), raw_layout)
+    if HALVES == 2:
+        _decode_half(w_stage, 1, a_bufs.index(2 * WG + 1), raw_layout)
+    fence_async_shared()
+    if not SWIZZLED:
+        n_w_lo = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 2, NUM_KB, KB4, SWIZZLED)
+        n_w_hi = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 3, NUM_KB, KB4, SWIZZLED)
+    op0 = a_bufs.index(2 * WG)._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
+    p0, p1, p2, p3 = _issue_half(op0, t_bufs.index(stage * 2), zero)
+    if HALVES == 2:
+        op1 = a_bufs.index(2 * WG + 1)._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
+        q0, q1, q2, q3 = _issue_half(op1, t_bufs.index(stage * 2 + 1), zero)
+        acc = _promote_half(acc, p0, p1, p2, p3, w_lo, ts_stage, 0, 4, acc_layout)
+        acc = _promote_half(acc, q0, q1, q2, q3, w_hi, ts_stage, 1, 0, acc_layout)
+    else:
+        acc = _promote_half(acc, p0, p1, p2, p3, w_lo, ts_stage, 0, 0, acc_layout)
+    mbarrier.arrive(empty.index(stage), count=1)
+    if not SWIZZLED:
+        w_lo, w_hi = n_w_lo, n_w_hi
+    return acc, w_lo, w_hi
+
+
+@gluon.jit
+def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, zero, w_scale_rows, w_ok, K, NUM_KB,
+                       KB4, it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr,
                        acc_layout: gl.constexpr, ACC_FACTOR: gl.constexpr):
     """The main loop with e2m1 weights (mxfp4, w4a8): a stage holds 256 K, each weight row's 128
-    bytes and two [TOK_TILE, 128] token boxes. Per stage: decode both halves into this
-    warpgroup's two e4m3 operand buffers, one fence, issue the eight k32 wgmmas (all in flight,
-    8 registers each on 16-token tiles; 32-token tiles spilled), promote them in order.
+    bytes and two [TOK_TILE, 128] token boxes. Per stage (_fp4_stage): decode both halves into
+    this warpgroup's two e4m3 operand buffers, one fence, issue the eight k32 wgmmas (all in
+    flight, 8 registers each on 16-token tiles; 32-token tiles spilled), promote them in order.
+    A last stage whose second half lies past K (gpt-oss: K = 2880 = 11 stages + 64) does the
+    first half only: the consumers' time per stage hardly depends on how much of it TMA filled.
 
     The scales come through the ring: the producer copies each stage's token scales ([8,
     TOK_TILE] fp32 of the K-block-major copy) and, with swizzled weight scales, the weight
@@ -363,41 +409,28 @@ def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, z
     (fence.proxy.async, a MEMBAR.ALL.CTA in SASS) waits for every memory access still in
     flight, global loads included. Plain weight scales are still loaded from global memory, a
     stage ahead and after the fence (loaded before it, the kernel ran 1.7x slower than with no
-    scale loads at all: gpt-oss up, 2 tokens an expert, H100)."""
-    raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    f8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    scale loads at all: gpt-oss up, 2 tokens an expert, H100). (K > 0: sm90_mx.supports.)"""
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     gl.static_assert(zero.shape[1] <= 16, "e2m1 weights run 8- or 16-token tiles")
-    op0 = a_bufs.index(2 * WG)
-    op1 = a_bufs.index(2 * WG + 1)
-    op0_f8 = op0._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
-    op1_f8 = op1._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
     acc = zero
-    if not SWIZZLED:
+    if SWIZZLED:  # (unused: the stage brings its words)
+        w_lo = gl.zeros([WG_ROWS], gl.int32, row_layout)
+        w_hi = w_lo
+    else:
         w_lo = _weight_scale_words(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
         w_hi = _weight_scale_words(w_scale_rows, w_ok, 1, NUM_KB, KB4, SWIZZLED)
-    for kk in range(k_steps):
-        stage = it % STAGES
-        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-        w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        ts_stage = ts_bufs.index(stage)
-        if SWIZZLED:
-            w_lo = _staged_scale_words(ws_bufs.index(stage), 0, 2 * kk, NUM_KB, WG, row_layout)
-            w_hi = _staged_scale_words(ws_bufs.index(stage), 1, 2 * kk + 1, NUM_KB, WG, row_layout)
-        _decode_half(w_stage, 0, op0, raw_layout)
-        _decode_half(w_stage, 1, op1, raw_layout)
-        fence_async_shared()
-        if not SWIZZLED:
-            n_w_lo = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 2, NUM_KB, KB4, SWIZZLED)
-            n_w_hi = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 3, NUM_KB, KB4, SWIZZLED)
-        p0, p1, p2, p3 = _issue_half(op0_f8, t_bufs.index(stage * 2), zero)
-        q0, q1, q2, q3 = _issue_half(op1_f8, t_bufs.index(stage * 2 + 1), zero)
-        acc = _promote_half(acc, p0, p1, p2, p3, w_lo, ts_stage, 0, 4, acc_layout)
-        acc = _promote_half(acc, q0, q1, q2, q3, w_hi, ts_stage, 1, 0, acc_layout)
-        mbarrier.arrive(empty.index(stage), count=1)
-        if not SWIZZLED:
-            w_lo, w_hi = n_w_lo, n_w_hi
+    for kk in range(k_steps - 1):
+        acc, w_lo, w_hi = _fp4_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, a_bufs, w_lo, w_hi,
+                                     w_scale_rows, w_ok, NUM_KB, KB4, it, kk, 2, WG, STAGES, SWIZZLED, acc_layout)
         it += 1
+    last = k_steps - 1
+    if K - last * 256 > 128:  # (256 K a stage, 128 a half)
+        acc, w_lo, w_hi = _fp4_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, a_bufs, w_lo, w_hi,
+                                     w_scale_rows, w_ok, NUM_KB, KB4, it, last, 2, WG, STAGES, SWIZZLED, acc_layout)
+    else:
+        acc, w_lo, w_hi = _fp4_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, a_bufs, w_lo, w_hi,
+                                     w_scale_rows, w_ok, NUM_KB, KB4, it, last, 1, WG, STAGES, SWIZZLED, acc_layout)
+    it += 1
     if ACC_FACTOR != 1.0:  # w4a8: the weights' 2^-6 (E2M1_WEIGHT_EXP), exact
         acc = acc * ACC_FACTOR
     return acc, it
@@ -444,7 +477,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, em
                                               KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
             elif FP4W:
                 acc, it = _promote_chain_fp4(w_bufs, t_bufs, a_bufs, s_bufs, ws_bufs, ready, empty, zero, w_scale_rows,
-                                             w_ok, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout,
+                                             w_ok, K, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout,
                                              ACC_FACTOR)
             else:
                 t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
