@@ -10,7 +10,7 @@ down product and the weighted combine. Models (tokens 1, 64, 512, 4096):
     gpt-oss-120b  H 2880, I 2880, 128 experts, top-4, swiglu_oai    mxfp4, bf16
                   (gate_up bias [E, 2I], down bias [E, H])
 
-Ours: moegemm.moe_forward(fused=True, backend="auto"); the mxfp8 and bf16 rows also time the
+Ours: moegemm.moe_forward(fused=True, backend="auto"); the mxfp8, mxfp4 and bf16 rows also time the
 unfused chain (fused=False) and the gate/up step alone (grouped_matmul_swiglu fused vs
 unfused on the same routed, quantized tokens).
 
@@ -84,7 +84,7 @@ SMOKE_MODELS = {
 TOKENS = (1, 64, 512, 4096)
 QUICK_TOKENS = (64, 4096)
 CHECK_TOKENS = (64,)
-FUSED_FMTS = ("mxfp8", "bf16")  # the fused-epilogue targets: fused vs unfused timed
+FUSED_FMTS = ("mxfp8", "mxfp4", "bf16")  # the fused-epilogue targets: fused vs unfused timed
 # Relative Frobenius error of ours against the baseline on the same real weights. bf16: only
 # rounding differs. fp8/mxfp8: the activations' 8-bit quantization (ours per 1x128 / 1x32
 # block, the baseline per row). mxfp4: ours also quantizes the activations to e2m1 (the
@@ -331,6 +331,43 @@ class Timer:
             torch.cuda.synchronize()
         return graph, eager, why
 
+    def kernel_times(self, fn, reps: int = 10) -> dict:
+        """Mean device time (us) of each kernel of one graph replay of fn, by name (empty on
+        the CPU or if the capture fails)."""
+        if self.device.type != "cuda":
+            return {}
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            g.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    g.replay()
+                torch.cuda.synchronize()
+            del g
+        except Exception:  # noqa: BLE001
+            torch.cuda.synchronize()
+            return {}
+        # A kernel launched several times a replay (both products) is listed once per launch,
+        # name#i in launch order.
+        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+        launches: dict = {}
+        for event in events:
+            launches.setdefault(event.name, []).append(event.device_time)
+        totals: dict = {}
+        for name, times in launches.items():
+            per_replay = max(1, len(times) // reps)
+            for i, us in enumerate(times):
+                key = name if per_replay == 1 else f"{name}#{i % per_replay}"
+                totals[key] = totals.get(key, 0.0) + us / reps
+        return {name: round(us, 2) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
     def copy_tbps(self) -> float:
         """Copy bandwidth in TB/s, bytes read + written."""
         n = 1 << 30 if self.device.type == "cuda" else 1 << 26
@@ -380,6 +417,10 @@ class Row:
     gate_up_unfused_eager_us: float = math.nan
     seconds: float = math.nan  # wall time of the row (compilation included)
     notes: list = field(default_factory=list)
+    # ours: mean device time of each kernel in one graph replay, by name (torch profiler, L2
+    # warm, so their sum is below ours_us), and the sum (*_us above all flush L2 first)
+    kernels_us: dict = field(default_factory=dict)
+    kernels_sum_us: float = math.nan
 
 
 def routing_inputs(cfg: dict, tokens: int, seed: int, device):
@@ -448,6 +489,8 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
                                            fused=fused, backend="auto")
 
     measure("ours", ours(True), keep_output=True)
+    row.kernels_us = timer.kernel_times(ours(True))
+    row.kernels_sum_us = sum(row.kernels_us.values()) if row.kernels_us else math.nan
     if fmt in FUSED_FMTS:
         measure("ours_unfused", ours(False), keep_output=True)
         try:  # the gate/up step alone, on tokens routed and quantized once as moe_forward does
@@ -551,6 +594,8 @@ def run(models: dict, tokens, fmts_per_model, device, out_dir: Path, budget_s: f
     for m_index, (model, cfg) in enumerate(models.items()):
         fmts = fmts_per_model(cfg)
         plan = [(fmt, t) for fmt in fmts for t in tokens]
+        if not plan:
+            continue
         if time.time() - start > budget_s:
             for fmt, t in plan:
                 rows.append(Row(model, fmt, t, cfg["experts"], cfg["top_k"], notes=["skipped: time budget"]))
@@ -614,6 +659,9 @@ def print_table(rows: list[Row], env: dict):
               f"{_f(r.gate_up_speedup, 5, 2)} {_f(r.baseline_us, 9, 1)} {_f(r.speedup, 6, 2)} "
               f"{_f(r.read_time_us, 8, 1)} {_f(r.ratio_to_read, 6, 2)} {_f(r.error, 8, 4)} {r.timing:<6} "
               f"{r.check or '-'} / {r.baseline_kind or '-'}" + (f"  [{'; '.join(r.notes)}]" if r.notes else ""))
+        if r.kernels_us:
+            print("    kernels (us, L2 warm): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in list(r.kernels_us.items())[:8])
+                  + f" | sum {r.kernels_sum_us:.1f}")
     fails = [r for r in rows if r.check.startswith("FAIL")]
     if fails:
         print(f"\n!!! {len(fails)} row(s) FAILED a correctness check: "
@@ -633,7 +681,8 @@ def write_results(rows: list[Row], env: dict, out_dir: Path):
         writer = csv.DictWriter(f, fieldnames=list(asdict(Row("", "", 0, 0, 0)).keys()))
         writer.writeheader()
         for r in rows:
-            writer.writerow({**asdict(r), "notes": "; ".join(r.notes)})
+            writer.writerow({**asdict(r), "notes": "; ".join(r.notes),
+                             "kernels_us": "; ".join(f"{k}={v}" for k, v in r.kernels_us.items())})
     print(f"wrote {stem}.json, {stem}.csv", flush=True)
 
 
@@ -643,6 +692,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tokens 64 and 4096, the first format of each model")
     parser.add_argument("--budget", type=float, default=300.0,
                         help="start no row after this many seconds (the rest are recorded as skipped)")
+    parser.add_argument("--model", help="only these models (comma-separated names)")
+    parser.add_argument("--fmt", help="only these formats (comma-separated)")
+    parser.add_argument("--tokens", help="only these token counts (comma-separated)")
     parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)  # toy sizes on the CPU
     args = parser.parse_args(argv)
     if args.cpu_smoke:
@@ -654,6 +706,15 @@ def main(argv=None) -> int:
         device, models, name = torch.device("cuda"), MODELS, ""
         tokens = QUICK_TOKENS if args.quick else TOKENS
     fmts_per_model = (lambda cfg: cfg["fmts"][:1]) if args.quick else (lambda cfg: cfg["fmts"])
+    if args.model:  # (the other models' rows are recorded as skipped: seeds stay those of a full run)
+        chosen_fmts = fmts_per_model
+        fmts_per_model = lambda cfg: chosen_fmts(cfg) if cfg["name"] in args.model.split(",") else ()  # noqa: E731
+        models = {name: {**cfg, "name": name} for name, cfg in models.items()}
+    if args.fmt:
+        chosen = fmts_per_model
+        fmts_per_model = lambda cfg: tuple(f for f in chosen(cfg) if f in args.fmt.split(","))  # noqa: E731
+    if args.tokens:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
     with torch.no_grad():
         rows = run(models, tokens, fmts_per_model, device, Path(args.out), args.budget, name, args.quick)
     return 2 if any(r.check.startswith("FAIL") for r in rows) else 0

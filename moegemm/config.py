@@ -59,6 +59,10 @@ class Sm90Config:
     # fp8 wgmma per 32-wide K block and fp32 promotion (kernels/sm90_mxfp8.py): mxfp8, and the
     # e2m1 weights of mxfp4/w4a8 decoded to e4m3 (two 128-wide token tiles a stage: sub_steps=2)
     fp8_mma: bool = False
+    # e2m1 weights on fp8_mma: four consumer warpgroups, a pair for each 128-K half of a stage
+    # (rows split as before), their two partial sums added at the tile's end through shared
+    # memory: twice the warps to hide each stage's chain of waits (kernels/sm90_mxfp8.py)
+    split_k: bool = False
 
     @property
     def stage_k(self) -> int:
@@ -101,10 +105,14 @@ class Sm90Config:
         elif self.fp8_mma and weight_bytes == 0.5:  # e2m1 weights: eight K blocks' token scales
             stage += 8 * 4 * self.token_tile + self.weight_tile * 8  # and weight scales (two atoms)
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
+        if self.split_k:  # the K-half-1 warpgroups' partial sums and their four barriers
+            epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8
         return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
 
     def check(self, fmt: Format, out_bytes: int = 2):
         e2m1_fp8 = self.fp8_mma and fmt.b.element.packed
+        if self.split_k and not e2m1_fp8:
+            raise ValueError(f"config: split_k is the e2m1 weights' arrangement on fp8_mma: {self}")
         if self.block_n not in ((8, 16) if e2m1_fp8 else (16, 32, 64, 128, 256)) or (self.swap and self.split_n):
             raise ValueError(f"config: block_n must be 16..256 (powers of two; 8 or 16 for e2m1 weights on fp8_mma), "
                              f"swap and split_n exclusive: {self}")
@@ -118,8 +126,10 @@ class Sm90Config:
             if self.block_n > 128:
                 raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
             # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
-            # consumers' share of the 64K-register file is what is left.
-            max_regs = 232 if self.wide_promotion else 192
+            # consumers' share of the 64K-register file is what is left. Split-K has four consumer
+            # warpgroups and the producer gets 512 - 4 * consumer_regs (64 at 112 still leaves
+            # ptxas room to keep the wgmmas in flight; 104 spilled in the 16-token K loop).
+            max_regs = 112 if self.split_k else 232 if self.wide_promotion else 192
             if self.consumer_regs > max_regs:
                 raise ValueError(f"config: fp8_mma tiles of {self.token_tile} tokens allow consumer_regs <= "
                                  f"{max_regs}: {self}")
@@ -164,7 +174,7 @@ def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, w
     that room. Normal tiles need none (their column pairs already sit in one thread)."""
     if not cfg.swap:
         return cfg
-    scratch = 2 * 64 * cfg.token_tile * 4
+    scratch = (4 if cfg.split_k else 2) * 64 * cfg.token_tile * 4  # one a warpgroup that may run it
     while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes) + scratch > SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg
@@ -285,8 +295,11 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         # thread and K block), 1.13-1.15x at 1-4 tokens an expert (e2m1-decode8-*.json). Regime 32
         # stays on the decoding kernel: 32-token tiles spilled ~190 values, and two 16-token
         # tiles were 0.96-1.0x its 32-token tile at 16 tokens an expert.
-        cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
-                         sub_steps=2, fp8_mma=True)
+        # Split-K: four consumer warpgroups, one 128-K half of every stage to each pair, 1.02-1.05x
+        # the two warpgroups at 2 and 8 tokens an expert (gpt-oss and DeepSeek-V3 shapes,
+        # bench/results/e2m1-split-k-*.json, H100).
+        cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=112,
+                         sub_steps=2, fp8_mma=True, split_k=True)
     else:
         cfg = None
     if cfg is not None:

@@ -401,12 +401,15 @@ def test_torch_compile_fullgraph_gpu():
 
 def test_fused_epilogue_choice_follows_the_measurements():
     # The layer skips the fused epilogue only where it measured slower: mxfp8 weights on the
-    # 128-token promotion tiles (prefill); decode-sized groups and other formats keep it.
+    # 128-token promotion tiles (prefill), e2m1 weights on the split-K promotion kernel (decode);
+    # the other tiles and formats keep it.
     from moegemm.kernels.sm90_epilogue import fused_pays
 
     assert not fused_pays("mxfp8", 4096, 7168, 128.0)
     assert not fused_pays("mxfp8", 4096, 7168, 3000.0)
     assert fused_pays("mxfp8", 4096, 7168, 2.0)
+    assert not fused_pays("mxfp4", 5760, 1440, 2.0)  # e2m1 weights at decode: the split-K kernel
+    assert fused_pays("mxfp4", 5760, 1440, 128.0)
     assert fused_pays("mxfp8", 4096, 7168, 40.0)  # 64-token promotion tiles
     for fmt in ("bf16", "mxfp4", "nvfp4", "w4a8", "fp8_block"):
         assert fused_pays(fmt, 4096, 7168, 128.0)

@@ -104,32 +104,38 @@ def test_sm90_mxfp8_promotion_matches_reference(layout, pattern, token_tile, k):
 E2M1_WEIGHT_FORMATS = ("mxfp4", "w4a8")
 
 
-def e2m1_promotion_config(stages: int = 4, token_tile: int = 16) -> Sm90Config:
-    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1, swap=True, consumer_regs=192,
-                      sub_steps=2, fp8_mma=True)
+def e2m1_promotion_config(stages: int = 4, token_tile: int = 16, split_k: bool = False) -> Sm90Config:
+    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1, swap=True,
+                      consumer_regs=112 if split_k else 192, sub_steps=2, fp8_mma=True, split_k=split_k)
 
 
+@pytest.mark.parametrize("split_k", [False, True], ids=["two-wg", "split-k"])
 @pytest.mark.parametrize("k", [608, 7168])
 @pytest.mark.parametrize("token_tile", [8, 16])
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 @pytest.mark.parametrize("fmt", E2M1_WEIGHT_FORMATS)
-def test_sm90_e2m1_weights_promotion_matches_reference(fmt, layout, pattern, token_tile, k):
+def test_sm90_e2m1_weights_promotion_matches_reference(fmt, layout, pattern, token_tile, k, split_k):
     # kernels/sm90_mxfp8.py with e2m1 weights decoded to e4m3 (256 K a stage): K=608 ends in the
     # third stage, its last half holding three scale blocks; K=7168 runs 28 stages a tile.
-    # 8-token tiles: the patterns' larger groups take several.
-    run_sm90(fmt, pattern, n=320, k=k, config=e2m1_promotion_config(token_tile=token_tile), layout=layout)
+    # 8-token tiles: the patterns' larger groups take several. Split-K: four consumer
+    # warpgroups, one K half of every stage to each pair, the sums added at the tile's end.
+    config = e2m1_promotion_config(token_tile=token_tile, split_k=split_k)
+    run_sm90(fmt, pattern, n=320, k=k, config=config, layout=layout)
 
 
+@pytest.mark.parametrize("split_k", [False, True], ids=["two-wg", "split-k"])
 @pytest.mark.parametrize("k", [288, 416, 480])
 @pytest.mark.parametrize("pattern", [TOKEN_PATTERNS[3], TOKEN_PATTERNS[6]], ids=lambda p: p.name)
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 @pytest.mark.parametrize("fmt", E2M1_WEIGHT_FORMATS)
-def test_sm90_e2m1_weights_last_stage(fmt, layout, pattern, k):
-    # The last 256-K stage decodes only its first half when the rest lies past K (_promote_chain_fp4):
-    # K = 288 leaves one scale block in it, 480 a full first half and nothing else; 416 takes
-    # both halves, the second one partial.
-    run_sm90(fmt, pattern, n=320, k=k, config=e2m1_promotion_config(token_tile=8), layout=layout)
+def test_sm90_e2m1_weights_last_stage(fmt, layout, pattern, k, split_k):
+    # The last 256-K stage decodes only its first half when the rest lies past K (_promote_chain_fp4;
+    # split-K: the second half's warpgroups wait for the stage and release it): K = 288 leaves one
+    # scale block in it, 480 a full first half and nothing else; 416 takes both halves, the
+    # second one partial.
+    config = e2m1_promotion_config(token_tile=8, split_k=split_k)
+    run_sm90(fmt, pattern, n=320, k=k, config=config, layout=layout)
 
 
 LAYER_TOKENS = [(75, 80, 70, 77, 73, 76, 74, 75), (160, 0, 130, 97, 135, 128)]
@@ -165,8 +171,11 @@ def many_slots_pattern():
     ("fp8_block", forced_config("fp8_block", "normal128")), ("fp8_block", forced_config("fp8_block", "swapped")),
     ("bf16", forced_config("bf16", "split_n")), ("mxfp8", mxfp8_promotion_config(16)),
     ("mxfp8", mxfp8_promotion_config(128)), ("mxfp4", e2m1_promotion_config(token_tile=8)),
-    ("w4a8", e2m1_promotion_config(token_tile=16)), ("nvfp4", mx_config(16)), ("mxfp4", mx_config(128))],
-    ids=lambda v: v if isinstance(v, str) else f"{v.block_n}{'-fp8mma' if v.fp8_mma else ''}")
+    ("w4a8", e2m1_promotion_config(token_tile=16)), ("mxfp4", e2m1_promotion_config(token_tile=8, split_k=True)),
+    ("w4a8", e2m1_promotion_config(token_tile=16, split_k=True)), ("nvfp4", mx_config(16)),
+    ("mxfp4", mx_config(128))],
+    ids=lambda v: v if isinstance(v, str) else
+    f"{v.block_n}{'-fp8mma' if v.fp8_mma else ''}{'-splitk' if v.split_k else ''}")
 def test_sm90_many_slots(fmt, config):
     # Every partition of every kernel walks all the slots; each group's tiles must run, once.
     layout = "swizzled" if FORMATS[fmt].swizzle_capable else "plain"

@@ -213,17 +213,22 @@ def fused_supports(p, out_fmt: str) -> bool:
 
 def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
     """False where the fused epilogue measured slower than the unfused chain it replaces, so
-    that the MoE layer (moe.py) runs the chain there: mxfp8 weights on 128-token promotion
-    tiles (config.sm90_mx_config, prefill). DeepSeek-V3's gate/up product at 4096 tokens took
-    9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring depth made no
-    difference, and 64-token promotion tiles took 8.88 ms fused (H100, docs/perf-notes.md).
-    The cause is not found yet."""
+    that the MoE layer (moe.py) runs the chain there (H100, docs/perf-notes.md):
+    - mxfp8 weights on 128-token promotion tiles (prefill): DeepSeek-V3's gate/up product at
+      4096 tokens took 9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring
+      depth made no difference, 64-token promotion tiles took 8.88 ms fused. Cause not found.
+    - e2m1 weights on the split-K promotion kernel (mxfp4/w4a8 at decode): gpt-oss-120b's
+      gate/up step at 64 tokens took 428 us fused, 404 us unfused; on 8-token tiles the
+      epilogue's layout conversions and quantization cost about a microsecond a tile, more
+      than the activation kernel's pass over the small intermediate."""
     from ..config import sm90_mx_config
 
-    if fmt_name != "mxfp8":
+    if fmt_name not in MX_FORMATS:
         return True
     cfg = sm90_mx_config(get_format(fmt_name), n, k, tokens_per_slot)
-    return not (cfg.wide_promotion and cfg.token_tile == 128)
+    if cfg.split_k:
+        return False
+    return not (fmt_name == "mxfp8" and cfg.wide_promotion and cfg.token_tile == 128)
 
 
 def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,

@@ -437,14 +437,102 @@ def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ready, empty, z
 
 
 @gluon.jit
-def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
-                              b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K,
-                              E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr, TOK_TILE: gl.constexpr,
-                              W_TILE: gl.constexpr, STAGE_K: gl.constexpr, STAGES: gl.constexpr,
-                              GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                              HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr, WIDE: gl.constexpr,
-                              FP4W: gl.constexpr, ACC_FACTOR: gl.constexpr):
+def _fp4_half_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, operand, w_word, w_scale_rows, w_ok,
+                    NUM_KB, KB4, it, kk, H: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                    SWIZZLED: gl.constexpr, acc_layout: gl.constexpr):
+    """Split-K (four consumer warpgroups): half H of ring stage kk for this warpgroup's weight
+    rows ROWS: decode it into the warpgroup's one e4m3 operand buffer, one fence, four k32
+    wgmmas in flight, promote them in order, release the stage (four arrivals free it).
+    w_word: plain weight-scale word of this half (loaded a stage ahead, the next one is
+    returned); swizzled ones come with the stage."""
+    raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    f8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    stage = it % STAGES
+    mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+    if SWIZZLED:
+        w_word = _staged_scale_words(ws_bufs.index(stage), H, 2 * kk + H, NUM_KB, ROWS, row_layout)
+    _decode_half(w_bufs.index(stage).slice(ROWS * WG_ROWS, WG_ROWS), H, operand, raw_layout)
+    fence_async_shared()
+    if not SWIZZLED:  # (after the fence, which would wait for it)
+        next_word = _weight_scale_words(w_scale_rows, w_ok, 2 * kk + 2 + H, NUM_KB, KB4, SWIZZLED)
+    op = operand._reinterpret(gl.float8e4nv, [WG_ROWS, 128], f8_layout)
+    p0, p1, p2, p3 = _issue_half(op, t_bufs.index(stage * 2 + H), zero)
+    acc = _promote_half(acc, p0, p1, p2, p3, w_word, ts_bufs.index(stage), H, 0, acc_layout)
+    mbarrier.arrive(empty.index(stage), count=1)
+    if not SWIZZLED:
+        w_word = next_word
+    return acc, w_word
+
+
+@gluon.jit
+def _promote_chain_fp4_split(w_bufs, t_bufs, operand, ts_bufs, ws_bufs, ready, empty, zero, w_scale_rows, w_ok, K,
+                             NUM_KB, KB4, it, k_steps, KH: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                             SWIZZLED: gl.constexpr, acc_layout: gl.constexpr):
+    """_promote_chain_fp4 over one K half of every stage (KH: the first or the last 128 K of
+    each 256-K stage): this warpgroup's partial sum, which the caller adds to the other half's.
+    A last stage whose second half lies past K is only waited for and released by KH = 1 (it
+    must not arrive before the stage was filled: the arrival would count for the lap before)."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    gl.static_assert(zero.shape[1] <= 16, "e2m1 weights run 8- or 16-token tiles")
+    acc = zero
+    if SWIZZLED:  # (unused: the stage brings its word)
+        w_word = gl.zeros([WG_ROWS], gl.int32, row_layout)
+    else:
+        w_word = _weight_scale_words(w_scale_rows, w_ok, KH, NUM_KB, KB4, SWIZZLED)
+    for kk in range(k_steps - 1):
+        acc, w_word = _fp4_half_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, operand, w_word,
+                                      w_scale_rows, w_ok, NUM_KB, KB4, it, kk, KH, ROWS, STAGES, SWIZZLED, acc_layout)
+        it += 1
+    last = k_steps - 1
+    if KH == 0:
+        acc, w_word = _fp4_half_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, operand, w_word,
+                                      w_scale_rows, w_ok, NUM_KB, KB4, it, last, KH, ROWS, STAGES, SWIZZLED, acc_layout)
+    else:
+        if K - last * 256 > 128:  # (256 K a stage, 128 a half)
+            acc, w_word = _fp4_half_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, operand, w_word,
+                                          w_scale_rows, w_ok, NUM_KB, KB4, it, last, KH, ROWS, STAGES, SWIZZLED,
+                                          acc_layout)
+        else:
+            stage = it % STAGES
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            mbarrier.arrive(empty.index(stage), count=1)
+    it += 1
+    return acc, it
+
+
+@gluon.jit
+def _reduce_split_k(acc, red_bufs, red_ready, red_free, tiles_done, receiver, ROWS: gl.constexpr,
+                    acc_layout: gl.constexpr):
+    """Split-K: one warpgroup of the rows ROWS hands its partial sum of the tile to the other
+    (the receiver, which then runs the epilogue) through shared memory (red_ready: written;
+    red_free: read, the buffer may be reused); returns the whole sum on the receiver.
+    tiles_done: the tiles both have finished (hand-off number)."""
+    buf = red_bufs.index(ROWS)
+    if receiver:
+        mbarrier.wait(red_ready.index(ROWS), tiles_done & 1)
+        acc = acc + buf.load(acc_layout)
+        mbarrier.arrive(red_free.index(ROWS), count=1)
+    else:
+        mbarrier.wait(red_free.index(ROWS), (tiles_done & 1) ^ 1)
+        buf.store(acc)
+        mbarrier.arrive(red_ready.index(ROWS), count=1)
+    return acc
+
+
+@gluon.jit
+def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready, red_free,
+                              out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
+                              row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr,
+                              TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, STAGE_K: gl.constexpr,
+                              STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
+                              HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr,
+                              WIDE: gl.constexpr, FP4W: gl.constexpr, SPLIT_K: gl.constexpr,
+                              ACC_FACTOR: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
+    # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
+    ROWS: gl.constexpr = WG % 2
+    KH: gl.constexpr = WG // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, SCALE_BLOCK])
     pid = gl.program_id(0)
@@ -453,9 +541,10 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, em
     k_steps = gl.cdiv(K, STAGE_K)
     zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
     tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
-    w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    w_offsets = ROWS * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
     it = 0
     tile_base = 0
+    tiles_done = 0
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
         s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
@@ -474,21 +563,35 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, em
                 w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED)
             if WIDE:
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
-                                              KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout)
+                                              KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
+            elif SPLIT_K:
+                acc, it = _promote_chain_fp4_split(w_bufs, t_bufs, a_bufs.index(WG), s_bufs, ws_bufs, ready, empty,
+                                                   zero, w_scale_rows, w_ok, K, NUM_KB, KB4, it, k_steps, KH, ROWS,
+                                                   STAGES, SWIZZLED, acc_layout)
+                # The two K halves take turns at receiving the other's sum and running the epilogue,
+                # which would otherwise hold one pair back (the ring waits for all four).
+                owner = (tiles_done + KH) % 2 == 0
+                acc = _reduce_split_k(acc, red_bufs, red_ready, red_free, tiles_done, owner, ROWS, acc_layout)
+                tiles_done += 1
+                if ACC_FACTOR != 1.0:  # w4a8: the weights' 2^-6 (E2M1_WEIGHT_EXP), exact
+                    acc = acc * ACC_FACTOR
             elif FP4W:
                 acc, it = _promote_chain_fp4(w_bufs, t_bufs, a_bufs, s_bufs, ws_bufs, ready, empty, zero, w_scale_rows,
-                                             w_ok, K, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED, acc_layout,
+                                             w_ok, K, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout,
                                              ACC_FACTOR)
             else:
                 t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
                 acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows,
-                                         tok_mask, NUM_KB, KB4, it, k_steps, WG, STAGES, SWIZZLED)
-            if EPI[0] != 0:  # the fused SwiGLU epilogue
-                fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
-                               w_block * W_TILE + WG * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
-            else:
-                _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
-                          0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+                                         tok_mask, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED)
+            if not SPLIT_K:
+                owner = True
+            if owner:  # (split-K: the warpgroup that received the other K half's sum)
+                if EPI[0] != 0:  # the fused SwiGLU epilogue
+                    fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
+                                   w_block * W_TILE + ROWS * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
+                else:
+                    _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
+                              0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
         tile_base += group_tiles
 
 
@@ -498,7 +601,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
                                      NUM_KB, KB4, T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr):
+                                     CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr,
+                                     SPLIT_K: gl.constexpr = False):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
     weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
     e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
@@ -507,7 +611,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
     K-block-major copy, a third part of each stage (t_scale_ptr is then unused; else its rows
     are T_SCALE_STRIDE floats apart). ws_desc (e2m1 weights with swizzled scales; else None):
     the weight scales as [atoms * 32, 4] int32 (a 128x4 atom of e8m0 bytes is 32 x 4 words), a
-    [64, 4] box (two atoms) a stage."""
+    [64, 4] box (two atoms) a stage. SPLIT_K (e2m1 weights): four consumer warpgroups, two
+    for each K half of a stage (module docstring)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
@@ -518,6 +623,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
     gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a token tile holds four scale blocks (_promote_chain)")
     gl.static_assert(not FP4W or (s_desc is not None and TOK_TILE <= 16),
                      "e2m1 weights: 8- or 16-token tiles, token scales in the ring")
+    gl.static_assert(FP4W or not SPLIT_K, "split-K is the e2m1 weights' arrangement")
     gl.static_assert(w_desc.block_type.shape[1] == BLOCK_K, "a weight row's 128 bytes a stage")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -529,7 +635,9 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
         ws_bufs = gl.allocate_shared_memory(ws_desc.dtype, [STAGES] + ws_desc.block_type.shape, ws_desc.layout)
     else:
         ws_bufs = t_bufs  # unused
-    if FP4W:  # two decoded e4m3 [64, 128] operand buffers a consumer warpgroup, stored as uint16 pairs
+    # Decoded e4m3 [64, 128] operand buffers, stored as uint16 pairs: two a consumer warpgroup
+    # (both K halves of a stage), or with split-K one for each of the four.
+    if FP4W:
         a_bufs = gl.allocate_shared_memory(gl.uint16, [4, WG_ROWS, 64],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     else:
@@ -538,24 +646,72 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    gl.warp_specialize([
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
-                                     b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
-                                     M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE,
-                                     SUB * BLOCK_K, STAGES, GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI,
-                                     WIDE, FP4W, ACC_FACTOR)),
-        (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, ready, empty, out_ptr, t_scale_ptr,
-                                     b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr,
-                                     M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE,
-                                     SUB * BLOCK_K, STAGES, GROUP_M, SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI,
-                                     WIDE, FP4W, ACC_FACTOR)),
-        (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
-                           ws_bufs, KB4)),
-    # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
-    # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
-    ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
+        mbarrier.init(empty.index(i), count=4 if SPLIT_K else 2)
+    if SPLIT_K:  # the K-half-1 warpgroups' partial sums, one [64, TOK_TILE] fp32 buffer per row block
+        red_bufs = gl.allocate_shared_memory(gl.float32, [2, WG_ROWS, TOK_TILE],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        red_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        red_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(red_ready.index(i), count=1)
+            mbarrier.init(red_free.index(i), count=1)
+    else:
+        red_bufs = t_bufs  # unused
+        red_ready = ready
+        red_free = ready
+    if SPLIT_K:
+        # Four consumer warpgroups and the producer: 4 * CONSUMER_REGS + producer <= 512 (64K
+        # registers over five warpgroups); ptxas keeps the wgmmas in flight only if the smallest
+        # setmaxnreg leaves the loop its registers (sm90_mx.py), so the producer gets the rest.
+        gl.warp_specialize([
+            (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
+                                         red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                         expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                         T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
+                                         SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
+                                         ACC_FACTOR)),
+            (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
+                                         red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                         expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                         T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
+                                         SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
+                                         ACC_FACTOR)),
+            (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
+                                         red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                         expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                         T_SCALE_STRIDE, epi, 2, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
+                                         SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
+                                         ACC_FACTOR)),
+            (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
+                                         red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                         expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                         T_SCALE_STRIDE, epi, 3, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
+                                         SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
+                                         ACC_FACTOR)),
+            (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
+                               M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
+                               ws_bufs, KB4)),
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 512 - 4 * CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
+                                         red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                         expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                         T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
+                                         SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
+                                         ACC_FACTOR)),
+            (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
+                                         red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
+                                         expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
+                                         T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
+                                         SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
+                                         ACC_FACTOR)),
+            (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
+                               M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
+                               ws_bufs, KB4)),
+        # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
+        # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
+        ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
 
 
 @functools.lru_cache(maxsize=None)
@@ -610,6 +766,6 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         0 if staged else token_scales.shape[1], epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, num_warps=4,
+        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k, num_warps=4,
     )
     return out

@@ -1,0 +1,179 @@
+"""A/B of sm90 kernel configurations on grouped_matmul, in one run on one GPU.
+
+    python3 bench/ab_sm90.py OUT.json [PLAN ...]
+
+For each case (format, shape, group sizes) every variant (a forced Sm90Config, or None for
+the default choice) runs once for its output, which must match the first variant's within
+`rtol` of the largest output (bit-identical is reported), then is timed: one call captured in
+a CUDA graph and replayed under do_bench (median, L2 flushed), the swizzled A-scale offsets
+passed so that no torch set-up kernel runs inside the call. The copy bandwidth is measured in
+the same run; pct_copy = bytes of the touched weights and scales (+ tokens, output) / time /
+copy bandwidth. PLANS below name the sets of cases; the default runs all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moegemm import benchmark, grouped_matmul, layouts  # noqa: E402
+from moegemm.config import override_config, sm90_mx_config  # noqa: E402
+from moegemm.formats import FORMATS  # noqa: E402
+
+SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (4096, 7168),
+          "dsv3-down": (7168, 2048),
+          # (time against tiles and stages: where a call's fixed cost goes)
+          "n5760-k5760": (5760, 5760), "n11520-k2880": (11520, 2880), "n5760-k1408": (5760, 1408),
+          "n2816-k2880": (2816, 2880)}
+
+
+def poisson_sizes(groups: int, mean: float, seed: int) -> list[int]:
+    """Tokens an expert of a layer with random routing (Poisson around `mean`)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(v) for v in torch.poisson(torch.full((groups, ), float(mean)), generator=gen)]
+
+
+def default_config(fmt: str, n: int, k: int, sizes: list[int]):
+    return sm90_mx_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes))
+
+
+def e2m1_variants(fmt, n, k, sizes):
+    base = default_config(fmt, n, k, sizes)
+    two = replace(base, split_k=False, consumer_regs=192)
+    four = replace(base, split_k=True, consumer_regs=112)
+    return {"two-warpgroups": _deepest(two, fmt), "split-k": _deepest(four, fmt)}
+
+
+def default_variant(fmt, n, k, sizes):
+    return {"default": default_config(fmt, n, k, sizes)}
+
+
+def mxfp8_tile_variants(fmt, n, k, sizes):
+    base = default_config(fmt, n, k, sizes)
+    return {f"tokens-{t}": _deepest(replace(base, block_n=t), fmt) for t in (128, 64)}
+
+
+def _deepest(cfg, fmt):
+    """The ring as deep as shared memory allows (up to 12 stages), as the config functions do."""
+    from moegemm.config import SM90_SMEM_BYTES, weight_bytes
+
+    w = weight_bytes(FORMATS[fmt])
+    cfg = replace(cfg, stages=2)
+    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2, w) <= SM90_SMEM_BYTES:
+        cfg = replace(cfg, stages=cfg.stages + 1)
+    return cfg
+
+
+# (format, shape, group sizes, variants)
+PLANS = {
+    "e2m1": [
+        ("mxfp4", "gptoss-up", lambda: [2] * 128, e2m1_variants),
+        ("mxfp4", "gptoss-down", lambda: [2] * 128, e2m1_variants),
+        ("mxfp4", "gptoss-up", lambda: poisson_sizes(128, 2, 1), e2m1_variants),
+        ("mxfp4", "gptoss-down", lambda: poisson_sizes(128, 2, 2), e2m1_variants),
+        ("w4a8", "gptoss-up", lambda: [2] * 128, e2m1_variants),
+        ("mxfp4", "gptoss-up", lambda: [8] * 128, e2m1_variants),
+        ("mxfp4", "gptoss-down", lambda: [8] * 128, e2m1_variants),
+        ("mxfp4", "gptoss-up", lambda: [1] * 4 + [0] * 124, e2m1_variants),
+        ("mxfp4", "dsv3-up", lambda: [2] * 256, e2m1_variants),
+    ],
+    "e2m1-scaling": [
+        (fmt, shape, lambda: [2] * 128, default_variant)
+        for fmt in ("mxfp4", ) for shape in ("gptoss-up", "n5760-k5760", "n11520-k2880", "n5760-k1408",
+                                               "gptoss-down", "n2816-k2880")
+    ] + [("mxfp4", "gptoss-up", lambda: [1] * 4 + [0] * 124, e2m1_variants),
+         ("mxfp4", "gptoss-up", lambda: [2] * 16 + [0] * 112, e2m1_variants)],
+    "mxfp8-tiles": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tile_variants),
+    ],
+}
+
+
+def kernel_times(replay, reps: int = 20) -> dict:
+    """Mean device time (us) of each kernel in one replay, by name (torch profiler, L2 warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / reps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def run_case(fmt, shape, sizes, variants, copy_tbps, device, rtol=5e-3):
+    n, k = SHAPES[shape]
+    inp = benchmark.Inputs(fmt, n, k, sizes, device)
+    scale_offsets = layouts.a_scale_offsets(inp.a_offsets) if inp.scale_layout == "swizzled" else None
+
+    def call():
+        return grouped_matmul(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids, fmt=fmt,
+                              a_scale_offsets=scale_offsets, out=inp.out, scale_layout=inp.scale_layout)
+
+    rows, first = [], None
+    for name, cfg in variants(fmt, n, k, sizes).items():
+        with override_config(cfg):
+            inp.out.fill_(float("nan"))
+            call()
+            torch.cuda.synchronize()
+            out = inp.out.float().clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            ms = benchmark._bench(graph.replay)
+            kernels = kernel_times(graph.replay)
+        if first is None:
+            first = out
+            diff, identical = 0.0, True
+        else:
+            scale = first.abs().max().clamp(min=1e-30)
+            diff = float(((out - first).abs().max() / scale).nan_to_num(float("inf")))
+            identical = bool(torch.equal(out.nan_to_num(0.0), first.nan_to_num(0.0)))
+        row = dict(fmt=fmt, shape=shape, n=n, k=k, groups=len(sizes), tokens=sum(sizes), variant=name, config=asdict(cfg),
+                   us=ms * 1e3, kernels_us=kernels, pct_copy=100 * inp.bytes_moved() / (ms * 1e-3) / (copy_tbps * 1e12),
+                   tflops=2.0 * sum(sizes) * n * k / (ms * 1e-3) / 1e12, max_diff=diff, identical=identical,
+                   ok=diff <= rtol and bool(torch.isfinite(out[:sum(sizes)]).all()))
+        rows.append(row)
+        print(f"{fmt:<6} {shape:<12} {len(sizes):>3}x{sum(sizes) / len(sizes):<6.1f} {name:<16} {row['us']:9.1f} us "
+              f"{row['pct_copy']:5.1f}% copy {row['tflops']:6.1f} TFLOP/s  diff {diff:.1e}{' =' if identical else ''}"
+              f"{'' if row['ok'] else '  MISMATCH'}  kernels " +
+              " ".join(f"{name[:24]}={us:.1f}" for name, us in kernels.items()), flush=True)
+    del inp
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    out_path = Path(sys.argv[1])
+    plans = sys.argv[2:] or list(PLANS)
+    device = torch.device("cuda")
+    copy_ms = benchmark._copy_ms(1 << 30, device)
+    copy_tbps = 2 * (1 << 30) / (copy_ms * 1e-3) / 1e12
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tbps=copy_tbps,
+               date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    print(env, flush=True)
+    rows = []
+    for plan in plans:
+        for fmt, shape, sizes, variants in PLANS[plan]:
+            rows += run_case(fmt, shape, sizes(), variants, copy_tbps, device)
+    out_path.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows)} rows, {len(bad)} mismatched")
+    sys.exit(2 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
