@@ -31,7 +31,7 @@ SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (40
           "dsv3-down": (7168, 2048),
           # (time against tiles and stages: where a call's fixed cost goes)
           "n5760-k5760": (5760, 5760), "n11520-k2880": (11520, 2880), "n5760-k1408": (5760, 1408),
-          "n2816-k2880": (2816, 2880)}
+          "n2816-k2880": (2816, 2880), "n128-k256": (128, 256), "n128-k2880": (128, 2880)}
 
 
 def poisson_sizes(groups: int, mean: float, seed: int) -> list[int]:
@@ -90,6 +90,15 @@ PLANS = {
                                                "gptoss-down", "n2816-k2880")
     ] + [("mxfp4", "gptoss-up", lambda: [1] * 4 + [0] * 124, e2m1_variants),
          ("mxfp4", "gptoss-up", lambda: [2] * 16 + [0] * 112, e2m1_variants)],
+    "half-tiles": [
+        ("mxfp4", shape, lambda: [2] * 128, default_variant) for shape in ("gptoss-down", "n2816-k2880", "gptoss-up")
+    ],
+    # a call's fixed cost: one tile of one stage, then slots to walk, then one tile a CTA
+    "overhead": [
+        ("mxfp4", shape, sizes, e2m1_variants)
+        for shape in ("n128-k256", "n128-k2880")
+        for sizes in (lambda: [1], lambda: [1] + [0] * 127, lambda: [0] * 127 + [1], lambda: [1] * 132)
+    ],
     "mxfp8-tiles": [
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),
         ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tile_variants),

@@ -144,7 +144,7 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
                                           {"num_warps": 4})
 
 
-def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8"):
+def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False):
     """kernels/sm90_mxfp8.py (the configs sm90_mx_config picks with fp8_mma): mxfp8, or the
     e2m1 weights of mxfp4/w4a8 (packed bytes in the ring)."""
     from moegemm.config import weight_bytes, with_epilogue_scratch
@@ -166,6 +166,10 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8"):
                                                          sm90_mxfp8._unswizzled_32bit_layout())
     else:
         constexprs["ws_desc"] = None
+    if half_tiles:  # N % 128 <= 64: an expert's last tile loads its 64 rows alone (split-K)
+        scales["w_half_desc"] = offline.tensordesc_signature("u8", [cfg.weight_tile // 2, cfg.block_k])
+    else:
+        constexprs["w_half_desc"] = None
     signature = {
         "t_desc": offline.tensordesc_signature("fp8e4nv", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4_weights else "fp8e4nv",
@@ -292,6 +296,19 @@ def test_token_prepass_compiles_for_sm90(fmt):
     assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
 
 
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_merged_token_prepass_compiles_for_sm90(swizzled):
+    # portable.token_prepass: the scale decode and the e2m1 -> e4m3 conversion in one kernel.
+    kernel = portable.kernel_module(False).token_prepass_kernel
+    constexprs = dict(SWIZZLED=swizzled, ALIGN_GROUPS=True, BLOCK_M=32, BLOCK_KB=64, EXP=6, EVEN_ODD=True,
+                      BLOCK=1024)
+    signature = {name: ("*fp32" if name == "scales_out_ptr" else "*i32" if name in POINTERS else "*u8")
+                 if name.endswith("_ptr") else "i32" for name in kernel.arg_names if name not in constexprs}
+    compiled = offline.compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1})
+    ops = offline.opcode_counts(offline.sass(compiled))
+    assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+
+
 # (weight format, tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC))
 FUSED_MX_CASES = [
     ("mxfp8", 16, (1, 2, True, False, 32)),
@@ -316,6 +333,20 @@ def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue)
     check_wgmma_pipelining(sass, fmt, tokens_per_slot)
     check_spills(sass, fmt, tokens_per_slot, fused=True)
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
+
+
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_e2m1_split_k_half_tiles_compile(layout):
+    # gpt-oss down (N = 2880 = 22.5 x 128): the producer's 64-row box for an expert's last tile
+    # (sixth TMA load), the skipping warpgroups' wait-and-release loop; no spills in a K loop.
+    from moegemm.config import sm90_mx_config
+
+    cfg = sm90_mx_config(FORMATS["mxfp4"], 2880, 2880, 2)
+    assert cfg.split_k
+    sass = offline.sass(mxfp8_kernel_compiled(cfg, layout, None, "mxfp4", half_tiles=True))
+    assert offline.opcode_counts(sass)["UTMALDG"] == (6 if layout == "swizzled" else 5)
+    for loop in innermost_mma_loops(sass):
+        assert not [t for t in loop if re.search(r"\b(LDL|STL)\b", t)], "register spills in a K loop"
 
 
 def test_e2m1_promotion_config_rules():

@@ -132,3 +132,40 @@ def test_e2m1_to_e4m3_interpreted():
 @pytest.mark.gpu
 def test_e2m1_to_e4m3_compiled():
     check_e2m1_to_e4m3("cuda")
+
+
+def check_token_prepass(layout, pattern, device):
+    """The merged pre-pass of mxfp4 tokens (one launch): the same scales as decode_row_scales
+    (K-block-major, 8 blocks a stage) and the same bytes as e2m1_to_e4m3(times 2^6, even_odd),
+    on every row the two write (the scales of valid rows; every token row)."""
+    p = make_problem("mxfp4", layout, pattern, 64, 608, device)
+    problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
+    kw = dict(pad_stages=False, kb_major=True, stage_blocks=8)
+    scales, tokens = portable.token_prepass(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None,
+                                            exponent=6, even_odd=True, **kw)
+    want_scales = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, **kw)
+    assert torch.equal(tokens.view(torch.uint8),
+                       portable.e2m1_to_e4m3(p.a.data, 6, even_odd=True).view(torch.uint8))
+    # Written columns: slot g's rows from 4 * ceil(s / 4) + 4 * g (decode_row_scales' kb_major).
+    bounds = p.a_offsets.tolist()
+    written = torch.zeros(want_scales.shape[1], dtype=torch.bool, device=device)
+    for g, e in enumerate(p.expert_ids.tolist()):
+        s, t = max(0, min(bounds[g], problem.m)), max(0, min(bounds[g + 1], problem.m))
+        if 0 <= e < problem.num_experts and t > s:
+            start = 4 * -(-s // 4) + 4 * g
+            written[start:start + t - s] = True
+    assert torch.equal(scales[:, written].nan_to_num(7.0), want_scales[:, written].nan_to_num(7.0))
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_token_prepass_interpreted(layout, pattern):
+    check_token_prepass(layout, pattern, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_token_prepass_compiled(layout, pattern):
+    check_token_prepass(layout, pattern, "cuda")

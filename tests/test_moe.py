@@ -408,7 +408,8 @@ def test_fused_epilogue_choice_follows_the_measurements():
     assert not fused_pays("mxfp8", 4096, 7168, 128.0)
     assert not fused_pays("mxfp8", 4096, 7168, 3000.0)
     assert fused_pays("mxfp8", 4096, 7168, 2.0)
-    assert not fused_pays("mxfp4", 5760, 1440, 2.0)  # e2m1 weights at decode: the split-K kernel
+    assert not fused_pays("mxfp4", 5760, 1440, 2.0)  # e2m1 weights at decode: the split-K kernel,
+    assert fused_pays("mxfp4", 5760, 1440, 4 / 128)  # but for a few tiles an SM
     assert fused_pays("mxfp4", 5760, 1440, 128.0)
     assert fused_pays("mxfp8", 4096, 7168, 40.0)  # 64-token promotion tiles
     for fmt in ("bf16", "mxfp4", "nvfp4", "w4a8", "fp8_block"):

@@ -247,7 +247,7 @@ ROUTING_SIGNATURES = {
                                "n": "i32", "E": "i32", "k": "i32"},
     "routing_combine_kernel": {"y_ptr": "*bf16", "grouped_row_ptr": "*i64", "valid_ptr": "*u8", "weights_ptr": "*fp32",
                                "expert_of_row_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                               **{name: "i32" for name in ("T", "N", "k", "stride_ym", "stride_yn", "stride_be",
+                               **{name: "i32" for name in ("T", "N", "stride_ym", "stride_yn", "stride_be",
                                                            "stride_bn")}},
 }
 
@@ -263,7 +263,7 @@ def test_routing_kernels_compile_for_sm90(name, experts):
         "routing_histogram_kernel": ({"NUM_BINS": bins, "BLOCK": block}, 4),
         "routing_offsets_kernel": ({"NUM_BINS": bins, "CHUNK": routing_kernels.offsets_chunk(bins)}, 8),
         "routing_scatter_kernel": ({"NUM_BINS": bins, "BLOCK": block, "SUB": sub}, 4),
-        "routing_combine_kernel": ({"HAS_WEIGHTS": True, "HAS_BIAS": True, "BLOCK_T": 32, "BLOCK_N": 128},
+        "routing_combine_kernel": ({"K": 8, "HAS_WEIGHTS": True, "HAS_BIAS": True, "BLOCK_T": 32, "BLOCK_N": 128},
                                    routing_kernels.COMBINE_WARPS),
     }[name]
     kernel = getattr(routing_kernels.kernel_module(False), name)

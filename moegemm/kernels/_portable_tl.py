@@ -290,9 +290,17 @@ def decode_row_scales_kernel(
     other rows are not written. m' = m, or with ALIGN_GROUPS m - s + 4 * ceil(s / 4) + 4 * g
     (slot g starts at row s): every slot's first row at a multiple of 4. Slots and parts as in
     dequantize_rows_kernel."""
-    g = tl.program_id(0)
-    part = tl.program_id(1)
-    parts = tl.num_programs(1)
+    _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, tl.program_id(0),
+                       tl.program_id(1), tl.num_programs(1), M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
+                       ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
+
+
+@triton.jit
+def _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, g, part, parts,
+                       M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE, KB_STRIDE,
+                       SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_KB: tl.constexpr):
+    """decode_row_scales_kernel's work for slot g, part `part` of `parts`."""
     s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
     if ALIGN_GROUPS:
         out_shift = 4 * ((s + 3) // 4) + 4 * g - s
@@ -328,7 +336,32 @@ def e2m1_to_e4m3_kernel(src_ptr, out_ptr, NUM_BYTES, EXP: tl.constexpr, EVEN_ODD
     per code (1, 1.5, 2, 3, 4, 6 times 2^EXP); the sign bit moves from bit 3 to bit 7.
     EVEN_ODD: each group of 8 elements (4 bytes) is stored as elements 0, 2, 4, 6, 1, 3, 5, 7
     (the low nibbles, then the high ones): byte i's go to 2i - i % 4 and 4 past it."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _e2m1_to_e4m3_block(src_ptr, out_ptr, NUM_BYTES, tl.program_id(0), EXP, EVEN_ODD, BLOCK)
+
+
+@triton.jit
+def token_prepass_kernel(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, scales_out_ptr,
+                         src_ptr, tokens_out_ptr, M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE,
+                         KB_STRIDE, PARTS, NUM_BYTES,
+                         SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_KB: tl.constexpr, EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK: tl.constexpr):
+    """decode_row_scales_kernel and e2m1_to_e4m3_kernel in one launch (the mxfp4 tokens of the
+    sm90 promotion kernel, kernels/sm90_mxfp8.py: a launch less before each product): programs
+    [0, G * PARTS) decode the scales of slot pid // PARTS, the rest convert BLOCK bytes each."""
+    pid = tl.program_id(0)
+    if pid < G * PARTS:
+        _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, scales_out_ptr,
+                           pid // PARTS, pid % PARTS, PARTS, M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
+                           ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
+    else:
+        _e2m1_to_e4m3_block(src_ptr, tokens_out_ptr, NUM_BYTES, pid - G * PARTS, EXP, EVEN_ODD, BLOCK)
+
+
+@triton.jit
+def _e2m1_to_e4m3_block(src_ptr, out_ptr, NUM_BYTES, block, EXP: tl.constexpr, EVEN_ODD: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """e2m1_to_e4m3_kernel's work for bytes [block * BLOCK, (block + 1) * BLOCK)."""
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < NUM_BYTES
     packed = tl.load(src_ptr + offsets, mask=mask, other=0).to(tl.int32)
     low = _e2m1_code_to_e4m3(packed & 15, EXP)

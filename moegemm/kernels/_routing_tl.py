@@ -111,12 +111,15 @@ def routing_scatter_kernel(ids_ptr, base_ptr, grouped_row_ptr, token_index_ptr, 
 
 @triton.jit
 def routing_combine_kernel(y_ptr, grouped_row_ptr, valid_ptr, weights_ptr, expert_of_row_ptr, bias_ptr, out_ptr,
-                           T, N, k, stride_ym, stride_yn, stride_be, stride_bn,
-                           HAS_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           T, N, stride_ym, stride_yn, stride_be, stride_bn,
+                           K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, n] = sum_j w[t, j] * (y[row, n] + bias[e, n]) over the valid choices j of token t
+    """out[t, n] = sum_j w[t, j] * (y[row, n] + bias[e, n]) over the valid choices j < K of token t
     (row = grouped_row[t, j], e its expert), accumulated in fp32 in choice order. A dropped
-    choice's row is never read, so garbage (NaN) there cannot leak."""
+    choice's row is never read, so garbage (NaN) there cannot leak. The choices are unrolled
+    (K constexpr), so their loads are in flight together: at decode the kernel is a chain of
+    dependent loads (row index, then the row), four of them one after the other took 6.8 us
+    (gpt-oss, 64 tokens, H100)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -124,8 +127,8 @@ def routing_combine_kernel(y_ptr, grouped_row_ptr, valid_ptr, weights_ptr, exper
     t_ok = t < T
     n_ok = cols < N
     acc = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
-    for j in range(k):
-        choice = t.to(tl.int64) * k + j
+    for j in tl.static_range(K):
+        choice = t.to(tl.int64) * K + j
         row = tl.load(grouped_row_ptr + choice, mask=t_ok, other=0)
         ok = (tl.load(valid_ptr + choice, mask=t_ok, other=0) != 0) & t_ok
         m = ok[:, None] & n_ok[None, :]

@@ -106,9 +106,11 @@ def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, su
     return plan
 
 
-def combine_blocks(num_cols: int, interpret: bool) -> tuple[int, int]:
+def combine_blocks(num_cols: int, interpret: bool, num_tokens: int = 1 << 20) -> tuple[int, int]:
+    """(tokens, columns) a program of the combine: 8 tokens below 1024 (decode: more programs
+    for the few rows), else 32; 64 in the interpreter."""
     block_n = max(16, min(128, _pow2(num_cols)))
-    return (64 if interpret else 32), block_n
+    return (64 if interpret else 32 if num_tokens >= 1024 else 8), block_n
 
 
 def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor | None,
@@ -128,7 +130,7 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
         return out.zero_()
     interpret = device.type == "cpu"
     module = kernel_module(interpret)
-    block_t, block_n = combine_blocks(n, interpret)
+    block_t, block_n = combine_blocks(n, interpret, t)
     grouped_row = grouped_row.contiguous()
     valid = valid.contiguous().view(torch.uint8)
     dummy = grouped_row  # stands in for absent optional pointers; never read
@@ -139,8 +141,8 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
         weights.contiguous() if weights is not None else dummy,
         expert_of_row.contiguous() if has_bias else dummy,
         expert_bias if has_bias else dummy,
-        out, t, n, k, y.stride(0), y.stride(1),
+        out, t, n, y.stride(0), y.stride(1),
         expert_bias.stride(0) if has_bias else 0, expert_bias.stride(1) if has_bias else 0,
-        HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=COMBINE_WARPS,
+        K=k, HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=COMBINE_WARPS,
     )
     return out

@@ -103,14 +103,17 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None,
-                    ws_desc=None, ws_bufs=None, KB4=0):
+                    ws_desc=None, ws_bufs=None, KB4=0, b_half_desc=None):
     """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
     (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
     i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py). With s_desc, a stage
     also holds the tokens' fp32 scales of its K blocks, a [K blocks, TOK_TILE] box of their
     K-block-major copy (kernels/sm90_mxfp8.py). With ws_desc, also the weight tile's e8m0
     scales in the swizzled layout, seen as [atoms * 32, 4] int32 (a 128x4 atom is 32 x 4 words,
-    KB4 atoms per 128 weight rows): an [atoms * 32, 4] box (kernels/sm90_mxfp8.py, e2m1 weights)."""
+    KB4 atoms per 128 weight rows): an [atoms * 32, 4] box (kernels/sm90_mxfp8.py, e2m1 weights).
+    With b_half_desc (a [W_TILE / 2, ...] box of B), a weight tile whose rows past N are at least
+    half of it (an expert's last tile, N % W_TILE <= W_TILE / 2) loads only its first half: the
+    consumers of the other half skip it (kernels/sm90_mxfp8.py, split-K)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
@@ -126,6 +129,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
         WS_ATOMS: gl.constexpr = ws_desc.block_type.shape[0] // 32
     # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
     B_STEP: gl.constexpr = b_desc.block_type.shape[1]
+    if b_half_desc is not None:
+        gl.static_assert(2 * b_half_desc.block_type.shape[0] == W_TILE, "half a weight tile")
+        half_bytes: gl.constexpr = stage_bytes - b_desc.block_type.nbytes + b_half_desc.block_type.nbytes
     it = 0
     tile_base = 0
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
@@ -143,14 +149,29 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             a_row = s + tok_block * TOK_TILE
             b_row = e * N + w_block * W_TILE
+            if b_half_desc is not None:
+                half_tile = N - w_block * W_TILE <= W_TILE // 2
             for kk in range(k_steps):
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(stage), stage_bytes)
+                if b_half_desc is None:
+                    mbarrier.expect(ready.index(stage), stage_bytes)
+                elif half_tile:
+                    mbarrier.expect(ready.index(stage), half_bytes)
+                else:
+                    mbarrier.expect(ready.index(stage), stage_bytes)
                 for j in gl.static_range(SUB):
                     tma.async_copy_global_to_shared(a_desc, [a_row, (kk * SUB + j) * BLOCK_K], ready.index(stage),
                                                     a_bufs.index(stage * SUB + j))
-                tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage), b_bufs.index(stage))
+                if b_half_desc is None:
+                    tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage),
+                                                    b_bufs.index(stage))
+                elif half_tile:
+                    tma.async_copy_global_to_shared(b_half_desc, [b_row, kk * B_STEP], ready.index(stage),
+                                                    b_bufs.index(stage).slice(0, W_TILE // 2))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage),
+                                                    b_bufs.index(stage))
                 if s_desc is not None:  # the slot's columns start 16-byte aligned (portable.decode_row_scales)
                     s_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE
                     tma.async_copy_global_to_shared(s_desc, [kk * S_STEP, s_col], ready.index(stage), s_bufs.index(stage))

@@ -217,17 +217,18 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
     - mxfp8 weights on 128-token promotion tiles (prefill): DeepSeek-V3's gate/up product at
       4096 tokens took 9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring
       depth made no difference, 64-token promotion tiles took 8.88 ms fused. Cause not found.
-    - e2m1 weights on the split-K promotion kernel (mxfp4/w4a8 at decode): gpt-oss-120b's
-      gate/up step at 64 tokens took 428 us fused, 404 us unfused; on 8-token tiles the
-      epilogue's layout conversions and quantization cost about a microsecond a tile, more
-      than the activation kernel's pass over the small intermediate."""
+    - e2m1 weights on the split-K promotion kernel (mxfp4/w4a8 at decode) from half a token a
+      slot on: gpt-oss-120b's gate/up step at 64 tokens (2 a slot) took 428 us fused, 404 us
+      unfused; on 8-token tiles the epilogue's layout conversions and quantization cost about a
+      microsecond a tile, ~38 tiles an SM. At 1 token (0.03 a slot, one or two tiles an SM) the
+      fused step was faster, 59.8 against 66.1 us."""
     from ..config import sm90_mx_config
 
     if fmt_name not in MX_FORMATS:
         return True
     cfg = sm90_mx_config(get_format(fmt_name), n, k, tokens_per_slot)
     if cfg.split_k:
-        return False
+        return tokens_per_slot < 0.5
     return not (fmt_name == "mxfp8" and cfg.wide_promotion and cfg.token_tile == 128)
 
 

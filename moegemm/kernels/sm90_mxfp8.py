@@ -521,6 +521,18 @@ def _reduce_split_k(acc, red_bufs, red_ready, red_free, tiles_done, receiver, RO
 
 
 @gluon.jit
+def _release_stages(ready, empty, it, k_steps, STAGES: gl.constexpr):
+    """Split-K, weight rows all past N (half of an expert's last tile, which the producer loaded
+    alone): wait for each of the tile's stages and release it, reading nothing."""
+    for kk in range(k_steps):
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(stage), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
 def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready, red_free,
                               out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                               row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr,
@@ -528,7 +540,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                               STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                               HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr,
                               WIDE: gl.constexpr, FP4W: gl.constexpr, SPLIT_K: gl.constexpr,
-                              ACC_FACTOR: gl.constexpr):
+                              HALF_TILES: gl.constexpr, ACC_FACTOR: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
     ROWS: gl.constexpr = WG % 2
@@ -565,9 +577,18 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
                                               KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
             elif SPLIT_K:
-                acc, it = _promote_chain_fp4_split(w_bufs, t_bufs, a_bufs.index(WG), s_bufs, ws_bufs, ready, empty,
-                                                   zero, w_scale_rows, w_ok, K, NUM_KB, KB4, it, k_steps, KH, ROWS,
-                                                   STAGES, SWIZZLED, acc_layout)
+                if ROWS == 1 and HALF_TILES:  # an expert's last tile may hold these rows past N
+                    if w_block * W_TILE + WG_ROWS < N:
+                        acc, it = _promote_chain_fp4_split(w_bufs, t_bufs, a_bufs.index(WG), s_bufs, ws_bufs, ready,
+                                                           empty, zero, w_scale_rows, w_ok, K, NUM_KB, KB4, it,
+                                                           k_steps, KH, ROWS, STAGES, SWIZZLED, acc_layout)
+                    else:
+                        acc = zero
+                        it = _release_stages(ready, empty, it, k_steps, STAGES)
+                else:
+                    acc, it = _promote_chain_fp4_split(w_bufs, t_bufs, a_bufs.index(WG), s_bufs, ws_bufs, ready,
+                                                       empty, zero, w_scale_rows, w_ok, K, NUM_KB, KB4, it, k_steps,
+                                                       KH, ROWS, STAGES, SWIZZLED, acc_layout)
                 # The two K halves take turns at receiving the other's sum and running the epilogue,
                 # which would otherwise hold one pair back (the ring waits for all four).
                 owner = (tiles_done + KH) % 2 == 0
@@ -596,7 +617,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
 
 
 @gluon.jit
-def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t_scale_ptr, b_scale_ptr,
+def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, out_ptr, t_scale_ptr, b_scale_ptr,
                                      a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
                                      NUM_KB, KB4, T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
@@ -612,7 +633,10 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
     are T_SCALE_STRIDE floats apart). ws_desc (e2m1 weights with swizzled scales; else None):
     the weight scales as [atoms * 32, 4] int32 (a 128x4 atom of e8m0 bytes is 32 x 4 words), a
     [64, 4] box (two atoms) a stage. SPLIT_K (e2m1 weights): four consumer warpgroups, two
-    for each K half of a stage (module docstring)."""
+    for each K half of a stage (module docstring); w_half_desc (split-K with N % 128 <= 64, else
+    None): [64, 128 bytes] weight boxes, with which an expert's last tile loads only the rows it
+    has and the warpgroups of the other 64 rows skip it."""
+    HALF_TILES: gl.constexpr = w_half_desc is not None
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
@@ -624,6 +648,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
     gl.static_assert(not FP4W or (s_desc is not None and TOK_TILE <= 16),
                      "e2m1 weights: 8- or 16-token tiles, token scales in the ring")
     gl.static_assert(FP4W or not SPLIT_K, "split-K is the e2m1 weights' arrangement")
+    gl.static_assert(SPLIT_K or not HALF_TILES, "half tiles are skipped by split-K's consumers")
     gl.static_assert(w_desc.block_type.shape[1] == BLOCK_K, "a weight row's 128 bytes a stage")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -669,28 +694,28 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 2, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 3, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
-                               ws_bufs, KB4)),
+                               ws_bufs, KB4, w_half_desc)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 512 - 4 * CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -699,13 +724,13 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, out_ptr, t
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4)),
@@ -728,12 +753,17 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     wide = cfg.wide_promotion
     fp4_weights = p.fmt.b.element.packed
     staged = wide or fp4_weights  # token scales through the ring
-    token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
-                                              pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32)
     acc_factor = 1.0
-    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value
-        a = portable.e2m1_to_e4m3(a, E2M1_WEIGHT_EXP, even_odd=True)
-    elif fp4_weights:  # w4a8 (see E2M1_WEIGHT_EXP)
+    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value (one launch)
+        token_scales, a = portable.token_prepass(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets,
+                                                 pad_stages=not staged, kb_major=staged,
+                                                 stage_blocks=cfg.stage_k // 32, exponent=E2M1_WEIGHT_EXP,
+                                                 even_odd=True)
+    else:
+        token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
+                                                  pad_stages=not staged, kb_major=staged,
+                                                  stage_blocks=cfg.stage_k // 32)
+    if fp4_weights and not p.fmt.a.element.packed:  # w4a8 (see E2M1_WEIGHT_EXP)
         a = portable.even_odd_k(a)
         acc_factor = float(2**E2M1_WEIGHT_EXP)
     s_desc = ws_desc = None
@@ -756,11 +786,16 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         if fp4_weights:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
             ws_desc = TensorDescriptor.from_tensor(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4],
                                                    _unswizzled_32bit_layout())
+    w_half_desc = None
+    if cfg.split_k and 0 < p.n % cfg.weight_tile <= cfg.weight_tile // 2:  # (gpt-oss down: 2880 = 22.5 x 128)
+        half = (cfg.weight_tile // 2, cfg.block_k)
+        w_half_desc = TensorDescriptor.from_tensor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
+                                                   list(half), _layout(half, weights.dtype))
     num_kb = p.num_k_scales
     dummy = a_offsets
     epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
-        t_desc, w_desc, s_desc, ws_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
+        t_desc, w_desc, s_desc, ws_desc, w_half_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
         p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
         0 if staged else token_scales.shape[1], epi,
