@@ -38,6 +38,8 @@ _SOURCE = Path(__file__).parent / "kernels" / "_activation_tl.py"
 # 2048 rows, where more programs hide the latency (gpt-oss SwiGLU + MXFP4 at 256 rows: 9.7 ->
 # 8.4 us; 4 rows 3.6 -> 2.8 us; H100).
 CUDA_BLOCK_M = 16
+CUDA_SMALL_BLOCK_M = 4
+CUDA_WARPS = 4
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -156,7 +158,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
     nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
     if rows and k_out:
         dummy = data
-        block_m = (CUDA_BLOCK_M if rows > 2048 else 4) if device.type == "cuda" else 32
+        block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
         grid = (triton.cdiv(rows, block_m), triton.cdiv(k_out, nb * vec))
         module.activation_quantize_kernel[grid](
             x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
@@ -168,7 +170,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             float(alpha), float(limit),
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
-            BLOCK_M=block_m, NB=nb, VEC=vec,
+            BLOCK_M=block_m, NB=nb, VEC=vec, num_warps=CUDA_WARPS if device.type == "cuda" else 4,
         )
     return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets)
 
