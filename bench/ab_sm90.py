@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegemm import benchmark, grouped_matmul, layouts  # noqa: E402
-from moegemm.config import override_config, sm90_mx_config  # noqa: E402
+from moegemm.config import deepest_ring, override_config, sm90_mx_config, weight_bytes  # noqa: E402
 from moegemm.formats import FORMATS  # noqa: E402
 
 SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (4096, 7168),
@@ -62,13 +62,7 @@ def mxfp8_tile_variants(fmt, n, k, sizes):
 
 def _deepest(cfg, fmt):
     """The ring as deep as shared memory allows (up to 12 stages), as the config functions do."""
-    from moegemm.config import SM90_SMEM_BYTES, weight_bytes
-
-    w = weight_bytes(FORMATS[fmt])
-    cfg = replace(cfg, stages=2)
-    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2, w) <= SM90_SMEM_BYTES:
-        cfg = replace(cfg, stages=cfg.stages + 1)
-    return cfg
+    return deepest_ring(replace(cfg, stages=2), 1, 2, weight_bytes(FORMATS[fmt]))
 
 
 # (format, shape, group sizes, variants)

@@ -180,6 +180,15 @@ def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, w
     return cfg
 
 
+def deepest_ring(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None,
+                 max_stages: int = 12) -> Sm90Config:
+    """cfg with its ring as deep as shared memory allows (up to max_stages), from its stages up."""
+    while (cfg.stages < max_stages and
+           replace(cfg, stages=cfg.stages + 1).smem_bytes(element_bytes, out_bytes, weight_bytes) <= SM90_SMEM_BYTES):
+        cfg = replace(cfg, stages=cfg.stages + 1)
+    return cfg
+
+
 def weight_bytes(fmt: Format) -> float:
     """Bytes a weight element takes in the ring (packed fp4: 1/2)."""
     return fmt.b.element.bits / 8
@@ -253,9 +262,7 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> 
         cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
     # The ring is as deep as shared memory allows, up to 12 stages.
     element = 1 if fp8 else 2
-    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(element, out_bytes) <= SM90_SMEM_BYTES:
-        cfg = replace(cfg, stages=cfg.stages + 1)
-    config = cfg
+    config = deepest_ring(cfg, element, out_bytes)
     _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", config)
     return config
 
@@ -304,8 +311,7 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         cfg = None
     if cfg is not None:
         w_bytes = weight_bytes(FORMATS[fmt_name])
-        while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(1, 2, w_bytes) <= SM90_SMEM_BYTES:
-            cfg = replace(cfg, stages=cfg.stages + 1)
+        cfg = deepest_ring(cfg, 1, 2, w_bytes)
         _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime}", cfg)
         return cfg
     # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand); the
@@ -324,8 +330,7 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
     sub_steps = 2 if tokens < 128 else 1
     cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
                      consumer_regs=192, sub_steps=sub_steps)
-    while cfg.stages < 12 and replace(cfg, stages=cfg.stages + 1).smem_bytes(2, 2, w_bytes) <= SM90_SMEM_BYTES:
-        cfg = replace(cfg, stages=cfg.stages + 1)
+    cfg = deepest_ring(cfg, 2, 2, w_bytes)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
     return cfg
 

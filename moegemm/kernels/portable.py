@@ -140,19 +140,23 @@ def e2m1_to_e4m3(a: torch.Tensor, exponent: int = 0, even_odd: bool = False) -> 
     takes them times 2^6, even_odd). even_odd: within each group of 8 elements of K the order
     is 0, 2, 4, 6, 1, 3, 5, 7 (see even_odd_k). Every row is converted, so no slot data is read
     on the host."""
-    if not 0 <= exponent <= 6:
-        raise ValueError(f"exponent must be in 0..6 (e4m3 holds 6 * 2^6 = 384), got {exponent}")
+    _check_e2m1_to_e4m3(a, exponent, even_odd and a.numel() > 0)  # (no rows, no groups to check)
     out = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
     num_bytes = a.numel()
     if num_bytes == 0:
         return out
-    if even_odd and a.shape[-1] % 4:
-        raise ValueError(f"even_odd needs rows of whole 8-element groups, got {2 * a.shape[-1]} elements")
     block = 1024
     kernel_module(a.device.type == "cpu").e2m1_to_e4m3_kernel[(math.ceil(num_bytes / block), )](
         _bytes(a.contiguous()), out.view(torch.uint8), num_bytes, EXP=exponent, EVEN_ODD=even_odd, BLOCK=block,
         num_warps=4)
     return out
+
+
+def _check_e2m1_to_e4m3(a: torch.Tensor, exponent: int, even_odd: bool):
+    if not 0 <= exponent <= 6:
+        raise ValueError(f"exponent must be in 0..6 (e4m3 holds 6 * 2^6 = 384), got {exponent}")
+    if even_odd and a.shape[-1] % 4:
+        raise ValueError(f"even_odd needs rows of whole 8-element groups, got {2 * a.shape[-1]} elements")
 
 
 def even_odd_k(a: torch.Tensor) -> torch.Tensor:
@@ -195,10 +199,7 @@ def token_prepass(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale
     """(decode_row_scales(...), e2m1_to_e4m3(a, exponent, even_odd)) in one launch: the two
     pre-passes of packed e2m1 tokens before the sm90 promotion kernel (kernels/sm90_mxfp8.py),
     one launch less before each product (~2 us each at decode, H100)."""
-    if not 0 <= exponent <= 6:
-        raise ValueError(f"exponent must be in 0..6 (e4m3 holds 6 * 2^6 = 384), got {exponent}")
-    if even_odd and a.shape[-1] % 4:
-        raise ValueError(f"even_odd needs rows of whole 8-element groups, got {2 * a.shape[-1]} elements")
+    _check_e2m1_to_e4m3(a, exponent, even_odd)
     out, args, consts, parts = _row_scales_launch(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages,
                                                   kb_major, stage_blocks)
     tokens = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)

@@ -466,6 +466,18 @@ def _fp4_half_stage(acc, w_bufs, t_bufs, ts_bufs, ws_bufs, ready, empty, zero, o
 
 
 @gluon.jit
+def _release_stages(ready, empty, it, k_steps, STAGES: gl.constexpr):
+    """Split-K: wait for each of k_steps stages and release it, reading nothing (weight rows all
+    past N, half of an expert's last tile the producer loaded alone; or a last half stage past K)."""
+    for kk in range(k_steps):
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(stage), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
 def _promote_chain_fp4_split(w_bufs, t_bufs, operand, ts_bufs, ws_bufs, ready, empty, zero, w_scale_rows, w_ok, K,
                              NUM_KB, KB4, it, k_steps, KH: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
                              SWIZZLED: gl.constexpr, acc_layout: gl.constexpr):
@@ -494,9 +506,7 @@ def _promote_chain_fp4_split(w_bufs, t_bufs, operand, ts_bufs, ws_bufs, ready, e
                                           w_scale_rows, w_ok, NUM_KB, KB4, it, last, KH, ROWS, STAGES, SWIZZLED,
                                           acc_layout)
         else:
-            stage = it % STAGES
-            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            mbarrier.arrive(empty.index(stage), count=1)
+            _release_stages(ready, empty, it, 1, STAGES)
     it += 1
     return acc, it
 
@@ -518,18 +528,6 @@ def _reduce_split_k(acc, red_bufs, red_ready, red_free, tiles_done, receiver, RO
         buf.store(acc)
         mbarrier.arrive(red_ready.index(ROWS), count=1)
     return acc
-
-
-@gluon.jit
-def _release_stages(ready, empty, it, k_steps, STAGES: gl.constexpr):
-    """Split-K, weight rows all past N (half of an expert's last tile, which the producer loaded
-    alone): wait for each of the tile's stages and release it, reading nothing."""
-    for kk in range(k_steps):
-        stage = it % STAGES
-        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(stage), count=1)
-        it += 1
-    return it
 
 
 @gluon.jit
