@@ -27,6 +27,7 @@ from . import layouts
 from .kernels import tl_source
 from .formats import E2M1, E4M3, get_format
 from .quantize import QuantizedTensor, quantize
+from .token_forms import KernelTokens, TokenForm, kb_major_columns
 
 __all__ = ["ACTIVATIONS", "interleave_gate_up", "deinterleave_gate_up", "swiglu", "gather_quantize",
            "swiglu_quantize"]
@@ -141,21 +142,36 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
 
 
 def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
-            scale_layout, num_scale_blocks, global_scale, alpha, limit) -> QuantizedTensor:
+            scale_layout, num_scale_blocks, global_scale, alpha, limit,
+            form: TokenForm | None = None) -> QuantizedTensor | KernelTokens:
     device = x.device
     module = _kernels(device.type != "cuda")
     out_code, vec, nb = _out_code(fmt_name, module)
     f = get_format(fmt_name)
     op = f.a
-    swizzled = scale_layout == "swizzled" and op.scale is not None
-    if (swizzled or bias is not None) and (a_offsets is None or (bias is not None and expert_ids is None)):
+    swizzled = scale_layout == "swizzled" and op.scale is not None and form is None
+    if (swizzled or bias is not None or form is not None) and (
+            a_offsets is None or (bias is not None and expert_ids is None)):
         raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")
     num_groups = 0 if a_offsets is None else a_offsets.numel() - 1
     if swizzled and a_scale_offsets is None:
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-    data, scales, num_scale_rows = allocate_a_operand(f.name, rows, k_out, swizzled, num_scale_blocks, num_groups,
-                                                      device)
     nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
+    form_code, m_pad = 0, 0
+    if form is None:
+        data, scales, num_scale_rows = allocate_a_operand(f.name, rows, k_out, swizzled, num_scale_blocks,
+                                                          num_groups, device)
+    else:
+        if out_code not in (module.OUT_E4M3_E8M0.value, module.OUT_E2M1_E8M0.value):
+            raise ValueError(f"form: kernel token forms exist for e8m0-scaled formats, not {f.name}")
+        num_scale_rows = 0
+        if form.kind == "bf16":
+            form_code = module.FORM_BF16.value
+            data, scales = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device), None
+        else:
+            form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups)
+            data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
+            scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)
     if rows and k_out:
         dummy = data
         block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
@@ -166,12 +182,17 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             a_scale_offsets if a_scale_offsets is not None else dummy,
             global_scale if global_scale is not None else dummy,
             data, scales if scales is not None else dummy,
-            rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows,
+            rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad,
             float(alpha), float(limit),
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
-            BLOCK_M=block_m, NB=nb, VEC=vec, num_warps=CUDA_WARPS if device.type == "cuda" else 4,
+            BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
+            EVEN_ODD=bool(form and form.even_odd), num_warps=CUDA_WARPS if device.type == "cuda" else 4,
         )
+    if form is not None:
+        if form.kind == "e4m3":
+            data = data.view(torch.float8_e4m3fn)
+        return KernelTokens(form, data, scales)
     return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets)
 
 
@@ -273,6 +294,44 @@ def gather_quantize(
                    alpha=1.0, limit=0.0)
 
 
+def gather_kernel_tokens(x: torch.Tensor, fmt: str, src_rows: torch.Tensor, form: TokenForm,
+                         a_offsets: torch.Tensor) -> KernelTokens:
+    """gather_quantize(x, fmt, src_rows, a_offsets=a_offsets) written in the token form of the sm90
+    kernel that reads it (token_forms.py), for the MoE layer: the same values, no pre-pass in
+    the product. CUDA tensors, or the CPU interpreter; mxfp8, mxfp4 and w4a8."""
+    _check_rows_input(x, "x")
+    _check_index(src_rows, "src_rows", x.device)
+    _check_index(a_offsets, "a_offsets", x.device)
+    f = get_format(fmt)
+    if x.shape[1] % f.k_multiple:
+        raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={x.shape[1]}")
+    module = _kernels(x.device.type != "cuda")
+    return _launch(x, f.name, rows=src_rows.numel(), src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
+                   k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=None,
+                   scale_layout="plain", num_scale_blocks=None, global_scale=None, alpha=1.0, limit=0.0, form=form)
+
+
+def swiglu_kernel_tokens(h: torch.Tensor, fmt: str, form: TokenForm, *, activation: str, gate_up_layout: str,
+                         bias: torch.Tensor | None, a_offsets: torch.Tensor, expert_ids: torch.Tensor, alpha: float,
+                         limit: float) -> KernelTokens:
+    """swiglu_quantize(h, fmt, ...) written in the token form of the sm90 kernel that reads it
+    (token_forms.py), for the MoE layer's down product. Arguments as swiglu_quantize's."""
+    _check_rows_input(h, "h")
+    _check_activation(activation, gate_up_layout)
+    _check_index(a_offsets, "a_offsets", h.device)
+    _check_index(expert_ids, "expert_ids", h.device)
+    f = get_format(fmt)
+    k_out = h.shape[1] // 2
+    if h.shape[1] % 2 or k_out % f.k_multiple:
+        raise ValueError(f"h: expected 2I columns, I a multiple of {f.k_multiple} for {f.name}, got {h.shape[1]}")
+    module = _kernels(h.device.type != "cuda")
+    act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
+    return _launch(h, f.name, rows=h.shape[0], src_rows=None, act=act, concat=gate_up_layout == "concat",
+                   k_out=k_out, bias=_checked_bias(bias, h), a_offsets=a_offsets,
+                   expert_ids=expert_ids, a_scale_offsets=None, scale_layout="plain", num_scale_blocks=None,
+                   global_scale=None, alpha=alpha, limit=limit, form=form)
+
+
 def swiglu_quantize(
     h: torch.Tensor,
     fmt: str,
@@ -311,12 +370,7 @@ def swiglu_quantize(
     k_out = h.shape[1] // 2
     if k_out % f.k_multiple:
         raise ValueError(f"h: the activation's width {k_out} must be a multiple of {f.k_multiple} for {f.name}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.dim() != 2 or bias.shape[1] != h.shape[1]:
-            raise ValueError(f"bias: expected [E, {h.shape[1]}], got {tuple(getattr(bias, 'shape', ()))}")
-        if bias.device != h.device:
-            raise ValueError(f"bias: expected device {h.device}, got {bias.device}")
-        bias = bias.contiguous()
+    bias = _checked_bias(bias, h)
     if f.global_scale and global_scale is None:
         global_scale = _nvfp4_global_of(_reference_activation(h, activation, gate_up_layout, bias, a_offsets,
                                                               expert_ids, alpha, limit))
@@ -330,6 +384,17 @@ def swiglu_quantize(
                    k_out=k_out, bias=bias, a_offsets=a_offsets, expert_ids=expert_ids,
                    a_scale_offsets=a_scale_offsets, scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
                    global_scale=global_scale, alpha=alpha, limit=limit)
+
+
+def _checked_bias(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | None:
+    """An expert bias [E, 2I] for the gate/up product h [M, 2I], contiguous (or None)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 2 or bias.shape[1] != h.shape[1]:
+        raise ValueError(f"bias: expected [E, {h.shape[1]}], got {tuple(getattr(bias, 'shape', ()))}")
+    if bias.device != h.device:
+        raise ValueError(f"bias: expected device {h.device}, got {bias.device}")
+    return bias.contiguous()
 
 
 def _row_bias(bias, a_offsets, expert_ids, rows: int) -> torch.Tensor:

@@ -36,6 +36,8 @@ from . import activation as act
 from .formats import get_format
 from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
 from .routing import route, unpermute_tokens
+from .token_forms import KernelTokens, token_form
+from .validation import GroupedProblem
 
 __all__ = ["MoE", "moe_forward", "ROUTERS"]
 
@@ -133,7 +135,8 @@ def moe_forward(
 def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, gate_up_layout, gate_up_bias,
                  down_bias, gate_up_scales, down_scales, input_global_scale, intermediate_global_scale, alpha, limit,
                  fused, backend):
-    from .ops import grouped_matmul, grouped_matmul_swiglu  # ops imports kernels; keep this module light
+    # ops imports the kernels; keep this module light
+    from .ops import grouped_matmul, grouped_matmul_from_tokens, grouped_matmul_swiglu, swiglu_step_from_tokens
 
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     fmt = w_gate_up.fmt
@@ -146,31 +149,71 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     plan = route(topk_ids, num_experts, topk_weights)
     bound = plan.scale_blocks_bound
     aso = plan.a_scale_offsets if layout == "swizzled" else None  # only the swizzled layout has them
-    a = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
-                            scale_layout=layout, num_scale_blocks=bound, global_scale=input_global_scale)
-    gate_up_expert_scales = _expert_scales(w_gate_up, gate_up_scales, a.global_scale)
-    mid = grouped_matmul_swiglu(
-        a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
-        activation=activation, a_scale_offsets=aso, expert_scales=gate_up_expert_scales, bias=gate_up_bias,
-        scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
-        out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
-        fused=fused and _fused_pays(fmt, w_gate_up, a, plan) and (
-            intermediate_global_scale is not None or not get_format(fmt).global_scale),
-        backend=backend, gate_up_layout=gate_up_layout)
-    down_expert_scales = _expert_scales(w_down, down_scales, mid.global_scale)
-    c = grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
-                       a_scale_offsets=aso, expert_scales=down_expert_scales, scale_layout=layout,
-                       backend=backend)
+    rows, groups = plan.num_grouped_rows, plan.expert_ids.numel()
+    hidden, two_i = x.shape[1], w_gate_up.data.shape[1]
+    fused = fused and _fused_pays(fmt, two_i, hidden, rows, groups) and (
+        intermediate_global_scale is not None or not get_format(fmt).global_scale)
+    # Every row the combine reads lies in a group, and the down product writes all of them: no zero
+    # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
+    c = torch.empty(rows, w_down.data.shape[1], dtype=torch.bfloat16, device=x.device)
+    up_form, down_form = _kernel_token_forms(fmt, layout, rows, groups, num_experts, hidden, two_i, gate_up_layout,
+                                             backend, x.device)
+    if up_form is not None:  # the sm90 kernels' own token forms, written by the gather and activation kernels
+        tokens = act.gather_kernel_tokens(x, fmt, plan.token_index, up_form, plan.a_offsets)
+        up_problem = GroupedProblem(get_format(fmt), rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
+        mid = swiglu_step_from_tokens(
+            tokens, w_gate_up.data, w_gate_up.scales, plan.a_offsets, plan.expert_ids, up_problem, out_fmt=fmt,
+            activation=activation, a_scale_offsets=aso, expert_scales=_expert_scales(w_gate_up, gate_up_scales, None),
+            bias=gate_up_bias, out_scale_layout=layout, num_scale_blocks=bound, alpha=alpha, limit=limit,
+            fused=fused, out_form=down_form)
+        down_expert_scales = _expert_scales(w_down, down_scales, None)
+        if isinstance(mid, KernelTokens):
+            down_problem = GroupedProblem(get_format(fmt), rows, hidden, two_i // 2, num_experts, groups, layout,
+                                          torch.bfloat16)
+            grouped_matmul_from_tokens(mid, w_down.data, w_down.scales, plan.a_offsets, plan.expert_ids, down_problem,
+                                       expert_scales=down_expert_scales, out=c)
+            return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
+    else:
+        a = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
+                                scale_layout=layout, num_scale_blocks=bound, global_scale=input_global_scale)
+        mid = grouped_matmul_swiglu(
+            a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
+            activation=activation, a_scale_offsets=aso,
+            expert_scales=_expert_scales(w_gate_up, gate_up_scales, a.global_scale), bias=gate_up_bias,
+            scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
+            out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit, fused=fused, backend=backend,
+            gate_up_layout=gate_up_layout)
+        down_expert_scales = _expert_scales(w_down, down_scales, mid.global_scale)
+    grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
+                   a_scale_offsets=aso, expert_scales=down_expert_scales, scale_layout=layout, backend=backend, out=c)
     return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
 
 
-def _fused_pays(fmt: str, w_gate_up, a, plan) -> bool:
+def _fused_pays(fmt: str, two_i: int, hidden: int, rows: int, groups: int) -> bool:
     """Whether the fused SwiGLU epilogue is the faster gate/up step for this call's shapes
     (host values only: the weight shape and the plan's row and slot bounds)."""
     from .kernels.sm90_epilogue import fused_pays
 
-    groups = max(plan.expert_ids.numel(), 1)
-    return fused_pays(fmt, w_gate_up.data.shape[1], w_gate_up.data.shape[2], a.data.shape[0] / groups)
+    return fused_pays(fmt, two_i, hidden, rows / max(groups, 1))
+
+
+def _kernel_token_forms(fmt, layout, rows, groups, num_experts, hidden, two_i, gate_up_layout, backend, device):
+    """The token forms (token_forms.py) in which the gather and activation kernels write the
+    inputs of the gate/up and down products, or None each: only where both products run on the
+    sm90 block-format kernels, gate/up interleaved. (None, None) otherwise: the formats' operands."""
+    from .ops import resolve_backend
+
+    if gate_up_layout != "interleaved" or rows == 0 or groups == 0:
+        return None, None
+    f = get_format(fmt)
+    up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
+    down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
+    if resolve_backend(backend, up, device) != "sm90" or resolve_backend(backend, down, device) != "sm90":
+        return None, None
+    up_form = token_form(fmt, two_i, hidden, rows, groups)
+    if up_form is None:
+        return None, None
+    return up_form, token_form(fmt, hidden, two_i // 2, rows, groups)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,

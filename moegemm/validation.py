@@ -141,6 +141,22 @@ def validate_grouped_matmul(
     return problem
 
 
+def validate_weights(p: GroupedProblem, b, b_scales, device):
+    """The weights of problem p and their scales (a block format's: e8m0 or e4m3, per row and K
+    block): for callers that pass A in a kernel's own form (ops.grouped_matmul_from_tokens)."""
+    f = p.fmt
+    b = _check(b, "b", (f.b.element.storage_dtype,), device)
+    if b.dim() != 3 or tuple(b.shape[:2]) != (p.num_experts, p.n) or f.b.logical_k(b.shape[2]) != p.k:
+        raise ValueError(f"b: expected [E={p.num_experts}, N={p.n}, K={p.k}{' / 2' if f.b.element.packed else ''}], "
+                         f"got shape {tuple(b.shape)}")
+    if p.scale_layout == "plain":
+        _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device, (p.num_experts, p.n, p.num_k_scales),
+               "plain layout [E, N, K/vec]")
+    else:
+        _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device,
+               layouts.swizzled_b_shape(p.num_experts, p.n, p.num_k_scales), "swizzled layout")
+
+
 def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, device):
     f = p.fmt
     if not f.scaled:

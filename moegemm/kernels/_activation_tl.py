@@ -29,6 +29,13 @@ OUT_E4M3_E8M0 = tl.constexpr(2)  # mxfp8 and w4a8 activations: e4m3, e8m0 per 32
 OUT_E2M1_E8M0 = tl.constexpr(3)  # mxfp4: e2m1, e8m0 per 32
 OUT_E2M1_E4M3 = tl.constexpr(4)  # nvfp4: e2m1, e4m3 per 16 times a global fp32
 
+# What is written for the e8m0 formats (OUT_E4M3_E8M0, OUT_E2M1_E8M0): the format's A operand, or
+# the tokens in the form the sm90 kernel of the next product reads (kernels/sm90_mx.py,
+# KernelTokens), so that it runs no pre-pass of its own.
+FORM_OPERAND = tl.constexpr(0)
+FORM_E4M3 = tl.constexpr(1)  # e4m3 bytes (e2m1 values times 2^EXP), fp32 scales K-block-major
+FORM_BF16 = tl.constexpr(2)  # the dequantized values in bf16, no scales
+
 
 @triton.jit
 def _f32_from_bits(bits):
@@ -79,6 +86,27 @@ def _decode_e4m3(code):
     normal = _f32_from_bits(((exp + 120) << 23) | (man << 20))
     val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
     return tl.where(code >= 0x80, -val, val)
+
+
+@triton.jit
+def _decode_e2m1(code):
+    """e2m1 code (int32, 0..15) -> fp32."""
+    mag = code & 7
+    exp = mag >> 1
+    man = mag & 1
+    normal = _f32_from_bits(((exp + 126) << 23) | (man << 22))
+    val = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def _e2m1_code_to_e4m3(code, EXP: tl.constexpr):
+    """The e4m3 byte of an e2m1 value times 2^EXP (0 <= EXP <= 6: exact, below 448): magnitude
+    codes 0..7 -> 0, then 0.5 * 2^EXP (0x30 + 8 * EXP), then 4 more a code."""
+    mag = code & 7
+    base = 0x30 + 8 * EXP
+    byte = tl.where(mag == 0, 0, tl.where(mag == 1, base, base + 4 * mag))
+    return byte | ((code & 8) << 4)
 
 
 @triton.jit
@@ -166,11 +194,20 @@ def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, 
 def activation_quantize_kernel(
     x_ptr, src_rows_ptr, bias_ptr, expert_ids_ptr, a_offsets_ptr, a_scale_offsets_ptr, global_ptr,
     out_ptr, out_scale_ptr,
-    M, X_ROWS, X_STRIDE, K_OUT, G, NUM_KB, KB4, NUM_SCALE_ROWS, alpha, limit,
+    M, X_ROWS, X_STRIDE, K_OUT, G, NUM_KB, KB4, NUM_SCALE_ROWS, M_PAD, alpha, limit,
     ACT: tl.constexpr, CONCAT: tl.constexpr, OUT: tl.constexpr, SWIZZLED: tl.constexpr,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, LOG_G: tl.constexpr,
     BLOCK_M: tl.constexpr, NB: tl.constexpr, VEC: tl.constexpr,
+    FORM: tl.constexpr = 0, EXP: tl.constexpr = 0, EVEN_ODD: tl.constexpr = False,
 ):
+    """Rows of x (gathered through src_rows), activated, quantized into out/out_scale.
+
+    FORM (e8m0 formats only; module header): FORM_E4M3 writes e4m3 bytes, e2m1 values as
+    their e4m3 code times 2^EXP, each group of 8 elements of K in the order 0 2 4 6 1 3 5 7
+    with EVEN_ODD, and the scales as fp32 2^e at [kb, m - s + 4 * ceil(s / 4) + 4 * g] of a
+    [NUM_KB, M_PAD] buffer (slot g starts at row s), which is portable.decode_row_scales'
+    kb_major layout; FORM_BF16 writes bf16(value * 2^e), which is portable.dequantize_rows'.
+    Rows outside slots get no scales in FORM_E4M3, as in the swizzled layout."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,7 +218,7 @@ def activation_quantize_kernel(
     else:
         src = rows
     src = src.to(tl.int64)
-    if HAS_BIAS or SWIZZLED:
+    if HAS_BIAS or SWIZZLED or FORM == FORM_E4M3:
         slot, in_slot = _group_of_rows(rows, a_offsets_ptr, G, LOG_G)
     if HAS_BIAS:
         row_expert = tl.load(expert_ids_ptr + slot, mask=row_mask & in_slot, other=-1)
@@ -219,26 +256,72 @@ def activation_quantize_kernel(
             e = _e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y * _pow2(-e)[:, :, None]
             stored = tl.where(amax == amax, e + 127, 255)  # NaN amax -> the NaN scale
-        if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
-            tl.store(out_ptr + out_rows3 + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
+        if FORM != FORM_OPERAND:
+            _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, stored, rows, slot if FORM == FORM_E4M3
+                                 else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
+                                 M, K_OUT, NUM_KB, M_PAD, OUT, FORM, EXP, EVEN_ODD, BLOCK_M, NB, VEC)
         else:
-            codes = tl.reshape(_encode_e2m1(scaled), [BLOCK_M, NB, VEC // 2, 2])
-            low, high = tl.split(codes)
-            packed = (low | (high << 4)).to(tl.uint8)
-            half = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
-            tl.store(out_ptr + rows3.to(tl.int64) * (K_OUT // 2) + half, packed,
-                     mask=(rows3 < M) & (half < K_OUT // 2))
+            if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
+                tl.store(out_ptr + out_rows3 + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
+            else:
+                codes = tl.reshape(_encode_e2m1(scaled), [BLOCK_M, NB, VEC // 2, 2])
+                low, high = tl.split(codes)
+                packed = (low | (high << 4)).to(tl.uint8)
+                half = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
+                tl.store(out_ptr + rows3.to(tl.int64) * (K_OUT // 2) + half, packed,
+                         mask=(rows3 < M) & (half < K_OUT // 2))
+            kb = pid_c * NB + blk[None, :]  # [1, NB]
+            kb_mask = (rows[:, None] < M) & (kb < NUM_KB)
+            if SWIZZLED:
+                start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
+                block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + start // 128
+                srow = (128 * block0 + rows - start).to(tl.int64)[:, None]
+                offset = ((srow // 128) * KB4 + kb // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb % 4
+                kb_mask = kb_mask & in_slot[:, None] & (srow >= 0) & (srow < NUM_SCALE_ROWS)
+            else:
+                offset = rows.to(tl.int64)[:, None] * NUM_KB + kb
+            if OUT == OUT_FP8_BLOCK:
+                tl.store(out_scale_ptr + offset, stored, mask=kb_mask)
+            else:
+                tl.store(out_scale_ptr + offset, stored.to(tl.uint8), mask=kb_mask)
+
+
+@triton.jit
+def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, stored, rows, slot, in_slot, pid_c, blk,
+                         cols3, out_mask3, M, K_OUT, NUM_KB, M_PAD, OUT: tl.constexpr, FORM: tl.constexpr,
+                         EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                         VEC: tl.constexpr):
+    """activation_quantize_kernel's FORM_E4M3 and FORM_BF16 stores (its docstring); `scaled` is
+    the [BLOCK_M, NB, VEC] block of values divided by their block's 2^e, `stored` e + 127 (255
+    for a NaN block)."""
+    out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
+    if OUT == OUT_E4M3_E8M0:
+        codes = _encode_e4m3(scaled)
+    else:
+        codes = _encode_e2m1(scaled)
+    if FORM == FORM_BF16:
+        if OUT == OUT_E4M3_E8M0:
+            # As the hardware decodes e4m3fn (portable.dequantize_rows on the GPU): the sign set by
+            # bits, so 0x80 is -0 (a compiled negation of +0 gave +0), and 0x7F / 0xFF are NaN (a
+            # NaN element of a block whose amax ignored it: the GPU's maximum drops NaN).
+            mag = codes & 0x7F
+            values = _f32_from_bits(_decode_e4m3(mag).to(tl.int32, bitcast=True) | ((codes & 0x80) << 24))
+            values = tl.where(mag == 0x7F, _f32_from_bits(0x7FC00000 + 0 * codes), values)
+        else:
+            values = _decode_e2m1(codes)
+        scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))
+        tl.store(out_ptr + out_rows3 + cols3, _to_bf16_rne(values * scale[:, :, None]), mask=out_mask3)
+    else:
+        if OUT == OUT_E2M1_E8M0:
+            codes = _e2m1_code_to_e4m3(codes, EXP)
+        if EVEN_ODD:  # element i of a group of 8 -> position 4 * (i % 2) + i // 2
+            dest = (cols3 & ~7) | ((cols3 & 1) << 2) | ((cols3 & 7) >> 1)
+        else:
+            dest = cols3
+        tl.store(out_ptr + out_rows3 + dest, codes.to(tl.uint8), mask=out_mask3)
+        start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
+        column = rows - start + 4 * ((start + 3) // 4) + 4 * slot
         kb = pid_c * NB + blk[None, :]  # [1, NB]
-        kb_mask = (rows[:, None] < M) & (kb < NUM_KB)
-        if SWIZZLED:
-            start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
-            block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + start // 128
-            srow = (128 * block0 + rows - start).to(tl.int64)[:, None]
-            offset = ((srow // 128) * KB4 + kb // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb % 4
-            kb_mask = kb_mask & in_slot[:, None] & (srow >= 0) & (srow < NUM_SCALE_ROWS)
-        else:
-            offset = rows.to(tl.int64)[:, None] * NUM_KB + kb
-        if OUT == OUT_FP8_BLOCK:
-            tl.store(out_scale_ptr + offset, stored, mask=kb_mask)
-        else:
-            tl.store(out_scale_ptr + offset, stored.to(tl.uint8), mask=kb_mask)
+        scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))
+        tl.store(out_scale_ptr + kb.to(tl.int64) * M_PAD + column[:, None], scale,
+                 mask=in_slot[:, None] & (rows[:, None] < M) & (kb < NUM_KB))

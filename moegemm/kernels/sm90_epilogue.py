@@ -233,20 +233,21 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
 
 
 def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,
-                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit):
-    """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue."""
+                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, tokens=None):
+    """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue.
+    `tokens`: A in the block-format kernel's form (sm90_mx.launch), a and a_scales then unused."""
     from . import sm90, sm90_mx
 
     f = get_format(out_fmt)
     out_code, vec = _out_kind(out_fmt)
     swizzled = out_scale_layout == "swizzled" and f.a.scale is not None
     data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
-                                                      p.num_groups, a.device)
+                                                      p.num_groups, b.device)
     nkb = math.ceil(p.n // 2 / vec) if f.a.scale is not None else 0
     if f.global_scale:
         if out_global_scale is None:
             raise ValueError("out_global_scale: nvfp4 output from the fused epilogue needs a static global scale")
-        out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=a.device).reshape(())
+        out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=b.device).reshape(())
     if swizzled and a_scale_offsets is None:
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
     if bias is not None:
@@ -262,5 +263,5 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
         sm90.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, None, data, epilogue=epilogue)
     else:
         sm90_mx.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None, data,
-                       epilogue=epilogue)
+                       epilogue=epilogue, tokens=tokens)
     return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets)

@@ -44,6 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import layouts
 from ..config import MX_FORMATS, sm90_mx_config, weight_bytes, with_epilogue_scratch
+from ..token_forms import KernelTokens, kb_major_columns, token_form
 from ..validation import GroupedProblem
 from . import portable
 from .sm90_epilogue import epilogue_args, fused_epilogue
@@ -231,6 +232,23 @@ def grouped_matmul_sm90_mx_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offset
     ], [4, 1], [CONSUMER_REGS, 120])
 
 
+def check_kernel_tokens(p: GroupedProblem, tokens: KernelTokens):
+    """ValueError unless `tokens` are in the form this problem's kernel reads, with its shapes."""
+    form = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups)
+    if tokens.form != form:
+        raise ValueError(f"tokens: the kernel of this problem reads the form {form}, got {tokens.form}")
+    dtype = torch.bfloat16 if form.kind == "bf16" else torch.float8_e4m3fn
+    if tokens.data.dtype != dtype or tuple(tokens.data.shape) != (p.m, p.k) or not tokens.data.is_contiguous():
+        raise ValueError(f"tokens: expected contiguous {dtype} data [{p.m}, {p.k}], got {tokens.data.dtype} "
+                         f"{tuple(tokens.data.shape)}")
+    if form.kind == "e4m3":
+        columns = kb_major_columns(p.m, p.num_groups)
+        scales = tokens.scales
+        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (p.num_k_scales, columns):
+            raise ValueError(f"tokens: expected fp32 scales [{p.num_k_scales}, {columns}], got "
+                             f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+
+
 def supports(p: GroupedProblem) -> bool:
     """Rows of the (packed) weights must be 16-byte aligned for TMA: K % 32 == 0. K = 0 streams
     nothing (the e2m1 chain runs its last stage outside its loop): the portable kernel writes
@@ -239,16 +257,19 @@ def supports(p: GroupedProblem) -> bool:
 
 
 def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
-           row_scales, out, epilogue: dict | None = None):
+           row_scales, out, epilogue: dict | None = None, tokens: KernelTokens | None = None):
     """Decode the tokens (pre-pass), then launch the kernel into `out`; no device value is read.
     `epilogue` (sm90_epilogue.launch_fused) switches on the fused SwiGLU epilogue. Configs with
     fp8_mma go to kernels/sm90_mxfp8.py instead (config.sm90_mx_config picks it for mxfp8 in
     every regime, for mxfp4 and w4a8 at up to 12 tokens a slot; a forced decoding config still
-    runs here)."""
+    runs here). `tokens`: A already in the form the kernel reads (token_forms.py, written by
+    the layer's gather or activation kernel): no pre-pass, and a / a_scales are not read."""
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return out
+    if tokens is not None:
+        check_kernel_tokens(p, tokens)
     swizzled = p.scale_layout == "swizzled"
-    if swizzled and a_scale_offsets is None:
+    if swizzled and a_scale_offsets is None and tokens is None:  # (only the token pre-passes read them)
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)
     cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups)
     if cfg.fp8_mma:  # fp8 wgmma and promotion (kernels/sm90_mxfp8.py): mxfp8, and e2m1 weights at decode
@@ -257,10 +278,13 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
         if epilogue is not None:
             cfg = with_epilogue_scratch(cfg, 1, 2, weight_bytes(p.fmt))
         return sm90_mxfp8.launch(p, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
-                                 expert_scales, row_scales, out, epilogue)
+                                 expert_scales, row_scales, out, epilogue, tokens)
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(p.fmt))
-    tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
+    if tokens is not None:
+        tokens = tokens.data
+    else:
+        tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)

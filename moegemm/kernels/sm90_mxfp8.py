@@ -68,6 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..token_forms import E2M1_TOKEN_EXP
 from ..validation import GroupedProblem
 from . import portable
 from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count
@@ -273,7 +274,7 @@ mad.lo.u32 $1, sh, 3, xh;
 # The weights' factor: the kernel's mxfp4 tokens are re-encoded times 2^+6 (portable.e2m1_to_e4m3),
 # so their products are exact; w4a8's given e4m3 tokens have no room, so its accumulator is
 # multiplied by 2^6 before the epilogue (exact; the promoted terms are 2^-6 smaller meanwhile).
-E2M1_WEIGHT_EXP = 6
+E2M1_WEIGHT_EXP = E2M1_TOKEN_EXP  # (token_forms.py: the layer's kernels write them so)
 
 
 @gluon.jit
@@ -743,16 +744,21 @@ def _unswizzled_32bit_layout():
 
 
 def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
-           row_scales, out, epilogue: dict | None = None):
+           row_scales, out, epilogue: dict | None = None, tokens=None):
     """Decode the token scales to fp32 (pre-pass; e2m1 tokens are also re-encoded as e4m3), then
     launch into `out` with the config sm90_mx.launch chose (cfg.fp8_mma); no device value is
-    read."""
+    read. `tokens` (token_forms.KernelTokens, checked by sm90_mx.launch): the pre-pass's
+    output, written by the kernel that made the tokens."""
     swizzled = p.scale_layout == "swizzled"
     wide = cfg.wide_promotion
     fp4_weights = p.fmt.b.element.packed
     staged = wide or fp4_weights  # token scales through the ring
     acc_factor = 1.0
-    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value (one launch)
+    if fp4_weights and not p.fmt.a.element.packed:  # w4a8 (see E2M1_WEIGHT_EXP)
+        acc_factor = float(2**E2M1_WEIGHT_EXP)
+    if tokens is not None:
+        token_scales, a = tokens.scales, tokens.data
+    elif p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value (one launch)
         token_scales, a = portable.token_prepass(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets,
                                                  pad_stages=not staged, kb_major=staged,
                                                  stage_blocks=cfg.stage_k // 32, exponent=E2M1_WEIGHT_EXP,
@@ -761,9 +767,8 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
                                                   pad_stages=not staged, kb_major=staged,
                                                   stage_blocks=cfg.stage_k // 32)
-    if fp4_weights and not p.fmt.a.element.packed:  # w4a8 (see E2M1_WEIGHT_EXP)
+    if fp4_weights and not p.fmt.a.element.packed and tokens is None:  # w4a8's tokens meet the decoded weights
         a = portable.even_odd_k(a)
-        acc_factor = float(2**E2M1_WEIGHT_EXP)
     s_desc = ws_desc = None
     if staged:  # a [K blocks, TOK_TILE] box of the K-block-major scales per stage; unswizzled rows
         s_block = [cfg.stage_k // 32, cfg.token_tile]

@@ -1,0 +1,147 @@
+"""Tokens written in the sm90 kernels' own forms (moegemm/token_forms.py) by the layer's gather and
+activation kernels: bit-identical to the format's operand followed by the pre-pass each kernel
+would otherwise run (portable.token_prepass / decode_row_scales / dequantize_rows / even_odd_k),
+on every row of a slot, under the interpreter on the CPU and compiled on a GPU."""
+
+import pytest
+import torch
+
+import moegemm
+from moegemm import activation as act
+from moegemm.formats import get_format
+from moegemm.kernels import portable
+from moegemm.ops import interpreter_usable
+from moegemm.token_forms import TokenForm, kb_major_columns, token_form
+from moegemm.validation import GroupedProblem
+
+FORMS = [
+    ("mxfp8", TokenForm("e4m3")),
+    ("mxfp8", TokenForm("bf16")),
+    ("mxfp4", TokenForm("e4m3", exponent=6, even_odd=True)),
+    ("mxfp4", TokenForm("bf16")),
+    ("w4a8", TokenForm("e4m3", even_odd=True)),
+    ("w4a8", TokenForm("bf16")),
+]
+
+
+def _routing(t, k, e, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    ids[torch.rand(t, k, generator=gen) < 0.15] = -1  # dropped choices: rows in no slot
+    ids[:, 0][ids[:, 0] == 1] = 2  # expert 1 gets fewer tokens, slot starts off multiples of 4
+    return moegemm.route(ids.to(device), e)
+
+
+def _special_rows(x):
+    """Blocks that exercise the encoders' edges: zeros, tiny values (e8m0 scale near 2^-127),
+    huge ones, a NaN (its block's scale is the NaN code), and a lone large value per block."""
+    x[0] = 0
+    x[1] = 1e-38
+    x[2, :40] = 3e38
+    x[3, 5] = float("nan")
+    x[4, ::32] = 1000.0
+    return x
+
+
+def _expected(fmt, form, q, a_offsets, expert_ids, rows, k, num_experts):
+    """The operand q in `form`, as the sm90 kernels' pre-passes build it."""
+    p = GroupedProblem(get_format(fmt), rows, 64, k, num_experts, a_offsets.numel() - 1, "plain", torch.bfloat16)
+    if form.kind == "bf16":
+        return portable.dequantize_rows(p, q.data, q.scales, a_offsets, expert_ids, None), None
+    if get_format(fmt).a.element.packed:
+        scales, data = portable.token_prepass(p, q.data, q.scales, a_offsets, expert_ids, None, kb_major=True,
+                                              exponent=form.exponent, even_odd=form.even_odd)
+        return data, scales
+    scales = portable.decode_row_scales(p, q.scales, a_offsets, expert_ids, None, kb_major=True)
+    data = portable.even_odd_k(q.data) if form.even_odd else q.data
+    return data, scales
+
+
+def _zero_as_plus(bf16_bits):
+    return torch.where((bf16_bits & 0x7FFF) == 0, torch.zeros_like(bf16_bits), bf16_bits)
+
+
+def _assert_same(got, fmt, form, q, a_offsets, expert_ids, num_experts):
+    rows, k = got.data.shape
+    want_data, want_scales = _expected(fmt, form, q, a_offsets, expert_ids, rows, k, num_experts)
+    offsets = a_offsets.tolist()
+    slot_rows = torch.zeros(rows, dtype=torch.bool)
+    checked = 0
+    for g, e in enumerate(expert_ids.tolist()):
+        s, t = offsets[g], offsets[g + 1]
+        if e < 0 or t <= s:
+            continue
+        slot_rows[s:t] = True
+        if form.kind == "e4m3":
+            first = 4 * -(-s // 4) + 4 * g
+            assert torch.equal(got.scales[:, first:first + t - s].view(torch.int32).cpu(),
+                               want_scales[:, first:first + t - s].view(torch.int32).cpu()), f"scales of slot {g}"
+            checked += t - s
+    if form.kind == "bf16":  # bit for bit, but the sign of a zero: the pre-pass's decode gives e4m3's -0
+        # as -0 compiled (hardware conversion) and +0 interpreted (a negation of +0); no product sees it
+        got_bits, want_bits = (_zero_as_plus(t[slot_rows].view(torch.int16).cpu()) for t in (got.data, want_data))
+    else:
+        got_bits, want_bits = (t[slot_rows].view(torch.uint8).cpu() for t in (got.data, want_data))
+    assert torch.equal(got_bits, want_bits)
+    assert int(slot_rows.sum()) > 0 and (form.kind == "bf16" or checked == int(slot_rows.sum()))
+
+
+def check_gather(fmt, form, device):
+    t, k, e, hidden = 23, 3, 5, 320
+    plan = _routing(t, k, e, device, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    x = _special_rows(torch.randn(t, hidden, generator=gen) * 4).bfloat16().to(device)
+    got = act.gather_kernel_tokens(x, fmt, plan.token_index, form, plan.a_offsets)
+    assert got.form == form and got.data.shape == (t * k, hidden)
+    if form.kind == "e4m3":
+        assert got.data.dtype == torch.float8_e4m3fn
+        assert got.scales.shape == (hidden // 32, kb_major_columns(t * k, e))
+    q = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
+    _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
+
+
+def check_swiglu(fmt, form, device):
+    rows, inner, e = 37, 96, 4
+    gen = torch.Generator().manual_seed(3)
+    h = _special_rows(torch.randn(rows, 2 * inner, generator=gen) * 3).bfloat16().to(device)
+    a_offsets = torch.tensor([0, 9, 10, 21, 33], dtype=torch.int32, device=device)  # rows 33.. in no slot
+    expert_ids = torch.tensor([2, -1, 0, 3], dtype=torch.int32, device=device)  # slot 1 skipped
+    bias = (torch.randn(e, 2 * inner, generator=gen)).to(device)
+    kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=a_offsets, expert_ids=expert_ids, alpha=1.702,
+                  limit=7.0)
+    got = act.swiglu_kernel_tokens(h, fmt, form, gate_up_layout="interleaved", **kwargs)
+    q = act.swiglu_quantize(h, fmt, **kwargs)
+    _assert_same(got, fmt, form, q, a_offsets, expert_ids, e)
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("fmt,form", FORMS, ids=[f"{f}-{form.kind}" for f, form in FORMS])
+def test_kernel_tokens_interpreted(fmt, form):
+    check_gather(fmt, form, "cpu")
+    check_swiglu(fmt, form, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,form", FORMS, ids=[f"{f}-{form.kind}" for f, form in FORMS])
+def test_kernel_tokens_compiled(fmt, form):
+    check_gather(fmt, form, "cuda")
+    check_swiglu(fmt, form, "cuda")
+
+
+def test_token_form_follows_the_kernel_config():
+    """mxfp4 at decode: the split-K promotion kernel (e4m3 times 2^6, even/odd); at prefill the
+    decoding kernel (bf16). mxfp8: e4m3 on wide tiles, None on narrow ones (row-major scales)."""
+    assert token_form("mxfp4", 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=6, even_odd=True)
+    assert token_form("w4a8", 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=0, even_odd=True)
+    assert token_form("mxfp4", 5760, 2880, 16384, 128) == TokenForm("bf16")
+    assert token_form("mxfp8", 4096, 7168, 32768, 256) == TokenForm("e4m3")
+    assert token_form("mxfp8", 4096, 7168, 512, 256) is None
+    assert token_form("nvfp4", 4096, 7168, 32768, 256) is None
+    assert token_form("mxfp4", 5760, 2880, 0, 128) is None
+
+
+def test_kernel_tokens_reject_other_formats():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="form"):
+        act.gather_kernel_tokens(x, "nvfp4", torch.arange(4), TokenForm("bf16"), offsets)
