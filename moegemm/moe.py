@@ -156,23 +156,17 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     # Every row the combine reads lies in a group, and the down product writes all of them: no zero
     # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
     c = torch.empty(rows, w_down.data.shape[1], dtype=torch.bfloat16, device=x.device)
-    up_form, down_form = _kernel_token_forms(fmt, layout, rows, groups, num_experts, hidden, two_i, gate_up_layout,
-                                             backend, x.device)
+    f = get_format(fmt)
+    up_problem = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
+    down_problem = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
+    up_form, down_form = _kernel_token_forms(up_problem, down_problem, gate_up_layout, backend, x.device)
     if up_form is not None:  # the sm90 kernels' own token forms, written by the gather and activation kernels
         tokens = act.gather_kernel_tokens(x, fmt, plan.token_index, up_form, plan.a_offsets)
-        up_problem = GroupedProblem(get_format(fmt), rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
         mid = swiglu_step_from_tokens(
             tokens, w_gate_up.data, w_gate_up.scales, plan.a_offsets, plan.expert_ids, up_problem, out_fmt=fmt,
             activation=activation, a_scale_offsets=aso, expert_scales=_expert_scales(w_gate_up, gate_up_scales, None),
             bias=gate_up_bias, out_scale_layout=layout, num_scale_blocks=bound, alpha=alpha, limit=limit,
             fused=fused, out_form=down_form)
-        down_expert_scales = _expert_scales(w_down, down_scales, None)
-        if isinstance(mid, KernelTokens):
-            down_problem = GroupedProblem(get_format(fmt), rows, hidden, two_i // 2, num_experts, groups, layout,
-                                          torch.bfloat16)
-            grouped_matmul_from_tokens(mid, w_down.data, w_down.scales, plan.a_offsets, plan.expert_ids, down_problem,
-                                       expert_scales=down_expert_scales, out=c)
-            return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
     else:
         a = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
                                 scale_layout=layout, num_scale_blocks=bound, global_scale=input_global_scale)
@@ -183,9 +177,13 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
             scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
             out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit, fused=fused, backend=backend,
             gate_up_layout=gate_up_layout)
-        down_expert_scales = _expert_scales(w_down, down_scales, mid.global_scale)
-    grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
-                   a_scale_offsets=aso, expert_scales=down_expert_scales, scale_layout=layout, backend=backend, out=c)
+    if isinstance(mid, KernelTokens):  # (token forms exist only for formats without a global scale)
+        grouped_matmul_from_tokens(mid, w_down.data, w_down.scales, plan.a_offsets, plan.expert_ids, down_problem,
+                                   expert_scales=_expert_scales(w_down, down_scales, None), out=c)
+    else:
+        grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
+                       a_scale_offsets=aso, expert_scales=_expert_scales(w_down, down_scales, mid.global_scale),
+                       scale_layout=layout, backend=backend, out=c)
     return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
 
 
@@ -197,23 +195,20 @@ def _fused_pays(fmt: str, two_i: int, hidden: int, rows: int, groups: int) -> bo
     return fused_pays(fmt, two_i, hidden, rows / max(groups, 1))
 
 
-def _kernel_token_forms(fmt, layout, rows, groups, num_experts, hidden, two_i, gate_up_layout, backend, device):
+def _kernel_token_forms(up: GroupedProblem, down: GroupedProblem, gate_up_layout, backend, device):
     """The token forms (token_forms.py) in which the gather and activation kernels write the
     inputs of the gate/up and down products, or None each: only where both products run on the
     sm90 block-format kernels, gate/up interleaved. (None, None) otherwise: the formats' operands."""
     from .ops import resolve_backend
 
-    if gate_up_layout != "interleaved" or rows == 0 or groups == 0:
+    if gate_up_layout != "interleaved" or up.m == 0 or up.num_groups == 0:
         return None, None
-    f = get_format(fmt)
-    up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
-    down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
     if resolve_backend(backend, up, device) != "sm90" or resolve_backend(backend, down, device) != "sm90":
         return None, None
-    up_form = token_form(fmt, two_i, hidden, rows, groups)
+    up_form = token_form(up.fmt.name, up.n, up.k, up.m, up.num_groups)
     if up_form is None:
         return None, None
-    return up_form, token_form(fmt, hidden, two_i // 2, rows, groups)
+    return up_form, token_form(down.fmt.name, down.n, down.k, down.m, down.num_groups)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,

@@ -259,7 +259,7 @@ def activation_quantize_kernel(
         if FORM != FORM_OPERAND:
             _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, stored, rows, slot if FORM == FORM_E4M3
                                  else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
-                                 M, K_OUT, NUM_KB, M_PAD, OUT, FORM, EXP, EVEN_ODD, BLOCK_M, NB, VEC)
+                                 M, K_OUT, NUM_KB, M_PAD, OUT, FORM, EXP, EVEN_ODD, NB)
         else:
             if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
                 tl.store(out_ptr + out_rows3 + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
@@ -289,12 +289,12 @@ def activation_quantize_kernel(
 @triton.jit
 def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, stored, rows, slot, in_slot, pid_c, blk,
                          cols3, out_mask3, M, K_OUT, NUM_KB, M_PAD, OUT: tl.constexpr, FORM: tl.constexpr,
-                         EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                         VEC: tl.constexpr):
+                         EXP: tl.constexpr, EVEN_ODD: tl.constexpr, NB: tl.constexpr):
     """activation_quantize_kernel's FORM_E4M3 and FORM_BF16 stores (its docstring); `scaled` is
     the [BLOCK_M, NB, VEC] block of values divided by their block's 2^e, `stored` e + 127 (255
     for a NaN block)."""
     out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
+    scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))  # [BLOCK_M, NB] fp32
     if OUT == OUT_E4M3_E8M0:
         codes = _encode_e4m3(scaled)
     else:
@@ -309,7 +309,6 @@ def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, store
             values = tl.where(mag == 0x7F, _f32_from_bits(0x7FC00000 + 0 * codes), values)
         else:
             values = _decode_e2m1(codes)
-        scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))
         tl.store(out_ptr + out_rows3 + cols3, _to_bf16_rne(values * scale[:, :, None]), mask=out_mask3)
     else:
         if OUT == OUT_E2M1_E8M0:
@@ -322,6 +321,5 @@ def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, store
         start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
         column = rows - start + 4 * ((start + 3) // 4) + 4 * slot
         kb = pid_c * NB + blk[None, :]  # [1, NB]
-        scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))
         tl.store(out_scale_ptr + kb.to(tl.int64) * M_PAD + column[:, None], scale,
                  mask=in_slot[:, None] & (rows[:, None] < M) & (kb < NUM_KB))

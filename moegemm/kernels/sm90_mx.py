@@ -282,13 +282,13 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, a
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(p.fmt))
     if tokens is not None:
-        tokens = tokens.data
+        decoded = tokens.data
     else:
-        tokens = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
+        decoded = portable.dequantize_rows(p, a, a_scales, a_offsets, expert_ids, a_scale_offsets)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     t_block = (cfg.token_tile, cfg.block_k)
-    t_desc = TensorDescriptor.from_tensor(tokens, list(t_block), _layout(t_block, torch.bfloat16))
+    t_desc = TensorDescriptor.from_tensor(decoded, list(t_block), _layout(t_block, torch.bfloat16))
     fp4 = p.fmt.b.element.packed
     weights = b.view(torch.uint8) if fp4 else b
     stored_k = weights.shape[-1]
