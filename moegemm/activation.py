@@ -372,8 +372,10 @@ def swiglu_quantize(
         raise ValueError(f"h: the activation's width {k_out} must be a multiple of {f.k_multiple} for {f.name}")
     bias = _checked_bias(bias, h)
     if f.global_scale and global_scale is None:
-        global_scale = _nvfp4_global_of(_reference_activation(h, activation, gate_up_layout, bias, a_offsets,
-                                                              expert_ids, alpha, limit))
+        # amax over the rows of valid slots only: the others are unspecified (an unfilled h)
+        y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+        valid, _ = _slot_rows(a_offsets, expert_ids, h.shape[0], h.device)
+        global_scale = _nvfp4_global_of(torch.where(valid[:, None], y, torch.zeros_like(y)))
     if not _kernel_usable(h.device):
         y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         return quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
@@ -397,14 +399,29 @@ def _checked_bias(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | 
     return bias.contiguous()
 
 
+def _slot_rows(a_offsets, expert_ids, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [rows] bool, expert [rows] int64): whether each row lies in a slot with an expert
+    (expert_ids >= 0), and that expert (-1 elsewhere). Without a_offsets every row is valid;
+    without expert_ids every row inside a_offsets' span is (expert 0)."""
+    index = torch.arange(rows, device=device)
+    if a_offsets is None:
+        return torch.ones(rows, dtype=torch.bool, device=device), torch.zeros_like(index)
+    offsets = a_offsets.long()
+    inside = (index >= offsets[0]) & (index < offsets[-1])
+    if expert_ids is None:
+        expert = torch.zeros_like(index)
+    elif expert_ids.numel():
+        slot = torch.searchsorted(offsets[1:], index, right=True).clamp(max=expert_ids.numel() - 1)
+        expert = expert_ids.long()[slot]
+    else:
+        expert = torch.full_like(index, -1)
+    valid = inside & (expert >= 0)
+    return valid, torch.where(valid, expert, torch.full_like(expert, -1))
+
+
 def _row_bias(bias, a_offsets, expert_ids, rows: int) -> torch.Tensor:
     """bias[expert of row] per row ([rows, 2I]); zero for rows outside every valid slot."""
-    offsets = a_offsets.long()
-    index = torch.arange(rows, device=bias.device)
-    slot = torch.searchsorted(offsets[1:], index, right=True).clamp(max=max(expert_ids.numel() - 1, 0))
-    inside = (index >= offsets[0]) & (index < offsets[-1])
-    expert = expert_ids.long()[slot] if expert_ids.numel() else torch.full_like(index, -1)
-    valid = inside & (expert >= 0)
+    valid, expert = _slot_rows(a_offsets, expert_ids, rows, bias.device)
     picked = bias.float()[expert.clamp(min=0)] if bias.shape[0] else bias.float().new_zeros(rows, bias.shape[1])
     return torch.where(valid[:, None], picked, torch.zeros_like(picked))
 

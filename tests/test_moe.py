@@ -104,6 +104,27 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     assert (got[rows] - want[rows]).abs().max() <= 0.35 * want[rows].abs().amax(dim=1).max()
 
 
+@needs_interpreter
+def test_swiglu_quantize_nvfp4_default_global_ignores_rows_outside_slots():
+    """The default nvfp4 global scale is amax over the rows of valid slots only: the layer's h is
+    unfilled (torch.empty) outside them, and inf or NaN there once made every expert scale inf."""
+    h = torch.randn(40, 128) * 3
+    offsets = torch.tensor([0, 10, 25, 33], dtype=torch.int32)
+    ids = torch.tensor([2, -1, 0], dtype=torch.int32)
+    clean = h.clone()
+    clean[10:25] = 0
+    clean[33:] = 0
+    h[12], h[30 + 5] = float("inf"), float("nan")  # a skipped slot's row, a row past the last group
+    h[37, :64] = 1e30
+    q = act.swiglu_quantize(h, "nvfp4", a_offsets=offsets, expert_ids=ids)
+    want = act.swiglu_quantize(clean, "nvfp4", a_offsets=offsets, expert_ids=ids)
+    assert torch.isfinite(q.global_scale) and bool(q.global_scale > 0)
+    assert torch.equal(q.global_scale, want.global_scale)
+    valid = torch.zeros(40, dtype=torch.bool)
+    valid[0:10] = valid[25:33] = True
+    assert torch.equal(_bytes(q.data)[valid], _bytes(want.data)[valid])
+
+
 def test_select_experts_routers():
     logits = torch.randn(6, 8)
     ids, w = moegemm.select_experts(logits, 2, "softmax_topk")
