@@ -88,7 +88,9 @@ SM90_TOLERANCES = {
     "fp8_block": Tolerance(4e-3, 5e-4, 2e-4),
     # mxfp8 with few tokens per expert runs fp8 wgmma per 32-wide block (kernels/sm90_mxfp8.py):
     # the same fp8 accumulator, promoted 4x as often; first GPU run: 4.7e-6 of sum |a*b|, past
-    # the exact bound. The fp8_block bounds apply.
+    # the exact bound. The fp8_block bounds apply. They hold for data like the tests' (Gaussian
+    # values, then quantized), not for every input: weights drawn uniformly from all e4m3 codes
+    # reached 4.3e-4 of sum |a*b| (docs/perf-notes.md, eleventh session of issue 5).
     "mxfp8": Tolerance(4e-3, 5e-4, 2e-4),
     # w4a8 at decode runs the same fp8 wgmma (e2m1 weights decoded to e4m3): e4m3 x e2m1 products
     # need more bits than the accumulator keeps (first GPU run: 1e-5 of sum |a*b|). mxfp4 on the

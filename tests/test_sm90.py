@@ -68,6 +68,53 @@ def test_sm90_block_formats_match_reference(fmt, layout, pattern, token_tile):
     run_sm90(fmt, pattern, n=320, k=608, config=mx_config(token_tile), layout=layout)
 
 
+@pytest.mark.parametrize("token_tile", [16, 128])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_sm90_mxfp8_decoding_every_e4m3_code(layout, token_tile):
+    """The decoding kernel (exact: bf16 wgmma on decoded weights) on every finite weight byte,
+    zeros of both signs, the subnormals and 448 included, with weight scale bytes from 0
+    (2^-127) to 140. (The promotion kernel's fp8 accumulator is not checked on these: on
+    uniformly drawn codes its error reached 3.8-4.3e-4 of sum |a*b|, past the 2e-4 its tolerance
+    allows, which was measured on Gaussian data; docs/perf-notes.md.)"""
+    p = make_problem("mxfp8", layout, TOKEN_PATTERNS[3], 256, 512, "cuda")
+    codes = p.w.data.view(torch.uint8)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
+    codes.copy_(finite[torch.randint(0, finite.numel(), codes.shape, device="cuda")])
+    scale_bytes = torch.tensor([0, 100, 120, 125, 127, 130, 134, 135, 137, 140], dtype=torch.uint8, device="cuda")
+    scales = p.w.scales.view(torch.uint8)
+    scales.copy_(scale_bytes[torch.randint(0, scale_bytes.numel(), scales.shape, device="cuda")])
+    poisoned = poison_like(p.m, 256, torch.bfloat16, "cuda")
+    out = poisoned.clone()
+    with override_config(mx_config(token_tile)):
+        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+    check_output(p, out, poisoned, tolerance("mxfp8", "sm90"))
+
+
+@pytest.mark.parametrize("kernel,token_tile", [("decoding", 16), ("decoding", 128), ("promotion", 16),
+                                               ("promotion", 128)])
+def test_sm90_mxfp8_nan_weights(kernel, token_tile):
+    """The e4m3 NaN codes 0x7F and 0xFF in two weight rows make exactly those rows' outputs NaN,
+    for every token of their expert, in both mxfp8 kernels."""
+    p = make_problem("mxfp8", "swizzled", TOKEN_PATTERNS[3], 256, 512, "cuda")
+    expert = int(p.expert_ids[0])
+    codes = p.w.data.view(torch.uint8)
+    codes[expert, 17, 100] = 0x7F
+    codes[expert, 200, 511] = 0xFF
+    config = mx_config(token_tile) if kernel == "decoding" else mxfp8_promotion_config(token_tile)
+    out = poison_like(p.m, 256, torch.bfloat16, "cuda")
+    with override_config(config):
+        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+    rows = torch.zeros(p.m, dtype=torch.bool)
+    offsets = p.a_offsets.tolist()
+    for g, e in enumerate(p.expert_ids.tolist()):
+        if e == expert:
+            rows[offsets[g]:offsets[g + 1]] = True
+    assert bool(rows.any())
+    nan = out.isnan().cpu()
+    assert bool(nan[rows][:, [17, 200]].all())
+    assert int(nan[p.valid_rows()].sum()) == 2 * int(rows.sum())
+
+
 def wide_stage_cases():
     for fmt in MX_FORMATS:
         for sub_steps in (2, 4) if FORMATS[fmt].b.element.packed else (2, ):
