@@ -351,8 +351,8 @@ def swiglu_quantize(
     """SwiGLU of a gate/up product h [M, 2I] quantized into fmt's A operand [M, I], in one pass.
 
     bias [E, 2I] (in h's column order) is added per row's expert (slot from a_offsets,
-    expert from expert_ids). nvfp4: `global_scale` defaults to amax of the activation / 2688
-    (one extra pass; pass a static value in a serving path).
+    expert from expert_ids). nvfp4: `global_scale` defaults to amax of the activation over the
+    rows of valid slots / 2688 (one extra pass; pass a static value in a serving path).
     """
     if torch.compiler.is_compiling():
         from .library import quantized_from_op
