@@ -371,13 +371,15 @@ def swiglu_quantize(
     if k_out % f.k_multiple:
         raise ValueError(f"h: the activation's width {k_out} must be a multiple of {f.k_multiple} for {f.name}")
     bias = _checked_bias(bias, h)
+    y = None  # the activation in torch, computed once if the global scale or the CPU path needs it
     if f.global_scale and global_scale is None:
         # amax over the rows of valid slots only: the others are unspecified (an unfilled h)
         y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         valid, _ = _slot_rows(a_offsets, expert_ids, h.shape[0], h.device)
         global_scale = _nvfp4_global_of(torch.where(valid[:, None], y, torch.zeros_like(y)))
     if not _kernel_usable(h.device):
-        y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+        if y is None:
+            y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         return quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
                         num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = _kernels(h.device.type != "cuda")
