@@ -60,6 +60,12 @@ def mxfp8_tile_variants(fmt, n, k, sizes):
     return {f"tokens-{t}": _deepest(replace(base, block_n=t), fmt) for t in (128, 64)}
 
 
+def mxfp8_tail_variants(fmt, n, k, sizes):
+    base = default_config(fmt, n, k, sizes)
+    return {f"tail-{t}": _deepest(replace(base, tail_tokens=t, consumer_regs=240 if t else 232), fmt)
+            for t in (32, 0, 16)}
+
+
 def _deepest(cfg, fmt):
     """The ring as deep as shared memory allows (up to 12 stages), as the config functions do."""
     return deepest_ring(replace(cfg, stages=2), 1, 2, weight_bytes(FORMATS[fmt]))
@@ -92,6 +98,13 @@ PLANS = {
         ("mxfp4", shape, sizes, e2m1_variants)
         for shape in ("n128-k256", "n128-k2880")
         for sizes in (lambda: [1], lambda: [1] + [0] * 127, lambda: [0] * 127 + [1], lambda: [1] * 132)
+    ],
+    # a slot's last tile with up to 32 (16) more tokens, or a tile of its own for them
+    "mxfp8-tail": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tail_variants),
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tail_variants),
+        ("mxfp8", "dsv3-up", lambda: [1024] * 32, mxfp8_tail_variants),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 1024, 5)[:32], mxfp8_tail_variants),
     ],
     "mxfp8-tiles": [
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),

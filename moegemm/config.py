@@ -63,6 +63,10 @@ class Sm90Config:
     # (rows split as before), their two partial sums added at the tile's end through shared
     # memory: twice the warps to hide each stage's chain of waits (kernels/sm90_mxfp8.py)
     split_k: bool = False
+    # Wide mxfp8 fp8_mma tiles: a slot's last token tile also takes up to tail_tokens more
+    # tokens, on a second accumulator of the same warpgroups (kernels/sm90_mxfp8.py), instead of
+    # a nearly empty tile of its own that streams the weight block again
+    tail_tokens: int = 0
 
     @property
     def stage_k(self) -> int:
@@ -102,6 +106,8 @@ class Sm90Config:
         stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.stage_k)
         if self.wide_promotion:  # the tokens' fp32 scales of the stage's four K blocks
             stage += 4 * 4 * self.token_tile
+        if self.tail_tokens:  # the tail's tokens and scales
+            stage += int(self.tail_tokens * element_bytes * self.stage_k) + 4 * 4 * self.tail_tokens
         elif self.fp8_mma and weight_bytes == 0.5:  # e2m1 weights: eight K blocks' token scales
             stage += 8 * 4 * self.token_tile + self.weight_tile * 8  # and weight scales (two atoms)
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
@@ -125,11 +131,13 @@ class Sm90Config:
                                  f"two with e2m1 weights (sub_steps=2, 8- or 16-token tiles): {self}")
             if self.block_n > 128:
                 raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
+            if self.tail_tokens not in (0, 16, 32) or (self.tail_tokens and (e2m1_fp8 or not self.wide_promotion)):
+                raise ValueError(f"config: tail_tokens (0, 16 or 32) is for wide mxfp8 fp8_mma tiles: {self}")
             # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
             # consumers' share of the 64K-register file is what is left. Split-K has four consumer
             # warpgroups and the producer gets 512 - 4 * consumer_regs (64 at 112 still leaves
             # ptxas room to keep the wgmmas in flight; 104 spilled in the 16-token K loop).
-            max_regs = 112 if self.split_k else 232 if self.wide_promotion else 192
+            max_regs = 112 if self.split_k else 240 if self.wide_promotion else 192
             if self.consumer_regs > max_regs:
                 raise ValueError(f"config: fp8_mma tiles of {self.token_tile} tokens allow consumer_regs <= "
                                  f"{max_regs}: {self}")
@@ -137,6 +145,8 @@ class Sm90Config:
             if smem > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
             return
+        if self.tail_tokens:
+            raise ValueError(f"config: tail_tokens is for wide mxfp8 fp8_mma tiles: {self}")
         if fmt.name in MX_FORMATS:
             if not self.swap or self.block_k != 64:
                 raise ValueError(f"config: {fmt.name} runs swapped tiles (decoded weights as the wgmma A side) "
@@ -174,6 +184,7 @@ def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, w
     that room. Normal tiles need none (their column pairs already sit in one thread)."""
     if not cfg.swap:
         return cfg
+    cfg = replace(cfg, tail_tokens=0)  # (the fused epilogue runs on one accumulator a tile)
     scratch = (4 if cfg.split_k else 2) * 64 * cfg.token_tile * 4  # one a warpgroup that may run it
     while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes) + scratch > SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages - 1)
@@ -291,8 +302,19 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         # 1.10-1.17x the decoding kernel's tiles of the same size (DeepSeek-V3 shapes at 40, 128
         # and 1024 tokens an expert, bench/results/mxfp8-wide-*.json, H100). Bands of 8 token
         # blocks were within 4% of 4 either way.
+        # Up to 192 tokens a slot, a slot's last 128-token tile takes a tail of up to 32 more
+        # tokens: at ~128 tokens an expert about half the experts had a second tile of a few
+        # tokens, which cost a full tile's wgmmas and promotion (tiles of their own for them
+        # were 1.3x slower still: the weight block is then streamed twice,
+        # bench/results/mxfp8-narrow-tails-*.json). With tails DeepSeek-V3's up and down
+        # products at ~128 tokens an expert ran 1.26x and 1.23x faster; at ~1024 tokens an
+        # expert 0.90x (an expert's tiles there share weight blocks through L2, and the tail
+        # tile lags its band), so not there (bench/results/mxfp8-tail-*.json, H100). The tail's
+        # accumulator needs 240 registers a consumer thread (232 spilled in its K loop).
         tokens = 64 if regime == 64 else 128
-        cfg = Sm90Config(block_n=tokens, block_k=128, stages=2, group_m=4, swap=True, consumer_regs=232, fp8_mma=True)
+        tail = 32 if regime == 192 else 0
+        cfg = Sm90Config(block_n=tokens, block_k=128, stages=2, group_m=4, swap=True,
+                         consumer_regs=240 if tail else 232, fp8_mma=True, tail_tokens=tail)
     elif fmt_name in ("mxfp4", "w4a8") and regime in (8, 16):
         # e2m1 weights at decode: decoded to e4m3 in shared memory (1 instruction an element)
         # and run like mxfp8, 256 K a stage (kernels/sm90_mxfp8.py); mxfp4 tokens are

@@ -166,6 +166,13 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=Fa
                                                          sm90_mxfp8._unswizzled_32bit_layout())
     else:
         constexprs["ws_desc"] = None
+    if cfg.tail_tokens:  # a slot's last tile takes up to tail_tokens more tokens (wide mxfp8 tiles)
+        scales["tail_desc"] = offline.tensordesc_signature("fp8e4nv", [cfg.tail_tokens, cfg.block_k])
+        scales["tail_s_desc"] = offline.tensordesc_signature("fp32", [cfg.stage_k // 32, cfg.tail_tokens],
+                                                             sm90_mxfp8._unswizzled_32bit_layout())
+    else:
+        constexprs["tail_desc"] = None
+        constexprs["tail_s_desc"] = None
     if half_tiles:  # N % 128 <= 64: an expert's last tile loads its 64 rows alone (split-K)
         scales["w_half_desc"] = offline.tensordesc_signature("u8", [cfg.weight_tile // 2, cfg.block_k])
     else:
@@ -212,14 +219,15 @@ def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
 
 def check_spills(sass: str, fmt: str, tokens_per_slot: float, fused: bool = False):
     """None in a K loop. Outside: 128-token tiles spill up to 35 tile-setup and epilogue values
-    within the consumers' 192 (mxfp8: 232) registers; the split-K e2m1 kernel's four consumer
+    within the consumers' 192 (mxfp8: 240) registers, and mxfp8's with a tail (a second
+    accumulator, its own K loop and epilogue, the producer at 24 registers) up to 80; the split-K e2m1 kernel's four consumer
     warpgroups (112 registers each) up to 14 with 16-token tiles or the fused epilogue; other
     tiles none. (The fused epilogue on mxfp8's 128-token tiles also spills 4 values in its K
     loop: not checked there, docs/perf-notes.md.)"""
     from moegemm.config import sm90_mx_config
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot)
-    allowed = 80 if cfg.token_tile == 128 else 32 if cfg.split_k else 0
+    allowed = (160 if cfg.tail_tokens else 80) if cfg.token_tile == 128 else 32 if cfg.split_k else 0
     ops = offline.opcode_counts(sass)
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     if fused and cfg.token_tile == 128:

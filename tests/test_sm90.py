@@ -12,7 +12,7 @@ import moegemm
 from moegemm.config import Sm90Config, override_config
 from moegemm.formats import FORMATS
 
-from cases import TOKEN_PATTERNS, check_output, make_problem, poison_like, tolerance
+from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -146,6 +146,23 @@ def test_sm90_mxfp8_promotion_matches_reference(layout, pattern, token_tile, k):
     # swizzled word one padding byte); K=7168 runs 56 stages a tile. N=320: a partial weight tile.
     # 64 and 128 tokens: the wide tiles, token scales through the ring.
     run_sm90("mxfp8", pattern, n=320, k=k, config=mxfp8_promotion_config(token_tile), layout=layout)
+
+
+# Slot sizes at the edges of a tail (128-token tiles, tails of 16 or 32): none, exactly full,
+# one over; two tiles with and without a tail; starting at an unaligned row.
+TAIL_EDGES = TokenPattern("tail_edges", (159, 160, 161, 288, 289, 32, 33, 144, 145, 417), (3, 0, 5, 1, 2, 4, 0, 6, 7, 3),
+                          start=5, tail=40, why="last tiles of 128 + 0..33 tokens")
+
+
+@pytest.mark.parametrize("tail", [16, 32])
+@pytest.mark.parametrize("k", [608, 7168])
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS + [TAIL_EDGES], ids=lambda p: p.name)
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_sm90_mxfp8_tails_match_reference(layout, pattern, k, tail):
+    # A slot's last 128-token tile takes up to `tail` more tokens on a second accumulator
+    # (kernels/sm90_mxfp8.py); the tail's tokens and scales come through the ring with it.
+    config = dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=tail, consumer_regs=240)
+    run_sm90("mxfp8", pattern, n=320, k=k, config=config, layout=layout)
 
 
 E2M1_WEIGHT_FORMATS = ("mxfp4", "w4a8")
@@ -287,18 +304,20 @@ def test_sm90_rejects_what_it_cannot_run():
     assert not bool(out[p.valid_rows().cuda()].isnan().any())
 
 
-@pytest.mark.parametrize("fmt,layout,promotion", [
-    ("fp8_block", "plain", False), ("bf16", "plain", False), ("mxfp8", "plain", False), ("mxfp8", "swizzled", True),
-    ("mxfp4", "swizzled", False), ("nvfp4", "swizzled", False), ("w4a8", "plain", False)])
-def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, promotion):
+@pytest.mark.parametrize("fmt,layout,forced", [
+    ("fp8_block", "plain", None), ("bf16", "plain", None), ("mxfp8", "plain", None), ("mxfp8", "swizzled", "narrow"),
+    ("mxfp8", "swizzled", "tail"), ("mxfp4", "swizzled", None), ("nvfp4", "swizzled", None), ("w4a8", "plain", None)])
+def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, forced):
     # The launch reads no device value: capture once, change offsets and ids, replay. (Swizzled
     # A scales: a_scale_offsets is derived on the device inside the captured call; the new
-    # groups need 17 scale blocks of the 18 the tensor has.) promotion: the mxfp8 promotion
-    # kernel and its token-scale pre-pass, forced (its regime is decode).
+    # groups need 17 scale blocks of the 18 the tensor has.) forced: the mxfp8 promotion
+    # kernel on 32-token tiles and its token-scale pre-pass (its regime is decode), or on
+    # 128-token tiles with tails (the replay's 800-token group ends in a tile of 160).
     pattern = TOKEN_PATTERNS[3]
     p = make_problem(fmt, layout, pattern, 256, 512, "cuda")
     out = torch.zeros(p.m, 256, dtype=torch.bfloat16, device="cuda")
-    config = mxfp8_promotion_config(32) if promotion else None
+    config = {None: None, "narrow": mxfp8_promotion_config(32),
+              "tail": dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32, consumer_regs=240)}[forced]
 
     def call():
         if config is None:

@@ -67,15 +67,30 @@ WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma
 
 
 @gluon.jit
-def _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE: gl.constexpr):
-    """Rows [s, t), expert e and token-tile count of slot g (0 when e is outside [0, E))."""
+def _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE: gl.constexpr, TAIL: gl.constexpr = 0):
+    """Rows [s, t), expert e and token-tile count of slot g (0 when e is outside [0, E)).
+    TAIL > 0: the slot's last tile also takes up to TAIL more tokens (_tail_of)."""
     s = gl.load(a_offsets_ptr + g)
     t = gl.load(a_offsets_ptr + g + 1)
     e = gl.load(expert_ids_ptr + g)
     s = gl.minimum(gl.maximum(s, 0), M)
     t = gl.minimum(gl.maximum(t, s), M)
-    tok_tiles = gl.where((e >= 0) & (e < E), (t - s + TOK_TILE - 1) // TOK_TILE, 0)
+    if TAIL > 0:
+        tiles = gl.where(t > s, gl.maximum((t - s - TAIL + TOK_TILE - 1) // TOK_TILE, 1), 0)
+    else:
+        tiles = (t - s + TOK_TILE - 1) // TOK_TILE
+    tok_tiles = gl.where((e >= 0) & (e < E), tiles, 0)
     return s, t, e, tok_tiles
+
+
+@gluon.jit
+def _tail_of(tok_block, tok_tiles, s, t, TOK_TILE: gl.constexpr):
+    """Whether token tile tok_block of slot rows [s, t) has a tail: it is the slot's last tile
+    and holds more than TOK_TILE tokens (at most TOK_TILE + TAIL, _slot), the rest from row
+    s + (tok_block + 1) * TOK_TILE on. One CTA computes both over one stream of the weight
+    tile: the same weight block read by a second CTA for a few tokens costs a second read of it
+    (kernels/sm90_mxfp8.py)."""
+    return (tok_block == tok_tiles - 1) & (t - s - tok_block * TOK_TILE > TOK_TILE)
 
 
 @gluon.jit
@@ -103,7 +118,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None,
-                    ws_desc=None, ws_bufs=None, KB4=0, b_half_desc=None):
+                    ws_desc=None, ws_bufs=None, KB4=0, b_half_desc=None, tail_desc=None, tail_bufs=None,
+                    tail_s_desc=None, tail_s_bufs=None):
     """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
     (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
     i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py). With s_desc, a stage
@@ -113,7 +129,10 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
     KB4 atoms per 128 weight rows): an [atoms * 32, 4] box (kernels/sm90_mxfp8.py, e2m1 weights).
     With b_half_desc (a [W_TILE / 2, ...] box of B), a weight tile whose rows past N are at least
     half of it (an expert's last tile, N % W_TILE <= W_TILE / 2) loads only its first half: the
-    consumers of the other half skip it (kernels/sm90_mxfp8.py, split-K)."""
+    consumers of the other half skip it (kernels/sm90_mxfp8.py, split-K). With tail_desc (a
+    [TAIL, BLOCK_K] box of A) and tail_s_desc (a [K blocks, TAIL] box of the token scales), a
+    slot's last tile takes up to TAIL more tokens (_slot, _tail_of): when it has them, each
+    stage also holds their tokens and scales (kernels/sm90_mxfp8.py, wide tiles)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
@@ -132,11 +151,17 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
     if b_half_desc is not None:
         gl.static_assert(2 * b_half_desc.block_type.shape[0] == W_TILE, "half a weight tile")
         half_bytes: gl.constexpr = stage_bytes - b_desc.block_type.nbytes + b_half_desc.block_type.nbytes
+    if tail_desc is not None:
+        gl.static_assert(s_desc is not None and SUB == 1 and b_half_desc is None, "tails: wide tiles of one token box")
+        TAIL: gl.constexpr = tail_desc.block_type.shape[0]
+        tail_stage_bytes: gl.constexpr = stage_bytes + tail_desc.block_type.nbytes + tail_s_desc.block_type.nbytes
+    else:
+        TAIL: gl.constexpr = 0
     it = 0
     tile_base = 0
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
-        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
+        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE, TAIL)
         group_tiles = tok_tiles * w_tiles
         # The program's tiles of this slot. next_tile replaces two runtime modulos a slot: every
         # program walks every slot, and at 1 token over 128 slots (4 with tokens) they cost ~12 us
@@ -151,10 +176,22 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
             b_row = e * N + w_block * W_TILE
             if b_half_desc is not None:
                 half_tile = N - w_block * W_TILE <= W_TILE // 2
+            if TAIL > 0:
+                has_tail = _tail_of(tok_block, tok_tiles, s, t, TOK_TILE)
             for kk in range(k_steps):
                 stage = it % STAGES
                 mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-                if b_half_desc is None:
+                if TAIL > 0:
+                    if has_tail:
+                        mbarrier.expect(ready.index(stage), tail_stage_bytes)
+                        tma.async_copy_global_to_shared(tail_desc, [a_row + TOK_TILE, kk * BLOCK_K],
+                                                        ready.index(stage), tail_bufs.index(stage))
+                        tail_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE + TOK_TILE
+                        tma.async_copy_global_to_shared(tail_s_desc, [kk * S_STEP, tail_col], ready.index(stage),
+                                                        tail_s_bufs.index(stage))
+                    else:
+                        mbarrier.expect(ready.index(stage), stage_bytes)
+                elif b_half_desc is None:
                     mbarrier.expect(ready.index(stage), stage_bytes)
                 elif half_tile:
                     mbarrier.expect(ready.index(stage), half_bytes)

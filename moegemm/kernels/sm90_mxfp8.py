@@ -22,7 +22,12 @@ ahead, four vectors of TOK_TILE / 4 a thread, and two partial tiles are in fligh
 Wide tiles (64 or 128 tokens): that would be 8 x TOK_TILE / 4 registers (64 tokens spilled),
 so the producer also loads each stage's token scales, a [4, TOK_TILE] fp32 box of their
 K-block-major copy, into the ring; a warpgroup reads one block's vector at a time while its
-wgmma runs and keeps one partial tile in flight (a second measured no faster).
+wgmma runs and keeps one partial tile in flight (a second measured no faster). Up to 192
+tokens a slot, a slot's last 128-token tile also takes up to 32 more tokens (a tail): the same
+warpgroups run them on a second [64, 32] accumulator over the same weight stream
+(_promote_chain_wide_tail), instead of a nearly empty tile that streams the weight block again.
+The weight scales of the next stage are loaded a stage ahead and decoded only in the next
+iteration (_weight_scale_loads): decoded right after the load, every stage waited for DRAM.
 
 e2m1 weights (mxfp4, w4a8; 8-token tiles up to 4 tokens a slot, then 16: config.sm90_mx_config's
 regimes 8 and 16): every e2m1 value times 2^-6 is an e4m3 value, so the weights come through
@@ -71,7 +76,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..token_forms import E2M1_TOKEN_EXP
 from ..validation import GroupedProblem
 from . import portable
-from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count
+from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count, _tail_of
 from .sm90_epilogue import epilogue_args, fused_epilogue
 from .sm90_mx import _scale_row_offsets
 
@@ -88,42 +93,39 @@ def _e8m0_f32(bits):
 
 
 @gluon.jit
-def _weight_scales(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
-    """fp32 scales of stage kk's four K blocks, one [64] vector each, for this warpgroup's rows.
-
-    swizzled: the four scales of a row sit in one 32-bit word (word (row, kk) of the 128x4
-    atoms), one load a row; bytes past NUM_KB (the atom's padding) are cleared. plain: four
-    byte loads a row."""
-    if SWIZZLED:
-        word = _weight_scale_words(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED)
-        s0 = _word_scale(word, 0)
-        s1 = _word_scale(word, 1)
-        s2 = _word_scale(word, 2)
-        s3 = _word_scale(word, 3)
-    else:
-        kb = 4 * kk
-        s0 = _e8m0_f32(gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0).to(gl.int32) << 23)
-        s1 = _e8m0_f32(gl.load(w_scale_rows + kb + 1, mask=w_ok & (kb + 1 < NUM_KB), other=0).to(gl.int32) << 23)
-        s2 = _e8m0_f32(gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0).to(gl.int32) << 23)
-        s3 = _e8m0_f32(gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0).to(gl.int32) << 23)
-    return s0, s1, s2, s3
-
-
-@gluon.jit
 def _weight_scale_words(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
     """The e8m0 bytes of four K blocks 4kk..4kk+3 of this warpgroup's rows, one int32 word a
     row (block 4kk + j in byte j; bytes past NUM_KB cleared, as are the swizzled atom's padding
-    bytes): _weight_scales before decoding, a quarter of its registers (the e2m1 chain holds two
-    stages of them)."""
+    bytes; _word_scale decodes byte j). Swizzled scales: the four of a row sit in one 32-bit
+    word (word (row, kk) of the 128x4 atoms), one load a row; plain: four byte loads."""
+    return _scale_words_of(_weight_scale_loads(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED), kk, NUM_KB, SWIZZLED)
+
+
+@gluon.jit
+def _weight_scale_loads(w_scale_rows, w_ok, kk, NUM_KB, KB4, SWIZZLED: gl.constexpr):
+    """The loads of _weight_scale_words, nothing computed from them: a loop that fetches the
+    next stage's scales uses them (_scale_words_of) one iteration later, so no warp waits for
+    the load (weight scales come from DRAM: a stage's are new lines). Swizzled: the raw word
+    (four times); plain: the four bytes."""
     if SWIZZLED:
-        word = gl.load(w_scale_rows + kk * 128, mask=w_ok & (kk < KB4), other=0)
-        return _clear_padding(word, kk, NUM_KB)
+        raw = gl.load(w_scale_rows + kk * 128, mask=w_ok & (kk < KB4), other=0)
+        return raw, raw, raw, raw
     else:
         kb = 4 * kk
-        word = gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0).to(gl.int32)
-        word |= gl.load(w_scale_rows + kb + 1, mask=w_ok & (kb + 1 < NUM_KB), other=0).to(gl.int32) << 8
-        word |= gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0).to(gl.int32) << 16
-        return word | (gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0).to(gl.int32) << 24)
+        return (gl.load(w_scale_rows + kb, mask=w_ok & (kb < NUM_KB), other=0),
+                gl.load(w_scale_rows + kb + 1, mask=w_ok & (kb + 1 < NUM_KB), other=0),
+                gl.load(w_scale_rows + kb + 2, mask=w_ok & (kb + 2 < NUM_KB), other=0),
+                gl.load(w_scale_rows + kb + 3, mask=w_ok & (kb + 3 < NUM_KB), other=0))
+
+
+@gluon.jit
+def _scale_words_of(loads, kk, NUM_KB, SWIZZLED: gl.constexpr):
+    """_weight_scale_words from _weight_scale_loads' values of stage kk."""
+    if SWIZZLED:
+        return _clear_padding(loads[0], kk, NUM_KB)
+    else:
+        return (loads[0].to(gl.int32) | (loads[1].to(gl.int32) << 8) | (loads[2].to(gl.int32) << 16) |
+                (loads[3].to(gl.int32) << 24))
 
 
 @gluon.jit
@@ -178,11 +180,17 @@ def _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_sca
                    k_steps, WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr):
     """acc = sum over the k_steps stages of the four promoted k32 blocks (module docstring)."""
     acc = zero
-    sw0, sw1, sw2, sw3 = _weight_scales(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
     st0, st1, st2, st3 = _token_scales(t_scale_rows, t_ok, 0)
     for kk in range(k_steps):
-        # The next stage's scales, loaded a stage ahead (masked past the last one).
-        nsw0, nsw1, nsw2, nsw3 = _weight_scales(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
+        # The next stage's scales, loaded a stage ahead (masked past the last one); the weight
+        # scales are decoded an iteration after their load (_weight_scale_loads).
+        word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
+        sw0 = _word_scale(word, 0)
+        sw1 = _word_scale(word, 1)
+        sw2 = _word_scale(word, 2)
+        sw3 = _word_scale(word, 3)
+        loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
         nst0, nst1, nst2, nst3 = _token_scales(t_scale_rows, t_ok, kk + 1)
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
@@ -205,7 +213,7 @@ def _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_sca
         p3 = warpgroup_mma_wait(0, deps=(p3, ))
         mbarrier.arrive(empty.index(stage), count=1)
         acc = _promote(acc, p3, sw3, st3)
-        sw0, st0, sw1, st1, sw2, st2, sw3, st3 = nsw0, nst0, nsw1, nst1, nsw2, nst2, nsw3, nst3
+        st0, st1, st2, st3 = nst0, nst1, nst2, nst3
         it += 1
     return acc, it
 
@@ -230,9 +238,17 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     blocks, which spilled at 64 tokens). One partial tile in flight per warpgroup: while one
     warpgroup promotes (FP32 pipe), the other's wgmma runs."""
     acc = zero
-    sw0, sw1, sw2, sw3 = _weight_scales(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
     for kk in range(k_steps):
-        nsw0, nsw1, nsw2, nsw3 = _weight_scales(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
+        # The next stage's weight scales, loaded a stage ahead and used only in the next
+        # iteration: decoded right after their load (as before), the loop waited for it every
+        # stage (Nsight: long-scoreboard stalls).
+        word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
+        loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
+        sw0 = _word_scale(word, 0)
+        sw1 = _word_scale(word, 1)
+        sw2 = _word_scale(word, 2)
+        sw3 = _word_scale(word, 3)
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
@@ -245,9 +261,62 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
         # (The compiler puts a warpgroup barrier before the arrive: every warp has read the
         # stage's scales and passed its wgmma wait.)
         mbarrier.arrive(empty.index(stage), count=1)
-        sw0, sw1, sw2, sw3 = nsw0, nsw1, nsw2, nsw3
         it += 1
     return acc, it
+
+
+@gluon.jit
+def _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero, tail_zero, sw, j:
+                        gl.constexpr, acc_layout: gl.constexpr, tail_layout: gl.constexpr):
+    """_promote_block for a tile with a tail: the k32 block's weight rows meet the TOK_TILE
+    tokens and the tail's TAIL tokens in two wgmmas, both in flight, each promoted when it
+    retired."""
+    w, t = _block_operands(w_stage, t_stage, j)
+    part = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    st = s_stage.slice(j, 1).load(acc_layout)
+    part = warpgroup_mma_wait(0, deps=(part, ))
+    acc = _promote_rows(acc, part, sw, st)
+    tail_t = tail_stage.slice(j * SCALE_BLOCK, SCALE_BLOCK, dim=1).permute((1, 0))
+    tail_part = warpgroup_mma(w, tail_t, tail_zero, use_acc=False, is_async=True)
+    tail_st = tail_s_stage.slice(j, 1).load(tail_layout)
+    tail_part = warpgroup_mma_wait(0, deps=(tail_part, ))
+    tail_sw = gl.convert_layout(sw, gl.SliceLayout(1, tail_layout))  # (the same rows in each thread)
+    return acc, _promote_rows(tail_acc, tail_part, tail_sw, tail_st)
+
+
+@gluon.jit
+def _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, ready, empty, zero, tail_zero,
+                             w_scale_rows, w_ok, NUM_KB, KB4, it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr,
+                             SWIZZLED: gl.constexpr, acc_layout: gl.constexpr, tail_layout: gl.constexpr):
+    """_promote_chain_wide for a slot's last tile when it holds more than TOK_TILE tokens: the
+    stage also brings the tail's tokens and scales (sm90._tail_of), and a second, narrow
+    accumulator [64, TAIL] sums them over the same weight stream. The weight scales of the next
+    stage are held as e8m0 words (a quarter of the registers: the second accumulator needs
+    them) and decoded at their use."""
+    acc = zero
+    tail_acc = tail_zero
+    loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    for kk in range(k_steps):
+        word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
+        loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
+        stage = it % STAGES
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+        w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
+        t_stage = t_bufs.index(stage)
+        s_stage = s_bufs.index(stage)
+        tail_stage = tail_bufs.index(stage)
+        tail_s_stage = tail_s_bufs.index(stage)
+        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
+                                            tail_zero, _word_scale(word, 0), 0, acc_layout, tail_layout)
+        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
+                                            tail_zero, _word_scale(word, 1), 1, acc_layout, tail_layout)
+        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
+                                            tail_zero, _word_scale(word, 2), 2, acc_layout, tail_layout)
+        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
+                                            tail_zero, _word_scale(word, 3), 3, acc_layout, tail_layout)
+        mbarrier.arrive(empty.index(stage), count=1)
+        it += 1
+    return acc, tail_acc, it
 
 
 # e2m1 -> e4m3 scaled by 2^-6 (E2M1_WEIGHT_EXP) for eight packed elements (one 32-bit word,
@@ -539,7 +608,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                               STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                               HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr,
                               WIDE: gl.constexpr, FP4W: gl.constexpr, SPLIT_K: gl.constexpr,
-                              HALF_TILES: gl.constexpr, ACC_FACTOR: gl.constexpr):
+                              HALF_TILES: gl.constexpr, ACC_FACTOR: gl.constexpr, tail_bufs, tail_s_bufs,
+                              TAIL: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
     ROWS: gl.constexpr = WG % 2
@@ -553,12 +623,17 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
     zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
     tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
     w_offsets = ROWS * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    if TAIL > 0:  # a slot's last tile may hold up to TAIL more tokens (sm90._slot), a second accumulator
+        gl.static_assert(WIDE and EPI[0] == 0, "tails: wide mxfp8 tiles, plain epilogue")
+        tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, TAIL, SCALE_BLOCK])
+        tail_zero = gl.zeros([WG_ROWS, TAIL], gl.float32, tail_layout)
     it = 0
     tile_base = 0
     tiles_done = 0
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
-        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
+        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE, TAIL)
         group_tiles = tok_tiles * w_tiles
         while next_tile < tile_base + group_tiles:  # (sm90._load_partition says why not a for)
             tile = next_tile
@@ -568,11 +643,26 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
             tok_mask = toks < t
             ns = w_block * W_TILE + w_offsets
             w_ok = ns < N
-            if SWIZZLED:  # 32-bit words: one a row per stage (_weight_scales)
+            if SWIZZLED:  # 32-bit words: one a row per stage (_weight_scale_words)
                 w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED) // 4
             else:
                 w_scale_rows = b_scale_ptr + _scale_row_offsets(e, ns, N, NUM_KB, KB4, SWIZZLED)
-            if WIDE:
+            if TAIL > 0:
+                if not _tail_of(tok_block, tok_tiles, s, t, TOK_TILE):
+                    acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok,
+                                                  NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
+                else:
+                    acc, tail_acc, it = _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, ready,
+                                                                 empty, zero, tail_zero, w_scale_rows, w_ok, NUM_KB,
+                                                                 KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout,
+                                                                 tail_layout)
+                    # (offsets made here, not held through the K loops beside the accumulators)
+                    tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
+                    tail_ns = w_block * W_TILE + ROWS * WG_ROWS + gl.arange(0, WG_ROWS,
+                                                                             layout=gl.SliceLayout(1, tail_layout))
+                    _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
+                              tail_toks < t, tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+            elif WIDE:
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
                                               KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
             elif SPLIT_K:
@@ -616,7 +706,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
 
 
 @gluon.jit
-def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, out_ptr, t_scale_ptr, b_scale_ptr,
+def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out_ptr, t_scale_ptr, b_scale_ptr,
                                      a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
                                      NUM_KB, KB4, T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
@@ -634,7 +724,10 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
     [64, 4] box (two atoms) a stage. SPLIT_K (e2m1 weights): four consumer warpgroups, two
     for each K half of a stage (module docstring); w_half_desc (split-K with N % 128 <= 64, else
     None): [64, 128 bytes] weight boxes, with which an expert's last tile loads only the rows it
-    has and the warpgroups of the other 64 rows skip it."""
+    has and the warpgroups of the other 64 rows skip it. tail_desc, tail_s_desc (wide mxfp8
+    tiles with tails, else None): [TAIL, 128] e4m3 token boxes and [4, TAIL] fp32 token-scale
+    boxes: a slot's last tile takes up to TAIL tokens more (sm90._slot), computed by the same
+    warpgroups on a second accumulator (_promote_chain_wide_tail)."""
     HALF_TILES: gl.constexpr = w_half_desc is not None
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
@@ -659,6 +752,15 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
         ws_bufs = gl.allocate_shared_memory(ws_desc.dtype, [STAGES] + ws_desc.block_type.shape, ws_desc.layout)
     else:
         ws_bufs = t_bufs  # unused
+    if tail_desc is not None:
+        TAIL: gl.constexpr = tail_desc.block_type.shape[0]
+        tail_bufs = gl.allocate_shared_memory(tail_desc.dtype, [STAGES] + tail_desc.block_type.shape, tail_desc.layout)
+        tail_s_bufs = gl.allocate_shared_memory(tail_s_desc.dtype, [STAGES] + tail_s_desc.block_type.shape,
+                                                tail_s_desc.layout)
+    else:
+        TAIL: gl.constexpr = 0
+        tail_bufs = t_bufs  # unused
+        tail_s_bufs = t_bufs
     # Decoded e4m3 [64, 128] operand buffers, stored as uint16 pairs: two a consumer warpgroup
     # (both K halves of a stage), or with split-K one for each of the four.
     if FP4W:
@@ -693,25 +795,25 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 2, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 3, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4, w_half_desc)),
@@ -723,19 +825,21 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
-                               ws_bufs, KB4)),
-        # Producer registers: 120 keeps the narrow tiles' two wgmmas in flight (sm90_mx.py says why);
-        # the wide tiles wait for each wgmma anyway and need 232 a consumer thread (192 spilled).
-        ], [4, 1], [CONSUMER_REGS, 40 if WIDE else 120])
+                               ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs)),
+        # Producer registers: what the consumers leave of 504 a thread (64K registers; 120 with
+        # 192 a consumer keeps the narrow tiles' two wgmmas in flight, sm90_mx.py says why); the
+        # wide tiles need 232 a consumer thread (192 spilled), 240 with a tail (232 spilled a
+        # few values in its K loop), leaving the producer 40 or 24.
+        ], [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -794,11 +898,17 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         half = (cfg.weight_tile // 2, cfg.block_k)
         w_half_desc = TensorDescriptor.from_tensor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
                                                    list(half), _layout(half, weights.dtype))
+    tail_desc = tail_s_desc = None
+    if cfg.tail_tokens:  # a slot's last tile: up to tail_tokens more tokens and their scales a stage
+        tail_block = (cfg.tail_tokens, cfg.block_k)
+        tail_desc = TensorDescriptor.from_tensor(a, list(tail_block), _layout(tail_block, a.dtype))
+        tail_s_desc = TensorDescriptor.from_tensor(token_scales, [cfg.stage_k // 32, cfg.tail_tokens],
+                                                   _unswizzled_32bit_layout())
     num_kb = p.num_k_scales
     dummy = a_offsets
     epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
-        t_desc, w_desc, s_desc, ws_desc, w_half_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
+        t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
         p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
         0 if staged else token_scales.shape[1], epi,
