@@ -131,8 +131,8 @@ class Sm90Config:
                                  f"two with e2m1 weights (sub_steps=2, 8- or 16-token tiles): {self}")
             if self.block_n > 128:
                 raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
-            if self.tail_tokens not in (0, 16, 32) or (self.tail_tokens and (e2m1_fp8 or not self.wide_promotion)):
-                raise ValueError(f"config: tail_tokens (0, 16 or 32) is for wide mxfp8 fp8_mma tiles: {self}")
+            if self.tail_tokens not in (0, 16, 32) or (self.tail_tokens and (e2m1_fp8 or self.token_tile != 128)):
+                raise ValueError(f"config: tail_tokens (0, 16 or 32) is for 128-token mxfp8 fp8_mma tiles: {self}")
             # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
             # consumers' share of the 64K-register file is what is left. Split-K has four consumer
             # warpgroups and the producer gets 512 - 4 * consumer_regs (64 at 112 still leaves
