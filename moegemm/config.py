@@ -106,10 +106,10 @@ class Sm90Config:
         stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.stage_k)
         if self.wide_promotion:  # the tokens' fp32 scales of the stage's four K blocks
             stage += 4 * 4 * self.token_tile
-        if self.tail_tokens:  # the tail's tokens and scales
-            stage += int(self.tail_tokens * element_bytes * self.stage_k) + 4 * 4 * self.tail_tokens
         elif self.fp8_mma and weight_bytes == 0.5:  # e2m1 weights: eight K blocks' token scales
             stage += 8 * 4 * self.token_tile + self.weight_tile * 8  # and weight scales (two atoms)
+        if self.tail_tokens:  # the tail's tokens and scales
+            stage += int(self.tail_tokens * element_bytes * self.stage_k) + 4 * 4 * self.tail_tokens
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
         if self.split_k:  # the K-half-1 warpgroups' partial sums and their four barriers
             epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8

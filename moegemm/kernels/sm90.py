@@ -176,6 +176,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
             b_row = e * N + w_block * W_TILE
             if b_half_desc is not None:
                 half_tile = N - w_block * W_TILE <= W_TILE // 2
+            if s_desc is not None:  # the slot's columns start 16-byte aligned (portable.decode_row_scales)
+                s_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE
             if TAIL > 0:
                 has_tail = _tail_of(tok_block, tok_tiles, s, t, TOK_TILE)
             for kk in range(k_steps):
@@ -186,9 +188,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                         mbarrier.expect(ready.index(stage), tail_stage_bytes)
                         tma.async_copy_global_to_shared(tail_desc, [a_row + TOK_TILE, kk * BLOCK_K],
                                                         ready.index(stage), tail_bufs.index(stage))
-                        tail_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE + TOK_TILE
-                        tma.async_copy_global_to_shared(tail_s_desc, [kk * S_STEP, tail_col], ready.index(stage),
-                                                        tail_s_bufs.index(stage))
+                        tma.async_copy_global_to_shared(tail_s_desc, [kk * S_STEP, s_col + TOK_TILE],
+                                                        ready.index(stage), tail_s_bufs.index(stage))
                     else:
                         mbarrier.expect(ready.index(stage), stage_bytes)
                 elif b_half_desc is None:
@@ -209,8 +210,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                 else:
                     tma.async_copy_global_to_shared(b_desc, [b_row, kk * B_STEP], ready.index(stage),
                                                     b_bufs.index(stage))
-                if s_desc is not None:  # the slot's columns start 16-byte aligned (portable.decode_row_scales)
-                    s_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE
+                if s_desc is not None:
                     tma.async_copy_global_to_shared(s_desc, [kk * S_STEP, s_col], ready.index(stage), s_bufs.index(stage))
                 if ws_desc is not None:  # (an atom row past the block's KB4 is cleared by the consumer)
                     ws_row = ((e * w_tiles + w_block) * KB4 + kk * WS_ATOMS) * 32

@@ -268,15 +268,10 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
 @gluon.jit
 def _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero, tail_zero, sw, j:
                         gl.constexpr, acc_layout: gl.constexpr, tail_layout: gl.constexpr):
-    """_promote_block for a tile with a tail: the k32 block's weight rows meet the TOK_TILE
-    tokens and the tail's TAIL tokens in two wgmmas, both in flight, each promoted when it
-    retired."""
-    w, t = _block_operands(w_stage, t_stage, j)
-    part = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-    st = s_stage.slice(j, 1).load(acc_layout)
-    part = warpgroup_mma_wait(0, deps=(part, ))
-    acc = _promote_rows(acc, part, sw, st)
-    tail_t = tail_stage.slice(j * SCALE_BLOCK, SCALE_BLOCK, dim=1).permute((1, 0))
+    """_promote_block for a tile with a tail: then the k32 block's weight rows meet the tail's
+    TAIL tokens in a second wgmma, promoted into tail_acc."""
+    acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw, j, acc_layout)
+    w, tail_t = _block_operands(w_stage, tail_stage, j)
     tail_part = warpgroup_mma(w, tail_t, tail_zero, use_acc=False, is_async=True)
     tail_st = tail_s_stage.slice(j, 1).load(tail_layout)
     tail_part = warpgroup_mma_wait(0, deps=(tail_part, ))
@@ -290,9 +285,9 @@ def _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, rea
                              SWIZZLED: gl.constexpr, acc_layout: gl.constexpr, tail_layout: gl.constexpr):
     """_promote_chain_wide for a slot's last tile when it holds more than TOK_TILE tokens: the
     stage also brings the tail's tokens and scales (sm90._tail_of), and a second, narrow
-    accumulator [64, TAIL] sums them over the same weight stream. The weight scales of the next
-    stage are held as e8m0 words (a quarter of the registers: the second accumulator needs
-    them) and decoded at their use."""
+    accumulator [64, TAIL] sums them over the same weight stream. A loop of its own: with the
+    tail as a branch in _promote_chain_wide's loop, the 16 registers of its accumulator spilled
+    69-107 values there."""
     acc = zero
     tail_acc = tail_zero
     loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
@@ -657,7 +652,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                                                                  KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout,
                                                                  tail_layout)
                     # (offsets made here, not held through the K loops beside the accumulators)
-                    tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL, layout=gl.SliceLayout(0, tail_layout))
+                    tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL,
+                                                                           layout=gl.SliceLayout(0, tail_layout))
                     tail_ns = w_block * W_TILE + ROWS * WG_ROWS + gl.arange(0, WG_ROWS,
                                                                              layout=gl.SliceLayout(1, tail_layout))
                     _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
@@ -706,9 +702,9 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
 
 
 @gluon.jit
-def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out_ptr, t_scale_ptr, b_scale_ptr,
-                                     a_offsets_ptr, expert_ids_ptr, expert_scales_ptr, row_scales_ptr, M, N, K, E, G,
-                                     NUM_KB, KB4, T_SCALE_STRIDE, epi,
+def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out_ptr,
+                                     t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
+                                     row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi,
                                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr,
@@ -908,8 +904,9 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     dummy = a_offsets
     epi, epi_consts = epilogue_args(epilogue, dummy)
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
-        t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out, token_scales, weight_scales, a_offsets, expert_ids,
-        expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
+        t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out, token_scales, weight_scales,
+        a_offsets, expert_ids, expert_scales if expert_scales is not None else dummy,
+        row_scales if row_scales is not None else dummy,
         p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
         0 if staged else token_scales.shape[1], epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
