@@ -106,6 +106,14 @@ PLANS = {
         ("mxfp8", "dsv3-up", lambda: [1024] * 32, mxfp8_tail_variants),
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 1024, 5)[:32], mxfp8_tail_variants),
     ],
+    # the promotion kernel's default configs at prefill (run under each kernel variant)
+    "mxfp8-prefill": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), default_variant),
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), default_variant),
+        ("mxfp8", "dsv3-up", lambda: [1024] * 32, default_variant),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 1024, 5)[:32], default_variant),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(64, 40, 6), default_variant),
+    ],
     "mxfp8-tiles": [
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),
         ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tile_variants),

@@ -1,6 +1,6 @@
 """Launch-shape sweep of the activation kernel (gather+quantize, SwiGLU+quantize) at prefill sizes:
 rows a program (CUDA_BLOCK_M) x scale blocks a program (NB, times 1/2/4) x warps, graph replay,
-median; writes activation-sweep-<GPU>.json under $OUT. Usage: OUT=dir python bench/activation_sweep.py"""
+median; writes activation-sweep-<GPU>.json under $OUT. Usage: OUT=dir [CASES=a,b] python bench/activation_sweep.py"""
 import json, os, sys
 
 import torch
@@ -8,6 +8,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(__file__)); sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import moegemm
 from moegemm import activation as act
+from moegemm.routing import row_experts
 from moegemm.token_forms import TokenForm
 from moe_layer import MODELS, routing_inputs
 dev = torch.device("cuda")
@@ -41,10 +42,20 @@ cases = {
                           h.numel() * 2 + h.numel() // 2),
     "dsv3-swiglu-fp8block-concat": (lambda: act.swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),
                                     h.numel() * 2 + h.numel() // 2),
+    "dsv3-scatter-mxfp8-e4m3form": (lambda: act.scatter_kernel_tokens(x, "mxfp8", plan.grouped_row,
+                                    row_experts(plan), TokenForm("e4m3"), plan.a_offsets),
+                                    x.numel() * 2 + ids.numel() * 7168),
+    "dsv3-swiglu-mxfp8-e4m3form": (lambda: act.swiglu_kernel_tokens(h, "mxfp8", TokenForm("e4m3"), activation="swiglu",
+                                   gate_up_layout="interleaved", bias=None, a_offsets=plan.a_offsets,
+                                   expert_ids=plan.expert_ids, alpha=1.702, limit=7.0),
+                                   h.numel() * 2 + h.numel() // 2),
     "gptoss-gather-mxfp4-bf16form": (lambda: act.gather_kernel_tokens(xg, "mxfp4", plang.token_index, TokenForm("bf16"),
                                      plang.a_offsets), xg.numel() * 2 + idsg.numel() * 2880 * 2),
 }
+only = os.environ.get("CASES")  # comma-separated case names, or all
 for name, (fn, nbytes) in cases.items():
+    if only and name not in only.split(","):
+        continue
     for bm in (8, 16, 32):
         for factor in (1, 2, 4):
             for nw in (4, 8):

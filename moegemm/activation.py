@@ -143,7 +143,7 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
 
 def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
             scale_layout, num_scale_blocks, global_scale, alpha, limit,
-            form: TokenForm | None = None) -> QuantizedTensor | KernelTokens:
+            form: TokenForm | None = None, topk: int = 0) -> QuantizedTensor | KernelTokens:
     device = x.device
     module = _kernels(device.type != "cuda")
     out_code, vec, nb = _out_code(fmt_name, module)
@@ -172,10 +172,16 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups)
             data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
             scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)
+    # Interleaved bf16 gate/up pairs are read as one int32 word each (the kernel's PAIR_WORDS).
+    pair_words = (act != module.ACT_NONE.value and not concat and x.dtype == torch.bfloat16 and x.is_contiguous()
+                  and x.storage_offset() % 2 == 0)
+    if pair_words:
+        x = x.view(torch.int32)
     if rows and k_out:
         dummy = data
         block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(k_out, nb * vec))
+        # (the scatter form's programs take tokens, each stored to its topk grouped rows)
+        grid = (triton.cdiv(x.shape[0] if topk else rows, block_m), triton.cdiv(k_out, nb * vec))
         module.activation_quantize_kernel[grid](
             x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
             expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
@@ -187,7 +193,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
             BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
-            EVEN_ODD=bool(form and form.even_odd), num_warps=CUDA_WARPS if device.type == "cuda" else 4,
+            EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=triton.next_power_of_2(max(topk, 1)), PAIR_WORDS=pair_words, num_warps=CUDA_WARPS if device.type == "cuda" else 4,
         )
     if form is not None:
         if form.kind == "e4m3":
@@ -309,6 +315,35 @@ def gather_kernel_tokens(x: torch.Tensor, fmt: str, src_rows: torch.Tensor, form
     return _launch(x, f.name, rows=src_rows.numel(), src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
                    k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=None,
                    scale_layout="plain", num_scale_blocks=None, global_scale=None, alpha=1.0, limit=0.0, form=form)
+
+
+def scatter_kernel_tokens(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor,
+                          form: TokenForm, a_offsets: torch.Tensor) -> KernelTokens:
+    """gather_kernel_tokens in scatter form: grouped_row [T, k] (routing.RoutingPlan.grouped_row)
+    names the grouped row of each choice of each token of x [T, K], row_slot [T*k] the slot of
+    each grouped row (the plan's expert_of_row: slot e holds expert e), and each token is read
+    and quantized once, then stored to its k rows (the gather reads and quantizes it k times).
+    Rows outside their slot (dropped choices) are left unwritten, as are their scales; every
+    row inside a slot gets the same bytes as from gather_kernel_tokens with src_rows = the
+    plan's token_index."""
+    _check_rows_input(x, "x")
+    _check_index(a_offsets, "a_offsets", x.device)
+    _check_index(row_slot, "row_slot", x.device, None if not isinstance(grouped_row, torch.Tensor)
+                 else grouped_row.numel())
+    _check_index(grouped_row.reshape(-1) if isinstance(grouped_row, torch.Tensor) else grouped_row, "grouped_row",
+                 x.device)
+    if grouped_row.dim() != 2 or grouped_row.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_row: expected [T, k] with T = x.shape[0] = {x.shape[0]}, "
+                         f"got {tuple(grouped_row.shape)}")
+    f = get_format(fmt)
+    if x.shape[1] % f.k_multiple:
+        raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={x.shape[1]}")
+    module = _kernels(x.device.type != "cuda")
+    topk = grouped_row.shape[1]
+    return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
+                   concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
+                   a_scale_offsets=None, scale_layout="plain", num_scale_blocks=None, global_scale=None, alpha=1.0,
+                   limit=0.0, form=form, topk=topk)
 
 
 def swiglu_kernel_tokens(h: torch.Tensor, fmt: str, form: TokenForm, *, activation: str, gate_up_layout: str,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from . import activation as act
 from .formats import get_format
 from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
-from .routing import route, unpermute_tokens
+from .routing import route, row_experts, unpermute_tokens
 from .token_forms import KernelTokens, token_form
 from .validation import GroupedProblem
 
@@ -161,7 +161,7 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     down_problem = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
     up_form, down_form = _kernel_token_forms(up_problem, down_problem, gate_up_layout, backend, x.device)
     if up_form is not None:  # the sm90 kernels' own token forms, written by the gather and activation kernels
-        tokens = act.gather_kernel_tokens(x, fmt, plan.token_index, up_form, plan.a_offsets)
+        tokens = act.scatter_kernel_tokens(x, fmt, plan.grouped_row, row_experts(plan), up_form, plan.a_offsets)
         mid = swiglu_step_from_tokens(
             tokens, w_gate_up.data, w_gate_up.scales, plan.a_offsets, plan.expert_ids, up_problem, out_fmt=fmt,
             activation=activation, a_scale_offsets=aso, expert_scales=_expert_scales(w_gate_up, gate_up_scales, None),

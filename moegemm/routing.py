@@ -180,7 +180,7 @@ def _choice_experts(plan: RoutingPlan) -> torch.Tensor:
     return experts.long().reshape(plan.grouped_row.shape)
 
 
-def _row_experts(plan: RoutingPlan) -> torch.Tensor:
+def row_experts(plan: RoutingPlan) -> torch.Tensor:
     """int32 [T*k]: the expert of each grouped row (E for dropped rows)."""
     if plan.expert_of_row is not None:
         return plan.expert_of_row
@@ -244,7 +244,7 @@ def unpermute_tokens(
     from .kernels import routing as kernels
 
     return kernels.unpermute(y, plan.grouped_row, plan.valid, weights,
-                             _row_experts(plan) if expert_bias is not None else None, expert_bias,
+                             row_experts(plan) if expert_bias is not None else None, expert_bias,
                              out_dtype or y.dtype)
 
 

@@ -79,6 +79,38 @@ def test_swiglu_quantize_bf16_matches_torch(activation, layout):
     torch.testing.assert_close(q.data.float(), ref.to(torch.bfloat16).float(), rtol=2e-2, atol=1e-5)
 
 
+def check_pair_words_match_pairs(fmt, device):
+    """Contiguous bf16 gate/up pairs are read as one int32 word each; a strided view of the same
+    values takes the [.., 2] pair loads: the same bytes and scales, with and without a bias."""
+    gen = torch.Generator().manual_seed(7)
+    wide = (torch.randn(40, 200, generator=gen) * 3).bfloat16()
+    wide[3, 10] = float("nan")
+    wide[4, :8] = 0.0
+    h = wide[:, :128].contiguous().to(device)
+    strided = wide.to(device)[:, :128]
+    offsets = torch.tensor([0, 10, 25, 33], dtype=torch.int32, device=device)
+    ids = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
+    for bias in (None, torch.randn(3, 128, generator=gen).to(device)):
+        kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=offsets, expert_ids=ids, scale_layout="swizzled")
+        q, r = (act.swiglu_quantize(x, fmt, **kwargs) for x in (h, strided))
+        assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))  # (bits: NaN is kept)
+        assert (q.scales is None) == (r.scales is None)
+        if q.scales is not None:
+            assert torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("mxfp8", "bf16"))
+def test_swiglu_pair_words_match_pairs_interpreted(fmt):
+    check_pair_words_match_pairs(fmt, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("mxfp8", "bf16", "mxfp4"))
+def test_swiglu_pair_words_match_pairs_compiled(fmt):
+    check_pair_words_match_pairs(fmt, "cuda")
+
+
 @needs_interpreter
 @pytest.mark.parametrize("fmt", ("fp8_block", "mxfp8", "nvfp4", "mxfp4"))
 def test_swiglu_quantize_with_bias_requantizes(fmt):

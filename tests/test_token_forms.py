@@ -100,6 +100,21 @@ def check_gather(fmt, form, device):
     _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
 
 
+def check_scatter(fmt, form, device):
+    """The gather in scatter form: every row of a slot as from the gather (dropped choices in
+    the routing are stored nowhere)."""
+    t, k, e, hidden = 23, 3, 5, 320
+    plan = _routing(t, k, e, device, seed=4)
+    assert not bool(plan.valid.all())
+    gen = torch.Generator().manual_seed(5)
+    x = _special_rows(torch.randn(t, hidden, generator=gen) * 4).bfloat16().to(device)
+    got = act.scatter_kernel_tokens(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), form,
+                                    plan.a_offsets)
+    assert got.form == form and got.data.shape == (t * k, hidden)
+    q = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
+    _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
+
+
 def check_swiglu(fmt, form, device):
     rows, inner, e = 37, 96, 4
     gen = torch.Generator().manual_seed(3)
@@ -118,6 +133,7 @@ def check_swiglu(fmt, form, device):
 @pytest.mark.parametrize("fmt,form", FORMS, ids=[f"{f}-{form.kind}" for f, form in FORMS])
 def test_kernel_tokens_interpreted(fmt, form):
     check_gather(fmt, form, "cpu")
+    check_scatter(fmt, form, "cpu")
     check_swiglu(fmt, form, "cpu")
 
 
@@ -125,6 +141,7 @@ def test_kernel_tokens_interpreted(fmt, form):
 @pytest.mark.parametrize("fmt,form", FORMS, ids=[f"{f}-{form.kind}" for f, form in FORMS])
 def test_kernel_tokens_compiled(fmt, form):
     check_gather(fmt, form, "cuda")
+    check_scatter(fmt, form, "cuda")
     check_swiglu(fmt, form, "cuda")
 
 
@@ -138,6 +155,20 @@ def test_token_form_follows_the_kernel_config():
     assert token_form("mxfp8", 4096, 7168, 512, 256) is None
     assert token_form("nvfp4", 4096, 7168, 32768, 256) is None
     assert token_form("mxfp4", 5760, 2880, 0, 128) is None
+
+
+def test_scatter_kernel_tokens_rejects_bad_rows():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="grouped_row"):
+        act.scatter_kernel_tokens(x, "mxfp8", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32),
+                                  TokenForm("e4m3"), offsets)
+    with pytest.raises(ValueError, match="grouped_row"):
+        act.scatter_kernel_tokens(x, "mxfp8", torch.zeros(3, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int32),
+                                  TokenForm("e4m3"), offsets)
+    with pytest.raises(ValueError, match="row_slot"):
+        act.scatter_kernel_tokens(x, "mxfp8", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(7, dtype=torch.int32),
+                                  TokenForm("e4m3"), offsets)
 
 
 def test_kernel_tokens_reject_other_formats():

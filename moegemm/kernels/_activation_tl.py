@@ -54,6 +54,11 @@ def _max_abs(a, b):
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
 def _to_bf16_rne(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -153,9 +158,11 @@ def _group_of_rows(rows, a_offsets_ptr, G, LOG_G: tl.constexpr):
 
 @triton.jit
 def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, bias_ptr, row_expert, bias_rows,
-                    alpha, limit, ACT: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    alpha, limit, ACT: tl.constexpr, CONCAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    PAIR_WORDS: tl.constexpr):
     """y[r, c] for rows src_rows and output columns cols (3-D tiles that broadcast), in fp32;
-    the bias of expert row_expert is added where bias_rows holds."""
+    the bias of expert row_expert is added where bias_rows holds. PAIR_WORDS: interleaved bf16
+    x viewed as int32, word j of a row holding (gate_j, up_j), gate in the low half."""
     mask = row_mask & col_mask
     bias_mask = mask & bias_rows
     base = x_ptr + src_rows * X_STRIDE
@@ -171,6 +178,18 @@ def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, 
             if HAS_BIAS:
                 gate += tl.load(bias_row + cols, mask=bias_mask, other=0.0).to(tl.float32)
                 up += tl.load(bias_row + cols + K_OUT, mask=bias_mask, other=0.0).to(tl.float32)
+        elif PAIR_WORDS:
+            # One 32-bit word a pair, so the loads vectorize as the concatenated layout's do (the
+            # [.., 2] pieces below ran 2.3x slower than concat); bf16 -> fp32 is a 16-bit shift.
+            words = tl.load(base + cols, mask=mask, other=0)
+            gate = _f32_from_bits(words << 16)
+            up = _f32_from_bits(words & -65536)  # (0xFFFF0000)
+            if HAS_BIAS:
+                pair = 2 * cols[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+                bias_gate, bias_up = tl.split(tl.load(bias_row[:, :, :, None] + pair, mask=bias_mask[:, :, :, None],
+                                                      other=0.0).to(tl.float32))
+                gate += bias_gate
+                up += bias_up
         else:
             # Interleaved: load each (gate_j, up_j) pair as one contiguous [.., 2] piece and
             # split it in registers; two stride-2 loads would not vectorize (measured ~5x slower).
@@ -198,7 +217,8 @@ def activation_quantize_kernel(
     ACT: tl.constexpr, CONCAT: tl.constexpr, OUT: tl.constexpr, SWIZZLED: tl.constexpr,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, LOG_G: tl.constexpr,
     BLOCK_M: tl.constexpr, NB: tl.constexpr, VEC: tl.constexpr,
-    FORM: tl.constexpr = 0, EXP: tl.constexpr = 0, EVEN_ODD: tl.constexpr = False,
+    FORM: tl.constexpr = 0, EXP: tl.constexpr = 0, EVEN_ODD: tl.constexpr = False, TOPK: tl.constexpr = 0,
+    PAIR_WORDS: tl.constexpr = False, TOPK_P2: tl.constexpr = 1,
 ):
     """Rows of x (gathered through src_rows), activated, quantized into out/out_scale.
 
@@ -207,18 +227,28 @@ def activation_quantize_kernel(
     with EVEN_ODD, and the scales as fp32 2^e at [kb, m - s + 4 * ceil(s / 4) + 4 * g] of a
     [NUM_KB, M_PAD] buffer (slot g starts at row s), which is portable.decode_row_scales'
     kb_major layout; FORM_BF16 writes bf16(value * 2^e), which is portable.dequantize_rows'.
-    Rows outside slots get no scales in FORM_E4M3, as in the swizzled layout."""
+    Rows outside slots get no scales in FORM_E4M3, as in the swizzled layout.
+
+    TOPK > 0 (kernel forms only, no activation): the gather in scatter form. Program rows are
+    the X_ROWS tokens, each read and quantized once, and stored to the TOPK grouped rows
+    src_rows[token * TOPK + j] (the routing plan's grouped_row; M grouped rows), row p in slot
+    expert_ids[p] (the plan's expert_of_row): the same bytes as the gather through the inverse
+    permutation, with 1/TOPK of its reads and encoding work. A row outside its slot (a dropped
+    choice) is not stored."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    if GATHER:
+    if TOPK > 0:
+        row_mask = rows < X_ROWS
+        src = rows
+    elif GATHER:
         src = tl.load(src_rows_ptr + rows, mask=row_mask, other=0)
         row_mask = row_mask & (src >= 0) & (src < X_ROWS)
     else:
         src = rows
     src = src.to(tl.int64)
-    if HAS_BIAS or SWIZZLED or FORM == FORM_E4M3:
+    if (HAS_BIAS or SWIZZLED or FORM == FORM_E4M3) and TOPK == 0:
         slot, in_slot = _group_of_rows(rows, a_offsets_ptr, G, LOG_G)
     if HAS_BIAS:
         row_expert = tl.load(expert_ids_ptr + slot, mask=row_mask & in_slot, other=-1)
@@ -235,7 +265,7 @@ def activation_quantize_kernel(
     rows3 = rows[:, None, None]
     y = _load_activated(x_ptr, src[:, None, None], row_mask[:, None, None], cols3, col_mask3, X_STRIDE, K_OUT,
                         bias_ptr, row_expert[:, None, None], bias_rows[:, None, None], alpha, limit, ACT, CONCAT,
-                        HAS_BIAS)
+                        HAS_BIAS, PAIR_WORDS)
     out_mask3 = (rows3 < M) & col_mask3
     out_rows3 = rows3.to(tl.int64) * K_OUT
     if OUT == OUT_BF16:
@@ -257,9 +287,32 @@ def activation_quantize_kernel(
             scaled = y * _pow2(-e)[:, :, None]
             stored = tl.where(amax == amax, e + 127, 255)  # NaN amax -> the NaN scale
         if FORM != FORM_OPERAND:
-            _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, stored, rows, slot if FORM == FORM_E4M3
+            values, scale = _kernel_token_values(scaled, e, stored, OUT, FORM, EXP)
+        if TOPK > 0:
+            # Every choice's row and slot first (a choice's slot is the expert of its row, one slot
+            # an expert: routing.route), in three rounds of loads for all of them; rows of dropped
+            # choices lie outside their slot. Then the stores, a choice at a time.
+            choice = tl.arange(0, TOPK_P2)[None, :]
+            dests = tl.load(src_rows_ptr + rows.to(tl.int64)[:, None] * TOPK + choice,
+                            mask=row_mask[:, None] & (choice < TOPK), other=M)
+            dests = tl.where((dests >= 0) & (dests < M), dests, M)
+            slots = tl.load(expert_ids_ptr + dests, mask=dests < M, other=G)
+            slots = tl.where((slots >= 0) & (slots < G), slots, G)
+            starts = tl.load(a_offsets_ptr + slots, mask=slots < G, other=M)
+            ends = tl.load(a_offsets_ptr + slots + 1, mask=slots < G, other=M)
+            dests = tl.where((starts <= dests) & (dests < ends), dests, -1)
+            for j in tl.static_range(TOPK):
+                dest = tl.reduce(tl.where(choice == j, dests, 0), 1, _add)  # (column j: the rest are 0)
+                dest_slot = tl.reduce(tl.where(choice == j, slots, 0), 1, _add)
+                dest_in_slot = dest >= 0
+                _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, tl.maximum(dest, 0),
+                                     dest_slot if FORM == FORM_E4M3 else dest, dest_in_slot, pid_c, blk, cols3,
+                                     dest_in_slot[:, None, None] & col_mask3, M, K_OUT, NUM_KB, M_PAD, FORM,
+                                     EVEN_ODD, NB)
+        elif FORM != FORM_OPERAND:
+            _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot if FORM == FORM_E4M3
                                  else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
-                                 M, K_OUT, NUM_KB, M_PAD, OUT, FORM, EXP, EVEN_ODD, NB)
+                                 M, K_OUT, NUM_KB, M_PAD, FORM, EVEN_ODD, NB)
         else:
             if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
                 tl.store(out_ptr + out_rows3 + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
@@ -287,13 +340,10 @@ def activation_quantize_kernel(
 
 
 @triton.jit
-def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, stored, rows, slot, in_slot, pid_c, blk,
-                         cols3, out_mask3, M, K_OUT, NUM_KB, M_PAD, OUT: tl.constexpr, FORM: tl.constexpr,
-                         EXP: tl.constexpr, EVEN_ODD: tl.constexpr, NB: tl.constexpr):
-    """activation_quantize_kernel's FORM_E4M3 and FORM_BF16 stores (its docstring); `scaled` is
-    the [BLOCK_M, NB, VEC] block of values divided by their block's 2^e, `stored` e + 127 (255
-    for a NaN block)."""
-    out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
+def _kernel_token_values(scaled, e, stored, OUT: tl.constexpr, FORM: tl.constexpr, EXP: tl.constexpr):
+    """What activation_quantize_kernel's FORM_E4M3 and FORM_BF16 store (its docstring), from
+    the [BLOCK_M, NB, VEC] block `scaled` of values divided by their block's 2^e and `stored`
+    = e + 127 (255 for a NaN block): (the e4m3 bytes, or the bf16 values; the fp32 scales)."""
     scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))  # [BLOCK_M, NB] fp32
     if OUT == OUT_E4M3_E8M0:
         codes = _encode_e4m3(scaled)
@@ -309,15 +359,27 @@ def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, scaled, e, store
             values = tl.where(mag == 0x7F, _f32_from_bits(0x7FC00000 + 0 * codes), values)
         else:
             values = _decode_e2m1(codes)
-        tl.store(out_ptr + out_rows3 + cols3, _to_bf16_rne(values * scale[:, :, None]), mask=out_mask3)
+        return _to_bf16_rne(values * scale[:, :, None]), scale
     else:
         if OUT == OUT_E2M1_E8M0:
             codes = _e2m1_code_to_e4m3(codes, EXP)
+        return codes.to(tl.uint8), scale
+
+
+@triton.jit
+def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot, in_slot, pid_c, blk,
+                         cols3, out_mask3, M, K_OUT, NUM_KB, M_PAD, FORM: tl.constexpr, EVEN_ODD: tl.constexpr,
+                         NB: tl.constexpr):
+    """_kernel_token_values' values and scales stored to `rows` (of slots `slot` where in_slot)."""
+    out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
+    if FORM == FORM_BF16:
+        tl.store(out_ptr + out_rows3 + cols3, values, mask=out_mask3)
+    else:
         if EVEN_ODD:  # element i of a group of 8 -> position 4 * (i % 2) + i // 2
             dest = (cols3 & ~7) | ((cols3 & 1) << 2) | ((cols3 & 7) >> 1)
         else:
             dest = cols3
-        tl.store(out_ptr + out_rows3 + dest, codes.to(tl.uint8), mask=out_mask3)
+        tl.store(out_ptr + out_rows3 + dest, values, mask=out_mask3)
         start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
         column = rows - start + 4 * ((start + 3) // 4) + 4 * slot
         kb = pid_c * NB + blk[None, :]  # [1, NB]

@@ -21,11 +21,13 @@ Narrow tiles (16 or 32 tokens): the token scales are loaded from global memory a
 ahead, four vectors of TOK_TILE / 4 a thread, and two partial tiles are in flight (below).
 Wide tiles (64 or 128 tokens): that would be 8 x TOK_TILE / 4 registers (64 tokens spilled),
 so the producer also loads each stage's token scales, a [4, TOK_TILE] fp32 box of their
-K-block-major copy, into the ring; a warpgroup reads one block's vector at a time while its
-wgmma runs and keeps one partial tile in flight (a second measured no faster). Up to 192
-tokens a slot, a slot's last 128-token tile also takes up to 32 more tokens (a tail): the same
-warpgroups run them on a second [64, 32] accumulator over the same weight stream
-(_promote_chain_wide_tail), instead of a nearly empty tile that streams the weight block again.
+K-block-major copy, into the ring; a warpgroup reads one block's vector at a time. It sums
+the tile's tokens in two halves, whose wgmmas alternate: one half's wgmma runs while the other
+half's partial is promoted (_promote_stage_halves; a whole-tile partial in flight beside the
+one promoted spilled). Up to 192 tokens a slot, a slot's last 128-token tile also takes up to
+32 more tokens (a tail): the same warpgroups run them on a third [64, 32] accumulator over the
+same weight stream, its wgmma in turn with the halves' (_promote_chain_wide_tail), instead of
+a nearly empty tile that streams the weight block again.
 The weight scales of the next stage are loaded a stage ahead and decoded only in the next
 iteration (_weight_scale_loads): decoded right after the load, every stage waited for DRAM.
 
@@ -219,14 +221,82 @@ def _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_sca
 
 
 @gluon.jit
-def _promote_block(acc, w_stage, t_stage, s_stage, zero, sw, j: gl.constexpr, acc_layout: gl.constexpr):
-    """acc += wgmma(k32 block j) * (sw outer st), the token scales st (a [1, TOK_TILE] row in
-    the accumulator's layout) read from the stage's shared-memory box while the wgmma runs."""
-    w, t = _block_operands(w_stage, t_stage, j)
-    part = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-    st = s_stage.slice(j, 1).load(acc_layout)
-    part = warpgroup_mma_wait(0, deps=(part, ))
-    return _promote_rows(acc, part, sw, st)
+def _promote_stage_halves(acc_lo, acc_hi, w_stage, t_stage, s_stage, empty_bar, zero, word,
+                          half_layout: gl.constexpr):
+    """The four k32 blocks of a stage on a wide tile, its tokens in two halves: the halves'
+    wgmmas alternate, so while one half's partial is promoted the other's wgmma runs, and the
+    stage is released after the last one retired. (A whole-tile partial in flight beside the one
+    being promoted needs 64 more registers: it spilled ~100 values in the loop.)"""
+    HALF: gl.constexpr = t_stage.shape[0] // 2
+    t_lo = t_stage.slice(0, HALF)
+    t_hi = t_stage.slice(HALF, HALF)
+    s_lo = s_stage.slice(0, HALF, dim=1)
+    s_hi = s_stage.slice(HALF, HALF, dim=1)
+    w, t = _block_operands(w_stage, t_lo, 0)
+    p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    w, t = _block_operands(w_stage, t_hi, 0)
+    p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    for j in gl.static_range(4):
+        sw = gl.convert_layout(_word_scale(word, j), gl.SliceLayout(1, half_layout))  # (same rows a thread)
+        st = s_lo.slice(j, 1).load(half_layout)
+        p_lo = warpgroup_mma_wait(1, deps=(p_lo, ))
+        acc_lo = _promote_rows(acc_lo, p_lo, sw, st)
+        if j < 3:
+            w, t = _block_operands(w_stage, t_lo, j + 1)
+            p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+        st = s_hi.slice(j, 1).load(half_layout)
+        if j < 3:
+            p_hi = warpgroup_mma_wait(1, deps=(p_hi, ))
+        else:
+            p_hi = warpgroup_mma_wait(0, deps=(p_hi, ))
+            mbarrier.arrive(empty_bar, count=1)
+        acc_hi = _promote_rows(acc_hi, p_hi, sw, st)
+        if j < 3:
+            w, t = _block_operands(w_stage, t_hi, j + 1)
+            p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    return acc_lo, acc_hi
+
+
+@gluon.jit
+def _promote_stage_halves_tail(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage,
+                               empty_bar, zero, tail_zero, word, half_layout: gl.constexpr,
+                               tail_layout: gl.constexpr):
+    """_promote_stage_halves with a tail: the wgmmas of the two halves and the tail take turns,
+    one in flight while the one before it is promoted."""
+    HALF: gl.constexpr = t_stage.shape[0] // 2
+    t_lo = t_stage.slice(0, HALF)
+    t_hi = t_stage.slice(HALF, HALF)
+    s_lo = s_stage.slice(0, HALF, dim=1)
+    s_hi = s_stage.slice(HALF, HALF, dim=1)
+    w, t = _block_operands(w_stage, t_lo, 0)
+    p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    w, t = _block_operands(w_stage, t_hi, 0)
+    p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    for j in gl.static_range(4):
+        sw_word = _word_scale(word, j)
+        sw = gl.convert_layout(sw_word, gl.SliceLayout(1, half_layout))  # (same rows a thread)
+        st = s_lo.slice(j, 1).load(half_layout)
+        p_lo = warpgroup_mma_wait(1, deps=(p_lo, ))
+        acc_lo = _promote_rows(acc_lo, p_lo, sw, st)
+        w, t = _block_operands(w_stage, tail_stage, j)
+        p_tail = warpgroup_mma(w, t, tail_zero, use_acc=False, is_async=True)
+        st = s_hi.slice(j, 1).load(half_layout)
+        p_hi = warpgroup_mma_wait(1, deps=(p_hi, ))
+        acc_hi = _promote_rows(acc_hi, p_hi, sw, st)
+        if j < 3:
+            w, t = _block_operands(w_stage, t_lo, j + 1)
+            p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+        st = tail_s_stage.slice(j, 1).load(tail_layout)
+        if j < 3:
+            p_tail = warpgroup_mma_wait(1, deps=(p_tail, ))
+        else:
+            p_tail = warpgroup_mma_wait(0, deps=(p_tail, ))
+            mbarrier.arrive(empty_bar, count=1)
+        tail_acc = _promote_rows(tail_acc, p_tail, gl.convert_layout(sw_word, gl.SliceLayout(1, tail_layout)), st)
+        if j < 3:
+            w, t = _block_operands(w_stage, t_hi, j + 1)
+            p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+    return acc_lo, acc_hi, tail_acc
 
 
 @gluon.jit
@@ -235,9 +305,16 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     """The wide tiles' main loop (64 or 128 tokens): the token scales of a stage come with it
     through the ring (s_bufs, [4, TOK_TILE] fp32), one k32 block's vector loaded at a time, so
     a thread holds TOK_TILE / 4 of them instead of 8 * TOK_TILE / 4 (two stages of four
-    blocks, which spilled at 64 tokens). One partial tile in flight per warpgroup: while one
-    warpgroup promotes (FP32 pipe), the other's wgmma runs."""
-    acc = zero
+    blocks, which spilled at 64 tokens). The tile's tokens are summed in two halves, one half's
+    wgmma in flight while the other half is promoted (_promote_stage_halves: 1.03-1.05x the
+    whole-tile chain of wgmma, wait, promote), and joined into acc [64, TOK_TILE] at the end
+    (a register renaming: the halves' columns sit in the same threads)."""
+    HALF_TOK: gl.constexpr = zero.shape[1] // 2
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF_TOK, SCALE_BLOCK])
+    half_zero = gl.zeros([zero.shape[0], HALF_TOK], gl.float32, half_layout)
+    acc_lo = half_zero
+    acc_hi = half_zero
     loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
     for kk in range(k_steps):
         # The next stage's weight scales, loaded a stage ahead and used only in the next
@@ -245,38 +322,16 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
         # stage (Nsight: long-scoreboard stalls).
         word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
         loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
-        sw0 = _word_scale(word, 0)
-        sw1 = _word_scale(word, 1)
-        sw2 = _word_scale(word, 2)
-        sw3 = _word_scale(word, 3)
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        t_stage = t_bufs.index(stage)
-        s_stage = s_bufs.index(stage)
-        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw0, 0, acc_layout)
-        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw1, 1, acc_layout)
-        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw2, 2, acc_layout)
-        acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw3, 3, acc_layout)
-        # (The compiler puts a warpgroup barrier before the arrive: every warp has read the
-        # stage's scales and passed its wgmma wait.)
-        mbarrier.arrive(empty.index(stage), count=1)
+        # (The compiler puts a warpgroup barrier before the stage's release: every warp has read
+        # the stage's scales and passed its wgmma wait.)
+        acc_lo, acc_hi = _promote_stage_halves(acc_lo, acc_hi, w_stage, t_bufs.index(stage), s_bufs.index(stage),
+                                               empty.index(stage), half_zero, word, half_layout)
         it += 1
-    return acc, it
-
-
-@gluon.jit
-def _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero, tail_zero, sw, j:
-                        gl.constexpr, acc_layout: gl.constexpr, tail_layout: gl.constexpr):
-    """_promote_block for a tile with a tail: then the k32 block's weight rows meet the tail's
-    TAIL tokens in a second wgmma, promoted into tail_acc."""
-    acc = _promote_block(acc, w_stage, t_stage, s_stage, zero, sw, j, acc_layout)
-    w, tail_t = _block_operands(w_stage, tail_stage, j)
-    tail_part = warpgroup_mma(w, tail_t, tail_zero, use_acc=False, is_async=True)
-    tail_st = tail_s_stage.slice(j, 1).load(tail_layout)
-    tail_part = warpgroup_mma_wait(0, deps=(tail_part, ))
-    tail_sw = gl.convert_layout(sw, gl.SliceLayout(1, tail_layout))  # (the same rows in each thread)
-    return acc, _promote_rows(tail_acc, tail_part, tail_sw, tail_st)
+    both = gl.join(acc_lo, acc_hi).permute((0, 2, 1)).reshape([zero.shape[0], zero.shape[1]])
+    return gl.convert_layout(both, acc_layout), it
 
 
 @gluon.jit
@@ -288,7 +343,12 @@ def _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, rea
     accumulator [64, TAIL] sums them over the same weight stream. A loop of its own: with the
     tail as a branch in _promote_chain_wide's loop, the 16 registers of its accumulator spilled
     69-107 values there."""
-    acc = zero
+    HALF_TOK: gl.constexpr = zero.shape[1] // 2
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF_TOK, SCALE_BLOCK])
+    half_zero = gl.zeros([zero.shape[0], HALF_TOK], gl.float32, half_layout)
+    acc_lo = half_zero
+    acc_hi = half_zero
     tail_acc = tail_zero
     loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
     for kk in range(k_steps):
@@ -297,21 +357,13 @@ def _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, rea
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        t_stage = t_bufs.index(stage)
-        s_stage = s_bufs.index(stage)
-        tail_stage = tail_bufs.index(stage)
-        tail_s_stage = tail_s_bufs.index(stage)
-        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
-                                            tail_zero, _word_scale(word, 0), 0, acc_layout, tail_layout)
-        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
-                                            tail_zero, _word_scale(word, 1), 1, acc_layout, tail_layout)
-        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
-                                            tail_zero, _word_scale(word, 2), 2, acc_layout, tail_layout)
-        acc, tail_acc = _promote_block_tail(acc, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, zero,
-                                            tail_zero, _word_scale(word, 3), 3, acc_layout, tail_layout)
-        mbarrier.arrive(empty.index(stage), count=1)
+        acc_lo, acc_hi, tail_acc = _promote_stage_halves_tail(acc_lo, acc_hi, tail_acc, w_stage, t_bufs.index(stage),
+                                                              s_bufs.index(stage), tail_bufs.index(stage),
+                                                              tail_s_bufs.index(stage), empty.index(stage), half_zero,
+                                                              tail_zero, word, half_layout, tail_layout)
         it += 1
-    return acc, tail_acc, it
+    both = gl.join(acc_lo, acc_hi).permute((0, 2, 1)).reshape([zero.shape[0], zero.shape[1]])
+    return gl.convert_layout(both, acc_layout), tail_acc, it
 
 
 # e2m1 -> e4m3 scaled by 2^-6 (E2M1_WEIGHT_EXP) for eight packed elements (one 32-bit word,
@@ -616,7 +668,6 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
     w_tiles = gl.cdiv(N, W_TILE)
     k_steps = gl.cdiv(K, STAGE_K)
     zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
-    tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
     w_offsets = ROWS * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
     if TAIL > 0:  # a slot's last tile may hold up to TAIL more tokens (sm90._slot), a second accumulator
         gl.static_assert(WIDE and EPI[0] == 0, "tails: wide mxfp8 tiles, plain epilogue")
@@ -634,8 +685,6 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
             tile = next_tile
             next_tile += nprog
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
-            toks = s + tok_block * TOK_TILE + tok_offsets
-            tok_mask = toks < t
             ns = w_block * W_TILE + w_offsets
             w_ok = ns < N
             if SWIZZLED:  # 32-bit words: one a row per stage (_weight_scale_words)
@@ -686,9 +735,10 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                                              w_ok, K, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout,
                                              ACC_FACTOR)
             else:
+                toks = s + tok_block * TOK_TILE + gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
                 t_scale_rows = t_scale_ptr + toks.to(gl.int64) * T_SCALE_STRIDE
                 acc, it = _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_scale_rows,
-                                         tok_mask, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED)
+                                         toks < t, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED)
             if not SPLIT_K:
                 owner = True
             if owner:  # (split-K: the warpgroup that received the other K half's sum)
@@ -696,7 +746,9 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
                                    w_block * W_TILE + ROWS * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
                 else:
-                    _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
+                    # (the tile's token offsets made here, not held through the K loop: they spilled)
+                    toks = s + tok_block * TOK_TILE + gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
+                    _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, toks < t, ns, N,
                               0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
         tile_base += group_tiles
 
