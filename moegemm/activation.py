@@ -193,7 +193,8 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
             BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
-            EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=triton.next_power_of_2(max(topk, 1)), PAIR_WORDS=pair_words, num_warps=CUDA_WARPS if device.type == "cuda" else 4,
+            EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=triton.next_power_of_2(max(topk, 1)),
+            PAIR_WORDS=pair_words, num_warps=CUDA_WARPS if device.type == "cuda" else 4,
         )
     if form is not None:
         if form.kind == "e4m3":

@@ -240,6 +240,7 @@ def activation_quantize_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     if TOPK > 0:
+        tl.static_assert(FORM != FORM_OPERAND and ACT == ACT_NONE, "scatter form: kernel token forms only")
         row_mask = rows < X_ROWS
         src = rows
     elif GATHER:
