@@ -26,7 +26,7 @@ the tile's tokens in two halves, whose wgmmas alternate: one half's wgmma runs w
 half's partial is promoted (_promote_stage_halves; a whole-tile partial in flight beside the
 one promoted spilled). Up to 192 tokens a slot, a slot's last 128-token tile also takes up to
 32 more tokens (a tail): the same warpgroups run them on a third [64, 32] accumulator over the
-same weight stream, its wgmma in turn with the halves' (_promote_chain_wide_tail), instead of
+same weight stream, its wgmma in turn with the halves' (_promote_chain_wide), instead of
 a nearly empty tile that streams the weight block again.
 The weight scales of the next stage are loaded a stage ahead and decoded only in the next
 iteration (_weight_scale_loads): decoded right after the load, every stage waited for DRAM.
@@ -221,48 +221,15 @@ def _promote_chain(w_bufs, t_bufs, ready, empty, zero, w_scale_rows, w_ok, t_sca
 
 
 @gluon.jit
-def _promote_stage_halves(acc_lo, acc_hi, w_stage, t_stage, s_stage, empty_bar, zero, word,
-                          half_layout: gl.constexpr):
+def _promote_stage_halves(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage, empty_bar,
+                          zero, tail_zero, word, half_layout: gl.constexpr, tail_layout: gl.constexpr):
     """The four k32 blocks of a stage on a wide tile, its tokens in two halves: the halves'
     wgmmas alternate, so while one half's partial is promoted the other's wgmma runs, and the
     stage is released after the last one retired. (A whole-tile partial in flight beside the one
-    being promoted needs 64 more registers: it spilled ~100 values in the loop.)"""
-    HALF: gl.constexpr = t_stage.shape[0] // 2
-    t_lo = t_stage.slice(0, HALF)
-    t_hi = t_stage.slice(HALF, HALF)
-    s_lo = s_stage.slice(0, HALF, dim=1)
-    s_hi = s_stage.slice(HALF, HALF, dim=1)
-    w, t = _block_operands(w_stage, t_lo, 0)
-    p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-    w, t = _block_operands(w_stage, t_hi, 0)
-    p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-    for j in gl.static_range(4):
-        sw = gl.convert_layout(_word_scale(word, j), gl.SliceLayout(1, half_layout))  # (same rows a thread)
-        st = s_lo.slice(j, 1).load(half_layout)
-        p_lo = warpgroup_mma_wait(1, deps=(p_lo, ))
-        acc_lo = _promote_rows(acc_lo, p_lo, sw, st)
-        if j < 3:
-            w, t = _block_operands(w_stage, t_lo, j + 1)
-            p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-        st = s_hi.slice(j, 1).load(half_layout)
-        if j < 3:
-            p_hi = warpgroup_mma_wait(1, deps=(p_hi, ))
-        else:
-            p_hi = warpgroup_mma_wait(0, deps=(p_hi, ))
-            mbarrier.arrive(empty_bar, count=1)
-        acc_hi = _promote_rows(acc_hi, p_hi, sw, st)
-        if j < 3:
-            w, t = _block_operands(w_stage, t_hi, j + 1)
-            p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-    return acc_lo, acc_hi
-
-
-@gluon.jit
-def _promote_stage_halves_tail(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_stage, tail_stage, tail_s_stage,
-                               empty_bar, zero, tail_zero, word, half_layout: gl.constexpr,
-                               tail_layout: gl.constexpr):
-    """_promote_stage_halves with a tail: the wgmmas of the two halves and the tail take turns,
-    one in flight while the one before it is promoted."""
+    being promoted needs 64 more registers: it spilled ~100 values in the loop.) With a tail
+    (tail_acc not None), the tail's wgmma takes its turn after the low half's: lo, tail, hi;
+    returns (acc_lo, acc_hi[, tail_acc])."""
+    TAIL: gl.constexpr = tail_acc is not None
     HALF: gl.constexpr = t_stage.shape[0] // 2
     t_lo = t_stage.slice(0, HALF)
     t_hi = t_stage.slice(HALF, HALF)
@@ -278,43 +245,67 @@ def _promote_stage_halves_tail(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_sta
         st = s_lo.slice(j, 1).load(half_layout)
         p_lo = warpgroup_mma_wait(1, deps=(p_lo, ))
         acc_lo = _promote_rows(acc_lo, p_lo, sw, st)
-        w, t = _block_operands(w_stage, tail_stage, j)
-        p_tail = warpgroup_mma(w, t, tail_zero, use_acc=False, is_async=True)
-        st = s_hi.slice(j, 1).load(half_layout)
-        p_hi = warpgroup_mma_wait(1, deps=(p_hi, ))
-        acc_hi = _promote_rows(acc_hi, p_hi, sw, st)
-        if j < 3:
+        if TAIL:
+            w, t = _block_operands(w_stage, tail_stage, j)
+            p_tail = warpgroup_mma(w, t, tail_zero, use_acc=False, is_async=True)
+        elif j < 3:
             w, t = _block_operands(w_stage, t_lo, j + 1)
             p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-        st = tail_s_stage.slice(j, 1).load(tail_layout)
-        if j < 3:
-            p_tail = warpgroup_mma_wait(1, deps=(p_tail, ))
+        st = s_hi.slice(j, 1).load(half_layout)
+        if TAIL or j < 3:
+            p_hi = warpgroup_mma_wait(1, deps=(p_hi, ))
         else:
-            p_tail = warpgroup_mma_wait(0, deps=(p_tail, ))
+            p_hi = warpgroup_mma_wait(0, deps=(p_hi, ))
             mbarrier.arrive(empty_bar, count=1)
-        tail_acc = _promote_rows(tail_acc, p_tail, gl.convert_layout(sw_word, gl.SliceLayout(1, tail_layout)), st)
+        acc_hi = _promote_rows(acc_hi, p_hi, sw, st)
+        if TAIL:
+            if j < 3:
+                w, t = _block_operands(w_stage, t_lo, j + 1)
+                p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
+            st = tail_s_stage.slice(j, 1).load(tail_layout)
+            if j < 3:
+                p_tail = warpgroup_mma_wait(1, deps=(p_tail, ))
+            else:
+                p_tail = warpgroup_mma_wait(0, deps=(p_tail, ))
+                mbarrier.arrive(empty_bar, count=1)
+            tail_acc = _promote_rows(tail_acc, p_tail, gl.convert_layout(sw_word, gl.SliceLayout(1, tail_layout)),
+                                     st)
         if j < 3:
             w, t = _block_operands(w_stage, t_hi, j + 1)
             p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-    return acc_lo, acc_hi, tail_acc
+    if TAIL:
+        return acc_lo, acc_hi, tail_acc
+    else:
+        return acc_lo, acc_hi
 
 
 @gluon.jit
 def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB, KB4, it, k_steps,
-                        WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr, acc_layout: gl.constexpr):
+                        WG: gl.constexpr, STAGES: gl.constexpr, SWIZZLED: gl.constexpr, acc_layout: gl.constexpr,
+                        tail_bufs=None, tail_s_bufs=None, tail_zero=None, tail_layout: gl.constexpr = None):
     """The wide tiles' main loop (64 or 128 tokens): the token scales of a stage come with it
     through the ring (s_bufs, [4, TOK_TILE] fp32), one k32 block's vector loaded at a time, so
     a thread holds TOK_TILE / 4 of them instead of 8 * TOK_TILE / 4 (two stages of four
     blocks, which spilled at 64 tokens). The tile's tokens are summed in two halves, one half's
     wgmma in flight while the other half is promoted (_promote_stage_halves: 1.03-1.05x the
     whole-tile chain of wgmma, wait, promote), and joined into acc [64, TOK_TILE] at the end
-    (a register renaming: the halves' columns sit in the same threads)."""
+    (a register renaming: the halves' columns sit in the same threads). Returns (acc, it), or
+    (acc, tail_acc, it) with tail buffers.
+
+    With tail_bufs (a slot's last tile holding more than TOK_TILE tokens, sm90._tail_of), the
+    stage also brings the tail's tokens and scales, and a third, narrow accumulator [64, TAIL]
+    sums them over the same weight stream. The consumer calls this loop with and without the
+    tail from two branches, so each is a loop of its own: with the tail as a runtime branch in
+    one loop, the 16 registers of its accumulator spilled 69-107 values there."""
+    TAIL: gl.constexpr = tail_bufs is not None
     HALF_TOK: gl.constexpr = zero.shape[1] // 2
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, HALF_TOK, SCALE_BLOCK])
     half_zero = gl.zeros([zero.shape[0], HALF_TOK], gl.float32, half_layout)
     acc_lo = half_zero
     acc_hi = half_zero
+    if TAIL:
+        tail_acc = tail_zero
     loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
     for kk in range(k_steps):
         # The next stage's weight scales, loaded a stage ahead and used only in the next
@@ -327,43 +318,22 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
         w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
         # (The compiler puts a warpgroup barrier before the stage's release: every warp has read
         # the stage's scales and passed its wgmma wait.)
-        acc_lo, acc_hi = _promote_stage_halves(acc_lo, acc_hi, w_stage, t_bufs.index(stage), s_bufs.index(stage),
-                                               empty.index(stage), half_zero, word, half_layout)
+        if TAIL:
+            acc_lo, acc_hi, tail_acc = _promote_stage_halves(acc_lo, acc_hi, tail_acc, w_stage, t_bufs.index(stage),
+                                                             s_bufs.index(stage), tail_bufs.index(stage),
+                                                             tail_s_bufs.index(stage), empty.index(stage), half_zero,
+                                                             tail_zero, word, half_layout, tail_layout)
+        else:
+            acc_lo, acc_hi = _promote_stage_halves(acc_lo, acc_hi, None, w_stage, t_bufs.index(stage),
+                                                   s_bufs.index(stage), None, None, empty.index(stage), half_zero,
+                                                   None, word, half_layout, None)
         it += 1
-    both = gl.join(acc_lo, acc_hi).permute((0, 2, 1)).reshape([zero.shape[0], zero.shape[1]])
-    return gl.convert_layout(both, acc_layout), it
-
-
-@gluon.jit
-def _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, ready, empty, zero, tail_zero,
-                             w_scale_rows, w_ok, NUM_KB, KB4, it, k_steps, WG: gl.constexpr, STAGES: gl.constexpr,
-                             SWIZZLED: gl.constexpr, acc_layout: gl.constexpr, tail_layout: gl.constexpr):
-    """_promote_chain_wide for a slot's last tile when it holds more than TOK_TILE tokens: the
-    stage also brings the tail's tokens and scales (sm90._tail_of), and a second, narrow
-    accumulator [64, TAIL] sums them over the same weight stream. A loop of its own: with the
-    tail as a branch in _promote_chain_wide's loop, the 16 registers of its accumulator spilled
-    69-107 values there."""
-    HALF_TOK: gl.constexpr = zero.shape[1] // 2
-    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, HALF_TOK, SCALE_BLOCK])
-    half_zero = gl.zeros([zero.shape[0], HALF_TOK], gl.float32, half_layout)
-    acc_lo = half_zero
-    acc_hi = half_zero
-    tail_acc = tail_zero
-    loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
-    for kk in range(k_steps):
-        word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
-        loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
-        stage = it % STAGES
-        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-        w_stage = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        acc_lo, acc_hi, tail_acc = _promote_stage_halves_tail(acc_lo, acc_hi, tail_acc, w_stage, t_bufs.index(stage),
-                                                              s_bufs.index(stage), tail_bufs.index(stage),
-                                                              tail_s_bufs.index(stage), empty.index(stage), half_zero,
-                                                              tail_zero, word, half_layout, tail_layout)
-        it += 1
-    both = gl.join(acc_lo, acc_hi).permute((0, 2, 1)).reshape([zero.shape[0], zero.shape[1]])
-    return gl.convert_layout(both, acc_layout), tail_acc, it
+    acc = gl.convert_layout(gl.join(acc_lo, acc_hi).permute((0, 2, 1)).reshape([zero.shape[0], zero.shape[1]]),
+                            acc_layout)
+    if TAIL:
+        return acc, tail_acc, it
+    else:
+        return acc, it
 
 
 # e2m1 -> e4m3 scaled by 2^-6 (E2M1_WEIGHT_EXP) for eight packed elements (one 32-bit word,
@@ -696,10 +666,9 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok,
                                                   NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
                 else:
-                    acc, tail_acc, it = _promote_chain_wide_tail(w_bufs, t_bufs, s_bufs, tail_bufs, tail_s_bufs, ready,
-                                                                 empty, zero, tail_zero, w_scale_rows, w_ok, NUM_KB,
-                                                                 KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout,
-                                                                 tail_layout)
+                    acc, tail_acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows,
+                                                            w_ok, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED,
+                                                            acc_layout, tail_bufs, tail_s_bufs, tail_zero, tail_layout)
                     # (offsets made here, not held through the K loops beside the accumulators)
                     tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL,
                                                                            layout=gl.SliceLayout(0, tail_layout))
@@ -708,8 +677,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
                               tail_toks < t, tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
             elif WIDE:
-                acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok, NUM_KB,
-                                              KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
+                acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok,
+                                          NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
             elif SPLIT_K:
                 if ROWS == 1 and HALF_TILES:  # an expert's last tile may hold these rows past N
                     if w_block * W_TILE + WG_ROWS < N:
@@ -775,7 +744,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
     has and the warpgroups of the other 64 rows skip it. tail_desc, tail_s_desc (wide mxfp8
     tiles with tails, else None): [TAIL, 128] e4m3 token boxes and [4, TAIL] fp32 token-scale
     boxes: a slot's last tile takes up to TAIL tokens more (sm90._slot), computed by the same
-    warpgroups on a second accumulator (_promote_chain_wide_tail)."""
+    warpgroups on a third accumulator (_promote_chain_wide)."""
     HALF_TILES: gl.constexpr = w_half_desc is not None
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
