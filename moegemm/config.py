@@ -87,6 +87,14 @@ class Sm90Config:
         (kernels/sm90_mxfp8.py)."""
         return self.fp8_mma and self.token_tile > 32
 
+    def swap_store_scratch(self, out_bytes: int) -> int:
+        """Shared memory of the wide mxfp8 tiles' plain epilogue, which converts each warpgroup's
+        [64, tokens] bf16 output for 16-byte stores (fp32 outputs keep the 2-byte stores that
+        need none): Triton does it in pieces through a 4 KB buffer (sm_90 compile: the kernels'
+        shared memory grew by 4112 bytes at 64 and 128 tokens), so room for two warpgroups'
+        [64, 32] pieces is reserved."""
+        return 2 * 64 * 32 * out_bytes
+
     def epilogue_n(self, promote: bool) -> int:
         """Columns of one accumulator: fp8_block computes a normal 256-wide tile as two halves."""
         return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
@@ -111,6 +119,8 @@ class Sm90Config:
         if self.tail_tokens:  # the tail's tokens and scales
             stage += int(self.tail_tokens * element_bytes * self.stage_k) + 4 * 4 * self.tail_tokens
         epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
+        if self.swap and self.wide_promotion:  # tiles converted for 16-byte stores (sm90._store_swapped)
+            epilogue += self.swap_store_scratch(out_bytes)
         if self.split_k:  # the K-half-1 warpgroups' partial sums and their four barriers
             epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8
         return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
@@ -186,6 +196,8 @@ def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, w
         return cfg
     cfg = replace(cfg, tail_tokens=0)  # (the fused epilogue runs on one accumulator a tile)
     scratch = (4 if cfg.split_k else 2) * 64 * cfg.token_tile * 4  # one a warpgroup that may run it
+    if cfg.wide_promotion:  # (smem_bytes counts the plain epilogue's, which the fused kernel does not run)
+        scratch -= cfg.swap_store_scratch(out_bytes)
     while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes) + scratch > SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg

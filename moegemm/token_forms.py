@@ -6,10 +6,14 @@ The sm90 kernels for mxfp8, mxfp4 and w4a8 do not read the format's A operand as
         e4m3 tokens: mxfp4's e2m1 values times 2^6 (every such product is an e4m3 value, so
         the k32 sums stay exact); with e2m1 weights each group of 8 elements of K in the
         order 0 2 4 6 1 3 5 7, the order the kernel decodes the weights into.
-        fp32 token scales, K-block-major [num_k_scales, 4 * ceil(M / 4) + 4 * G]: slot g's row m
-        at column m - s + 4 * ceil(s / 4) + 4 * g (s: the slot's first row), so that TMA boxes
-        start 16-byte aligned (portable.decode_row_scales, kb_major). Only the tiles that take
-        their token scales through the ring (64 tokens or more, and e2m1 weights) read this layout.
+        fp32 token scales, K-block-major [num_k_scales, B * ceil(M / B) + B * G] (B, the column
+        block: 4, or 16 for mxfp8's wide tiles): slot g's row s + r at column
+        B * ceil(s / B) + B * g + r (s: the slot's first row), so that TMA boxes start 16-byte
+        aligned (portable.decode_row_scales, kb_major); with B = 16 each 16 rows of a slot are
+        stored in the order of the wgmma accumulator's columns a thread holds (kb_major_column):
+        the wide tiles load a thread's four scales of 16 tokens with one 128-bit load. Only the
+        tiles that take their token scales through the ring (64 tokens or more, and e2m1
+        weights) read this layout.
     decoding kernel (kernels/sm90_mx.py)
         the tokens dequantized to bf16 (portable.dequantize_rows).
 
@@ -38,11 +42,13 @@ E2M1_TOKEN_EXP = 6
 
 @dataclass(frozen=True)
 class TokenForm:
-    """kind "e4m3" (promotion kernel: exponent and even_odd as above) or "bf16" (decoding kernel)."""
+    """kind "e4m3" (promotion kernel: exponent, even_odd and the scales' column_block as above) or
+    "bf16" (decoding kernel)."""
 
     kind: str
     exponent: int = 0
     even_odd: bool = False
+    column_block: int = 4
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,26 @@ def token_form(fmt_name: str, n: int, k: int, rows: int, groups: int) -> TokenFo
     e2m1_weights = fmt.b.element.packed
     if not (cfg.wide_promotion or e2m1_weights):
         return None
-    return TokenForm("e4m3", exponent=E2M1_TOKEN_EXP if fmt.a.element.packed else 0, even_odd=e2m1_weights)
+    return TokenForm("e4m3", exponent=E2M1_TOKEN_EXP if fmt.a.element.packed else 0, even_odd=e2m1_weights,
+                     column_block=4 if e2m1_weights else ACC_ORDER_BLOCK)
 
 
-def kb_major_columns(rows: int, groups: int) -> int:
+# The wide mxfp8 tiles' scale columns: 16-aligned slots, each 16 tokens in accumulator order.
+ACC_ORDER_BLOCK = 16
+
+
+def kb_major_columns(rows: int, groups: int, column_block: int = 4) -> int:
     """Columns of the K-block-major token scales of `rows` rows in `groups` slots."""
-    return 4 * -(-rows // 4) + 4 * groups
+    return column_block * (-(-rows // column_block) + groups)
+
+
+def kb_major_column(r: int, s: int, g: int, column_block: int = 4) -> int:
+    """Column of row s + r of slot g (first row s) in the K-block-major token scales.
+
+    column_block 16: a thread of the wgmma accumulator (lane % 4 = c) holds the columns 2c, 2c + 1,
+    2c + 8 and 2c + 9 of each 16; they are stored at 4c .. 4c + 3, i.e. r = 16b + 8h + 2c + l
+    goes to 16b + 4c + 2h + l (the tl twin: _portable_tl.kb_major_column)."""
+    base = column_block * (-(-s // column_block) + g)
+    if column_block == ACC_ORDER_BLOCK:
+        r = (r & ~15) | ((r & 6) << 1) | ((r & 8) >> 2) | (r & 1)
+    return base + r

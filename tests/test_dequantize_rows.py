@@ -10,6 +10,7 @@ from moegemm import layouts
 from moegemm.formats import FORMATS
 from moegemm.kernels import portable
 from moegemm.ops import interpreter_usable
+from moegemm.token_forms import kb_major_column
 from moegemm.validation import validate_grouped_matmul
 
 from cases import TOKEN_PATTERNS, make_problem
@@ -68,21 +69,36 @@ def check_decode_row_scales(layout, pattern, device):
     assert torch.equal(wide_stages[valid, :got.shape[1]].view(torch.int32), got[valid].view(torch.int32))
     assert bool((wide_stages[valid, num_kb:] == 2.0 ** -127).all())
     # The transposed copy of the wide promotion tiles: [num_kb, columns], slot g's rows from
-    # column 4 * ceil(s / 4) + 4 * g (16-byte aligned for TMA), no padding blocks.
-    transposed = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, kb_major=True)
-    assert transposed.shape == (num_kb, -(-problem.m // 4) * 4 + 4 * problem.num_groups)
-    offsets = p.a_offsets.tolist()
-    checked = 0
-    for g, e in enumerate(p.expert_ids.tolist()):
-        s, t = min(max(offsets[g], 0), problem.m), min(max(offsets[g + 1], offsets[g], 0), problem.m)
-        if not 0 <= e < problem.num_experts or t <= s:
-            continue
-        first = 4 * -(-s // 4) + 4 * g
-        assert first % 4 == 0 and first + t - s <= transposed.shape[1]
-        got_rows = transposed[:, first:first + t - s].t().contiguous().view(torch.int32)
-        assert torch.equal(got_rows, expected[s:t].contiguous().view(torch.int32))
-        checked += t - s
-    assert checked == int(valid.sum())
+    # column B * ceil(s / B) + B * g (16-byte aligned for TMA), no padding blocks; with B = 16
+    # each 16 rows in the accumulator's order (token_forms.kb_major_column).
+    for block in (4, 16):
+        transposed = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, kb_major=True,
+                                                column_block=block)
+        assert transposed.shape == (num_kb, -(-problem.m // block) * block + block * problem.num_groups)
+        offsets = p.a_offsets.tolist()
+        checked = 0
+        for g, e in enumerate(p.expert_ids.tolist()):
+            s, t = min(max(offsets[g], 0), problem.m), min(max(offsets[g + 1], offsets[g], 0), problem.m)
+            if not 0 <= e < problem.num_experts or t <= s:
+                continue
+            columns = [kb_major_column(r, s, g, block) for r in range(t - s)]
+            assert columns[0] % block == 0 and max(columns) < transposed.shape[1]
+            got_rows = transposed[:, columns].t().contiguous().view(torch.int32)
+            assert torch.equal(got_rows, expected[s:t].contiguous().view(torch.int32))
+            checked += t - s
+        assert checked == int(valid.sum())
+
+
+def test_kb_major_column_orders_16s_as_the_accumulator():
+    """Column block 16: the columns 2c, 2c + 1, 2c + 8, 2c + 9 of each 16 (those a wgmma accumulator
+    thread with lane % 4 = c holds) are stored together at 4c .. 4c + 3; block 4 keeps the order."""
+    stored = [None] * 32
+    for r in range(32):
+        stored[kb_major_column(r, 0, 0, 16)] = r
+    assert stored[:16] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    assert stored[16:] == [16 + r for r in stored[:16]]
+    assert [kb_major_column(r, 5, 2, 16) for r in (0, 2, 8)] == [48, 52, 50]  # 16 * ceil(5 / 16) + 16 * 2
+    assert [kb_major_column(r, 5, 2) for r in range(3)] == [16, 17, 18]  # 4 * ceil(5 / 4) + 4 * 2
 
 
 @pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")

@@ -11,17 +11,19 @@ from moegemm import activation as act
 from moegemm.formats import get_format
 from moegemm.kernels import portable
 from moegemm.ops import interpreter_usable
-from moegemm.token_forms import TokenForm, kb_major_columns, token_form
+from moegemm.token_forms import TokenForm, kb_major_column, kb_major_columns, token_form
 from moegemm.validation import GroupedProblem
 
 FORMS = [
     ("mxfp8", TokenForm("e4m3")),
+    ("mxfp8", TokenForm("e4m3", column_block=16)),
     ("mxfp8", TokenForm("bf16")),
     ("mxfp4", TokenForm("e4m3", exponent=6, even_odd=True)),
     ("mxfp4", TokenForm("bf16")),
     ("w4a8", TokenForm("e4m3", even_odd=True)),
     ("w4a8", TokenForm("bf16")),
 ]
+FORM_IDS = [f"{f}-{form.kind}-{form.column_block}" for f, form in FORMS]
 
 
 def _routing(t, k, e, device, seed):
@@ -50,9 +52,11 @@ def _expected(fmt, form, q, a_offsets, expert_ids, rows, k, num_experts):
         return portable.dequantize_rows(p, q.data, q.scales, a_offsets, expert_ids, None), None
     if get_format(fmt).a.element.packed:
         scales, data = portable.token_prepass(p, q.data, q.scales, a_offsets, expert_ids, None, kb_major=True,
-                                              exponent=form.exponent, even_odd=form.even_odd)
+                                              exponent=form.exponent, even_odd=form.even_odd,
+                                              column_block=form.column_block)
         return data, scales
-    scales = portable.decode_row_scales(p, q.scales, a_offsets, expert_ids, None, kb_major=True)
+    scales = portable.decode_row_scales(p, q.scales, a_offsets, expert_ids, None, kb_major=True,
+                                        column_block=form.column_block)
     data = portable.even_odd_k(q.data) if form.even_odd else q.data
     return data, scales
 
@@ -73,9 +77,9 @@ def _assert_same(got, fmt, form, q, a_offsets, expert_ids, num_experts):
             continue
         slot_rows[s:t] = True
         if form.kind == "e4m3":
-            first = 4 * -(-s // 4) + 4 * g
-            assert torch.equal(got.scales[:, first:first + t - s].view(torch.int32).cpu(),
-                               want_scales[:, first:first + t - s].view(torch.int32).cpu()), f"scales of slot {g}"
+            columns = [kb_major_column(r, s, g, form.column_block) for r in range(t - s)]
+            assert torch.equal(got.scales[:, columns].view(torch.int32).cpu(),
+                               want_scales[:, columns].view(torch.int32).cpu()), f"scales of slot {g}"
             checked += t - s
     if form.kind == "bf16":  # bit for bit, but the sign of a zero: the pre-pass's decode gives e4m3's -0
         # as -0 compiled (hardware conversion) and +0 interpreted (a negation of +0); no product sees it
@@ -95,7 +99,7 @@ def check_gather(fmt, form, device):
     assert got.form == form and got.data.shape == (t * k, hidden)
     if form.kind == "e4m3":
         assert got.data.dtype == torch.float8_e4m3fn
-        assert got.scales.shape == (hidden // 32, kb_major_columns(t * k, e))
+        assert got.scales.shape == (hidden // 32, kb_major_columns(t * k, e, form.column_block))
     q = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
     _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
 
@@ -130,7 +134,7 @@ def check_swiglu(fmt, form, device):
 
 
 @pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
-@pytest.mark.parametrize("fmt,form", FORMS, ids=[f"{f}-{form.kind}" for f, form in FORMS])
+@pytest.mark.parametrize("fmt,form", FORMS, ids=FORM_IDS)
 def test_kernel_tokens_interpreted(fmt, form):
     check_gather(fmt, form, "cpu")
     check_scatter(fmt, form, "cpu")
@@ -138,7 +142,7 @@ def test_kernel_tokens_interpreted(fmt, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,form", FORMS, ids=[f"{f}-{form.kind}" for f, form in FORMS])
+@pytest.mark.parametrize("fmt,form", FORMS, ids=FORM_IDS)
 def test_kernel_tokens_compiled(fmt, form):
     check_gather(fmt, form, "cuda")
     check_scatter(fmt, form, "cuda")
@@ -147,11 +151,12 @@ def test_kernel_tokens_compiled(fmt, form):
 
 def test_token_form_follows_the_kernel_config():
     """mxfp4 at decode: the split-K promotion kernel (e4m3 times 2^6, even/odd); at prefill the
-    decoding kernel (bf16). mxfp8: e4m3 on wide tiles, None on narrow ones (row-major scales)."""
+    decoding kernel (bf16). mxfp8: e4m3 on wide tiles (scales in accumulator order), None on
+    narrow ones (row-major scales)."""
     assert token_form("mxfp4", 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=6, even_odd=True)
     assert token_form("w4a8", 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=0, even_odd=True)
     assert token_form("mxfp4", 5760, 2880, 16384, 128) == TokenForm("bf16")
-    assert token_form("mxfp8", 4096, 7168, 32768, 256) == TokenForm("e4m3")
+    assert token_form("mxfp8", 4096, 7168, 32768, 256) == TokenForm("e4m3", column_block=16)
     assert token_form("mxfp8", 4096, 7168, 512, 256) is None
     assert token_form("nvfp4", 4096, 7168, 32768, 256) is None
     assert token_form("mxfp4", 5760, 2880, 0, 128) is None
@@ -176,3 +181,10 @@ def test_kernel_tokens_reject_other_formats():
     offsets = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="form"):
         act.gather_kernel_tokens(x, "nvfp4", torch.arange(4), TokenForm("bf16"), offsets)
+
+
+def test_kernel_tokens_reject_other_column_blocks():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="column_block"):
+        act.gather_kernel_tokens(x, "mxfp8", torch.arange(4), TokenForm("e4m3", column_block=8), offsets)

@@ -16,8 +16,15 @@ Program (i, j) takes rows [i*BLOCK_M, (i+1)*BLOCK_M) and output columns
 [j*CHUNK, (j+1)*CHUNK), CHUNK = NB scale blocks of VEC columns.
 """
 
+from pathlib import Path
+
 import triton
 import triton.language as tl
+
+from moegemm.kernels import tl_source
+
+# The portable kernels' file, built for the same target as this one (kb_major_column).
+_portable = tl_source.load(Path(__file__).with_name("_portable_tl.py"), triton.knobs.runtime.interpret)
 
 ACT_NONE = tl.constexpr(0)
 ACT_SWIGLU = tl.constexpr(1)  # silu(gate) * up
@@ -218,14 +225,14 @@ def activation_quantize_kernel(
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, LOG_G: tl.constexpr,
     BLOCK_M: tl.constexpr, NB: tl.constexpr, VEC: tl.constexpr,
     FORM: tl.constexpr = 0, EXP: tl.constexpr = 0, EVEN_ODD: tl.constexpr = False, TOPK: tl.constexpr = 0,
-    PAIR_WORDS: tl.constexpr = False, TOPK_P2: tl.constexpr = 1,
+    PAIR_WORDS: tl.constexpr = False, TOPK_P2: tl.constexpr = 1, COLUMN_BLOCK: tl.constexpr = 4,
 ):
     """Rows of x (gathered through src_rows), activated, quantized into out/out_scale.
 
     FORM (e8m0 formats only; module header): FORM_E4M3 writes e4m3 bytes, e2m1 values as
     their e4m3 code times 2^EXP, each group of 8 elements of K in the order 0 2 4 6 1 3 5 7
-    with EVEN_ODD, and the scales as fp32 2^e at [kb, m - s + 4 * ceil(s / 4) + 4 * g] of a
-    [NUM_KB, M_PAD] buffer (slot g starts at row s), which is portable.decode_row_scales'
+    with EVEN_ODD, and the scales as fp32 2^e at [kb, kb_major_column(m - s, s, g, COLUMN_BLOCK)]
+    of a [NUM_KB, M_PAD] buffer (slot g starts at row s), which is portable.decode_row_scales'
     kb_major layout; FORM_BF16 writes bf16(value * 2^e), which is portable.dequantize_rows'.
     Rows outside slots get no scales in FORM_E4M3, as in the swizzled layout.
 
@@ -309,11 +316,11 @@ def activation_quantize_kernel(
                 _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, tl.maximum(dest, 0),
                                      dest_slot if FORM == FORM_E4M3 else dest, dest_in_slot, pid_c, blk, cols3,
                                      dest_in_slot[:, None, None] & col_mask3, M, K_OUT, NUM_KB, M_PAD, FORM,
-                                     EVEN_ODD, NB)
+                                     EVEN_ODD, NB, COLUMN_BLOCK)
         elif FORM != FORM_OPERAND:
             _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot if FORM == FORM_E4M3
                                  else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
-                                 M, K_OUT, NUM_KB, M_PAD, FORM, EVEN_ODD, NB)
+                                 M, K_OUT, NUM_KB, M_PAD, FORM, EVEN_ODD, NB, COLUMN_BLOCK)
         else:
             if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
                 tl.store(out_ptr + out_rows3 + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
@@ -370,7 +377,7 @@ def _kernel_token_values(scaled, e, stored, OUT: tl.constexpr, FORM: tl.constexp
 @triton.jit
 def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot, in_slot, pid_c, blk,
                          cols3, out_mask3, M, K_OUT, NUM_KB, M_PAD, FORM: tl.constexpr, EVEN_ODD: tl.constexpr,
-                         NB: tl.constexpr):
+                         NB: tl.constexpr, COLUMN_BLOCK: tl.constexpr):
     """_kernel_token_values' values and scales stored to `rows` (of slots `slot` where in_slot)."""
     out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
     if FORM == FORM_BF16:
@@ -382,7 +389,7 @@ def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, r
             dest = cols3
         tl.store(out_ptr + out_rows3 + dest, values, mask=out_mask3)
         start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
-        column = rows - start + 4 * ((start + 3) // 4) + 4 * slot
+        column = _portable.kb_major_column(rows - start, start, slot, COLUMN_BLOCK)
         kb = pid_c * NB + blk[None, :]  # [1, NB]
         tl.store(out_scale_ptr + kb.to(tl.int64) * M_PAD + column[:, None], scale,
                  mask=in_slot[:, None] & (rows[:, None] < M) & (kb < NUM_KB))

@@ -287,9 +287,9 @@ def decode_row_scales_kernel(
     """out[m' * ROW_STRIDE + kb * KB_STRIDE] = fp32 value of A's e8m0 scale (m, kb) for kb <
     COLUMNS (>= NUM_KB; those past NUM_KB get 2^-127, the value of a zero byte), for the rows m
     of every valid slot (the token scales of the mxfp8 promotion kernel, kernels/sm90_mxfp8.py);
-    other rows are not written. m' = m, or with ALIGN_GROUPS m - s + 4 * ceil(s / 4) + 4 * g
-    (slot g starts at row s): every slot's first row at a multiple of 4. Slots and parts as in
-    dequantize_rows_kernel."""
+    other rows are not written. m' = m, or with ALIGN_GROUPS (4 or 16, the column block)
+    kb_major_column(m - s, s, g, ALIGN_GROUPS) (slot g starts at row s): every slot's first row
+    at a multiple of the block. Slots and parts as in dequantize_rows_kernel."""
     _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, tl.program_id(0),
                        tl.program_id(1), tl.num_programs(1), M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
                        ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
@@ -302,10 +302,6 @@ def _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offse
                        BLOCK_KB: tl.constexpr):
     """decode_row_scales_kernel's work for slot g, part `part` of `parts`."""
     s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
-    if ALIGN_GROUPS:
-        out_shift = 4 * ((s + 3) // 4) + 4 * g - s
-    else:
-        out_shift = s * 0
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
@@ -316,8 +312,22 @@ def _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offse
             kb = kb0 + tl.arange(0, BLOCK_KB)
             raw = tl.load(a_scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED),
                           mask=scale_mask[:, None] & (kb[None, :] < NUM_KB), other=0)
-            tl.store(out_ptr + (rows + out_shift)[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, _decode_e8m0(raw),
+            if ALIGN_GROUPS:
+                out_rows = kb_major_column(rows - s, s, g, ALIGN_GROUPS)
+            else:
+                out_rows = rows
+            tl.store(out_ptr + out_rows[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, _decode_e8m0(raw),
                      mask=row_mask[:, None] & (kb[None, :] < COLUMNS))
+
+
+@triton.jit
+def kb_major_column(r, s, g, BLOCK: tl.constexpr):
+    """Column of row s + r of slot g (first row s) in the K-block-major token scales with column
+    block BLOCK (4, or 16: each 16 in the accumulator's order); token_forms.kb_major_column."""
+    base = BLOCK * ((s + BLOCK - 1) // BLOCK) + BLOCK * g
+    if BLOCK == 16:
+        r = (r & ~15) | ((r & 6) << 1) | ((r & 8) >> 2) | (r & 1)
+    return base + r
 
 
 @triton.jit

@@ -43,14 +43,17 @@ def opcode_counts(sass_text: str) -> collections.Counter:
     return counts
 
 
-def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict):
-    """Compile a @gluon.jit function for sm_90 (descriptor arguments: see tensordesc_signature)."""
+def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict, aligned: tuple = ()):
+    """Compile a @gluon.jit function for sm_90 (descriptor arguments: see tensordesc_signature).
+    `aligned`: names of the pointer and integer arguments to compile as multiples of 16 (what the
+    launcher specializes on at run time when they are)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
-    return triton.compile(GluonASTSource(jit_fn, sig, constexprs), target=SM90, options=options)
+    attrs = {(jit_fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(jit_fn, sig, constexprs, attrs), target=SM90, options=options)
 
 
 def tensordesc_signature(dtype_name: str, block: list[int], layout=None) -> str:

@@ -13,7 +13,7 @@ import torch
 from .. import layouts
 from ..config import portable_config
 from ..formats import E2M1, E4M3
-from ..token_forms import kb_major_columns
+from ..token_forms import ACC_ORDER_BLOCK, kb_major_columns
 from ..validation import GroupedProblem
 from . import tl_source
 
@@ -173,7 +173,8 @@ def even_odd_k(a: torch.Tensor) -> torch.Tensor:
 
 
 def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scale_offsets,
-                      pad_stages: bool = False, kb_major: bool = False, stage_blocks: int = 4) -> torch.Tensor:
+                      pad_stages: bool = False, kb_major: bool = False, stage_blocks: int = 4,
+                      column_block: int = 4) -> torch.Tensor:
     """fp32 [M, num_k_scales]: A's e8m0 scales decoded (2^(b-127); 0 -> 2^-127, 255 -> NaN) into
     the plain layout, for the rows of every valid slot; other rows are left unwritten.
 
@@ -181,13 +182,14 @@ def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scal
     past num_k_scales 2^-127, so the promotion kernel's narrow tiles (kernels/sm90_mxfp8.py) load
     the scales of a stage of stage_blocks K blocks, and the next stage's ahead of time, with no
     K mask.
-    kb_major: the transpose, [num_k_scales, 4 * ceil(M / 4) + 4 * G], so that a [4, tokens] box
-    holds one ring stage's token scales (the kernel's wide tiles). TMA needs a box to start
-    16-byte aligned on the contiguous axis (an illegal instruction otherwise, H100), so slot g's
-    row m sits at column m - s + 4 * ceil(s / 4) + 4 * g (s: the slot's clamped first row):
-    every slot starts at a multiple of 4, and the slots stay in order without overlapping."""
+    kb_major: the transpose, [num_k_scales, B * ceil(M / B) + B * G] (B = column_block, 4 or
+    16), so that a [4, tokens] box holds one ring stage's token scales (the kernel's wide tiles).
+    TMA needs a box to start 16-byte aligned on the contiguous axis (an illegal instruction
+    otherwise, H100), so slot g's row s + r sits at column token_forms.kb_major_column(r, s, g, B)
+    (s: the slot's clamped first row): every slot starts at a multiple of B, and the slots stay in
+    order without overlapping; B = 16 also orders each 16 rows as the wgmma accumulator's columns."""
     out, args, consts, parts = _row_scales_launch(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages,
-                                                  kb_major, stage_blocks)
+                                                  kb_major, stage_blocks, column_block)
     if parts:
         kernel_module(a_scales.device.type == "cpu").decode_row_scales_kernel[(p.num_groups, parts)](
             *args, **consts, num_warps=4)
@@ -196,13 +198,13 @@ def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scal
 
 def token_prepass(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages: bool = False,
                   kb_major: bool = False, stage_blocks: int = 4, exponent: int = 0,
-                  even_odd: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  even_odd: bool = False, column_block: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(decode_row_scales(...), e2m1_to_e4m3(a, exponent, even_odd)) in one launch: the two
     pre-passes of packed e2m1 tokens before the sm90 promotion kernel (kernels/sm90_mxfp8.py),
     one launch less before each product (~2 us each at decode, H100)."""
     _check_e2m1_to_e4m3(a, exponent, even_odd)
     out, args, consts, parts = _row_scales_launch(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages,
-                                                  kb_major, stage_blocks)
+                                                  kb_major, stage_blocks, column_block)
     tokens = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
     num_bytes, block = a.numel(), 1024
     programs = p.num_groups * parts + math.ceil(num_bytes / block)
@@ -214,13 +216,15 @@ def token_prepass(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale
 
 
 def _row_scales_launch(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages, kb_major,
-                       stage_blocks):
+                       stage_blocks, column_block):
     """decode_row_scales' output, its kernel's arguments and constexprs, and its parts a slot
     (0: nothing to launch)."""
     num_kb = p.num_k_scales
     columns = stage_blocks * (math.ceil(num_kb / stage_blocks) + 1) if pad_stages else num_kb
     if kb_major:
-        m_pad = kb_major_columns(p.m, p.num_groups)
+        if column_block not in (4, ACC_ORDER_BLOCK):
+            raise ValueError(f"column_block: 4 or {ACC_ORDER_BLOCK}, got {column_block}")
+        m_pad = kb_major_columns(p.m, p.num_groups, column_block)
         out = torch.empty(columns, m_pad, dtype=torch.float32, device=a_scales.device)
         row_stride, kb_stride = 1, m_pad
     else:
@@ -237,5 +241,5 @@ def _row_scales_launch(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_sca
     args = (_bytes(a_scales), a_offsets, expert_ids, a_scale_offsets if a_scale_offsets is not None else a_offsets,
             out, p.m, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
             a_scales.shape[0] * 128 if swizzled else p.m, columns, row_stride, kb_stride)
-    consts = dict(SWIZZLED=swizzled, ALIGN_GROUPS=kb_major, BLOCK_M=block_m, BLOCK_KB=64)
+    consts = dict(SWIZZLED=swizzled, ALIGN_GROUPS=column_block if kb_major else 0, BLOCK_M=block_m, BLOCK_KB=64)
     return out, args, consts, parts

@@ -114,17 +114,35 @@ def _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim: gl.constexpr,
 
 
 @gluon.jit
+def _store_swapped(out_ptr, result, tok0, t, n0, N):
+    """C[tok0 + j, n0 + i] = result[i, j] of a swapped tile (rows: weight rows from n0, columns:
+    tokens from tok0) for tokens < t and n < N. The accumulator's layout holds pairs of
+    consecutive tokens, N apart in C: 2-byte stores, ~15 instructions an element with their
+    64-bit addresses and masks. Converted (through shared memory) to 8 consecutive weight
+    rows a thread, a warp stores four tokens' 128-byte row pieces with 16-byte stores."""
+    ROWS: gl.constexpr = result.shape[0]
+    TOKS: gl.constexpr = result.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    value = gl.convert_layout(result, layout)
+    ns = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    toks = tok0 + gl.arange(0, TOKS, layout=gl.SliceLayout(0, layout))
+    ptrs = out_ptr + gl.expand_dims(ns, 1) + gl.expand_dims(toks.to(gl.int64) * N, 0)
+    gl.store(ptrs, value, mask=gl.expand_dims(ns < N, 1) & gl.expand_dims(toks < t, 0))
+
+
+@gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     a_offsets_ptr, expert_ids_ptr, M, N, K, E, G,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None,
                     ws_desc=None, ws_bufs=None, KB4=0, b_half_desc=None, tail_desc=None, tail_bufs=None,
-                    tail_s_desc=None, tail_s_bufs=None):
+                    tail_s_desc=None, tail_s_bufs=None, S_COLUMN_BLOCK: gl.constexpr = 4):
     """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
     (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
     i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py). With s_desc, a stage
     also holds the tokens' fp32 scales of its K blocks, a [K blocks, TOK_TILE] box of their
-    K-block-major copy (kernels/sm90_mxfp8.py). With ws_desc, also the weight tile's e8m0
+    K-block-major copy (kernels/sm90_mxfp8.py; slots start at multiples of S_COLUMN_BLOCK,
+    token_forms.kb_major_column). With ws_desc, also the weight tile's e8m0
     scales in the swizzled layout, seen as [atoms * 32, 4] int32 (a 128x4 atom is 32 x 4 words,
     KB4 atoms per 128 weight rows): an [atoms * 32, 4] box (kernels/sm90_mxfp8.py, e2m1 weights).
     With b_half_desc (a [W_TILE / 2, ...] box of B), a weight tile whose rows past N are at least
@@ -176,8 +194,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
             b_row = e * N + w_block * W_TILE
             if b_half_desc is not None:
                 half_tile = N - w_block * W_TILE <= W_TILE // 2
-            if s_desc is not None:  # the slot's columns start 16-byte aligned (portable.decode_row_scales)
-                s_col = 4 * ((s + 3) // 4) + 4 * g + tok_block * TOK_TILE
+            if s_desc is not None:  # the slot's columns start 16-byte aligned (token_forms.kb_major_column)
+                s_col = S_COLUMN_BLOCK * ((s + S_COLUMN_BLOCK - 1) // S_COLUMN_BLOCK + g) + tok_block * TOK_TILE
             if TAIL > 0:
                 has_tail = _tail_of(tok_block, tok_tiles, s, t, TOK_TILE)
             for kk in range(k_steps):
@@ -304,17 +322,22 @@ def _chain(m_op, n_op, ready, empty, zero, it, k_steps, WG: gl.constexpr, STAGES
 @gluon.jit
 def _epilogue(acc, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
               row0, col0, t, SWAP: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-              HAS_ROW_SCALES: gl.constexpr, tok_dim: gl.constexpr, w_dim: gl.constexpr):
+              HAS_ROW_SCALES: gl.constexpr, tok_dim: gl.constexpr, w_dim: gl.constexpr,
+              VECTOR_SWAP: gl.constexpr = False):
     """C = acc * expert_scales[e] * row_scales[tok], rounded; TMA store when this warpgroup's
     64 token rows (from row0) all lie inside the group (the store is clipped at M and N), else
-    masked stores."""
+    masked stores. VECTOR_SWAP (swapped tiles whose kernel leaves shared memory for it,
+    config.Sm90Config.smem_bytes): 16-byte stores (_store_swapped), row0 the tile's first token
+    and col0 its first weight row."""
     if HAS_EXPERT_SCALES:
         acc = acc * gl.load(expert_scales_ptr + e)
     if HAS_ROW_SCALES:
         rs = gl.load(row_scales_ptr + toks, mask=tok_mask, other=0.0).to(gl.float32)
         acc = acc * gl.expand_dims(rs, tok_dim)
     result = acc.to(out_ptr.dtype.element_ty)
-    if SWAP:
+    if VECTOR_SWAP:
+        _store_swapped(out_ptr, result, row0, t, col0, N)
+    elif SWAP:
         _masked_store(out_ptr, result, toks, tok_mask, ns, N, tok_dim, w_dim)
     else:
         if row0 + WG_ROWS <= t:

@@ -242,7 +242,7 @@ def check_kernel_tokens(p: GroupedProblem, tokens: KernelTokens):
         raise ValueError(f"tokens: expected contiguous {dtype} data [{p.m}, {p.k}], got {tokens.data.dtype} "
                          f"{tuple(tokens.data.shape)}")
     if form.kind == "e4m3":
-        columns = kb_major_columns(p.m, p.num_groups)
+        columns = kb_major_columns(p.m, p.num_groups, form.column_block)
         scales = tokens.scales
         if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (p.num_k_scales, columns):
             raise ValueError(f"tokens: expected fp32 scales [{p.num_k_scales}, {columns}], got "

@@ -21,7 +21,11 @@ Narrow tiles (16 or 32 tokens): the token scales are loaded from global memory a
 ahead, four vectors of TOK_TILE / 4 a thread, and two partial tiles are in flight (below).
 Wide tiles (64 or 128 tokens): that would be 8 x TOK_TILE / 4 registers (64 tokens spilled),
 so the producer also loads each stage's token scales, a [4, TOK_TILE] fp32 box of their
-K-block-major copy, into the ring; a warpgroup reads one block's vector at a time. It sums
+K-block-major copy, into the ring; a warpgroup reads one block's vector at a time, stored in
+the accumulator's column order so that a thread's four of 16 tokens are one 128-bit load
+(_token_scale_row). A NaN weight scale (code 255) decodes to +inf there, and its rows are made
+NaN after the K loop (_word_scale_nan_later), and the main tile's bf16 output leaves with
+16-byte stores (sm90._store_swapped). It sums
 the tile's tokens in two halves, whose wgmmas alternate: one half's wgmma runs while the other
 half's partial is promoted (_promote_stage_halves; a whole-tile partial in flight beside the
 one promoted spilled). Up to 192 tokens a slot, a slot's last 128-token tile also takes up to
@@ -75,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..token_forms import E2M1_TOKEN_EXP
+from ..token_forms import ACC_ORDER_BLOCK, E2M1_TOKEN_EXP
 from ..validation import GroupedProblem
 from . import portable
 from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count, _tail_of
@@ -83,6 +87,7 @@ from .sm90_epilogue import epilogue_args, fused_epilogue
 from .sm90_mx import _scale_row_offsets
 
 SCALE_BLOCK = gl.constexpr(32)  # K elements per e8m0 scale, and the K of one fp8 wgmma
+ACC_ORDER_COLUMNS = gl.constexpr(ACC_ORDER_BLOCK)  # the wide tiles' token-scale column block
 
 
 @gluon.jit
@@ -148,6 +153,32 @@ def _word_scale(word, j: gl.constexpr):
 
 
 @gluon.jit
+def _word_scale_nan_later(word, j: gl.constexpr):
+    """_word_scale but for the NaN code 255, which gives +inf: the wide loop marks the rows of a
+    NaN scale (_nan_code_bits) and makes them NaN after the K loop, three integer operations
+    fewer a scale (eight scales a thread and stage) for two a word."""
+    if j == 3:
+        bits = (word >> 1) & 0x7F800000
+    else:
+        bits = (word << (23 - 8 * j)) & 0x7F800000
+    return gl.maximum(bits, 0x00400000).to(gl.float32, bitcast=True)  # 0 -> 2^-127, an fp32 subnormal
+
+
+@gluon.jit
+def _nan_code_bits(word):
+    """Bit 7 of each byte of a scale word set where the byte is 255 (the low seven bits plus one
+    carry into bit 7 only from 0x7F; no carry leaves a byte), other bits junk: or them over the
+    K loop and test with _has_nan_code."""
+    return ((word & 0x7F7F7F7F) + 0x01010101) & word
+
+
+@gluon.jit
+def _has_nan_code(bits):
+    """Whether _nan_code_bits (or-ed) saw a 255 byte (bit 31 comes down by an arithmetic shift)."""
+    return ((bits >> 7) & 0x01010101) != 0
+
+
+@gluon.jit
 def _token_scales(t_scale_rows, t_ok, kk):
     """fp32 scales of stage kk's four K blocks, one [TOK_TILE] vector each, from the decoded
     copy (portable.decode_row_scales: rows padded past the last stage, so only the tokens
@@ -157,6 +188,29 @@ def _token_scales(t_scale_rows, t_ok, kk):
     s2 = gl.load(t_scale_rows + 4 * kk + 2, mask=t_ok, other=0.0)
     s3 = gl.load(t_scale_rows + 4 * kk + 3, mask=t_ok, other=0.0)
     return s0, s1, s2, s3
+
+
+@gluon.constexpr_function
+def _acc_order_load_layout(tokens):
+    """[1, tokens] fp32 scales stored in accumulator order (token_forms.kb_major_column, column
+    block 16): the thread of lane % 4 = c holds the stored columns 4c .. 4c + 3 of every 16, one
+    128-bit shared load each (every warp and lane // 4 the same: the row is broadcast)."""
+    regs = [[0, 1], [0, 2]] + [[0, 16 << i] for i in range((tokens // 16).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 4], [0, 8], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[1, tokens])
+
+
+@gluon.jit
+def _token_scale_row(row, acc_layout: gl.constexpr):
+    """One K block's token scales, a [1, TOKENS] row in the accumulator's layout (a thread's
+    columns 2c, 2c + 1, 2c + 8, 2c + 9 of every 16), from a row of the stage's box whose 16s are
+    stored in that order (at 4c .. 4c + 3): one LDS.128 per 16 tokens instead of two LDS.64. The
+    stored position 16b + 4c + 2h + l holds column 16b + 8h + 2c + l: the reshape and permute
+    relabel the registers (no data moves)."""
+    TOKENS: gl.constexpr = row.shape[1]
+    stored = row.load(_acc_order_load_layout(TOKENS))
+    columns = gl.permute(gl.reshape(stored, [1, TOKENS // 16, 4, 2, 2]), (0, 1, 3, 2, 4))
+    return gl.convert_layout(gl.reshape(columns, [1, TOKENS]), acc_layout)
 
 
 @gluon.jit
@@ -240,9 +294,9 @@ def _promote_stage_halves(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_stage, t
     w, t = _block_operands(w_stage, t_hi, 0)
     p_hi = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
     for j in gl.static_range(4):
-        sw_word = _word_scale(word, j)
+        sw_word = _word_scale_nan_later(word, j)
         sw = gl.convert_layout(sw_word, gl.SliceLayout(1, half_layout))  # (same rows a thread)
-        st = s_lo.slice(j, 1).load(half_layout)
+        st = _token_scale_row(s_lo.slice(j, 1), half_layout)
         p_lo = warpgroup_mma_wait(1, deps=(p_lo, ))
         acc_lo = _promote_rows(acc_lo, p_lo, sw, st)
         if TAIL:
@@ -251,7 +305,7 @@ def _promote_stage_halves(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_stage, t
         elif j < 3:
             w, t = _block_operands(w_stage, t_lo, j + 1)
             p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-        st = s_hi.slice(j, 1).load(half_layout)
+        st = _token_scale_row(s_hi.slice(j, 1), half_layout)
         if TAIL or j < 3:
             p_hi = warpgroup_mma_wait(1, deps=(p_hi, ))
         else:
@@ -262,7 +316,7 @@ def _promote_stage_halves(acc_lo, acc_hi, tail_acc, w_stage, t_stage, s_stage, t
             if j < 3:
                 w, t = _block_operands(w_stage, t_lo, j + 1)
                 p_lo = warpgroup_mma(w, t, zero, use_acc=False, is_async=True)
-            st = tail_s_stage.slice(j, 1).load(tail_layout)
+            st = _token_scale_row(tail_s_stage.slice(j, 1), tail_layout)
             if j < 3:
                 p_tail = warpgroup_mma_wait(1, deps=(p_tail, ))
             else:
@@ -307,11 +361,13 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     if TAIL:
         tail_acc = tail_zero
     loads = _weight_scale_loads(w_scale_rows, w_ok, 0, NUM_KB, KB4, SWIZZLED)
+    nan_bits = gl.zeros_like(w_ok.to(gl.int32))  # rows with a NaN weight scale (_nan_code_bits)
     for kk in range(k_steps):
         # The next stage's weight scales, loaded a stage ahead and used only in the next
         # iteration: decoded right after their load (as before), the loop waited for it every
         # stage (Nsight: long-scoreboard stalls).
         word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
+        nan_bits = nan_bits | _nan_code_bits(word)
         loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
@@ -330,7 +386,11 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
         it += 1
     acc = gl.convert_layout(gl.join(acc_lo, acc_hi).permute((0, 2, 1)).reshape([zero.shape[0], zero.shape[1]]),
                             acc_layout)
+    # A NaN weight scale makes its row NaN (the promotion multiplied by +inf: _word_scale_nan_later).
+    nan_rows = gl.expand_dims(_has_nan_code(nan_bits), 1)
+    acc = gl.where(gl.convert_layout(nan_rows, acc_layout), float("nan"), acc)
     if TAIL:
+        tail_acc = gl.where(gl.convert_layout(nan_rows, tail_layout), float("nan"), tail_acc)
         return acc, tail_acc, it
     else:
         return acc, it
@@ -631,6 +691,9 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
     # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
     ROWS: gl.constexpr = WG % 2
     KH: gl.constexpr = WG // 2
+    # Wide tiles with 2-byte outputs store them 16 bytes at a time (sm90._store_swapped; the
+    # config leaves shared memory for that, config.Sm90Config.swap_store_scratch).
+    VECTOR_STORE: gl.constexpr = WIDE and out_ptr.dtype.element_ty.primitive_bitwidth == 16
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, TOK_TILE, SCALE_BLOCK])
     pid = gl.program_id(0)
@@ -674,6 +737,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                                                                            layout=gl.SliceLayout(0, tail_layout))
                     tail_ns = w_block * W_TILE + ROWS * WG_ROWS + gl.arange(0, WG_ROWS,
                                                                              layout=gl.SliceLayout(1, tail_layout))
+                    # (2-byte stores: the tail's 16 values a thread; the 16-byte stores' conversion
+                    # here spilled tile-setup values with plain weight scales)
                     _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
                               tail_toks < t, tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
             elif WIDE:
@@ -718,7 +783,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     # (the tile's token offsets made here, not held through the K loop: they spilled)
                     toks = s + tok_block * TOK_TILE + gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
                     _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, toks < t, ns, N,
-                              0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+                              s + tok_block * TOK_TILE, w_block * W_TILE + ROWS * WG_ROWS, t, True,
+                              HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1, VECTOR_STORE)
         tile_base += group_tiles
 
 
@@ -752,6 +818,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
     FP4W: gl.constexpr = w_desc.dtype == gl.uint8
     WIDE: gl.constexpr = s_desc is not None and not FP4W
     SUB: gl.constexpr = 2 if FP4W else 1  # token tiles a stage
+    # Wide tiles read their token scales in accumulator order (_token_scale_row), e2m1 tiles as they are.
+    S_COLUMN_BLOCK: gl.constexpr = ACC_ORDER_COLUMNS if WIDE else 4
     gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
     gl.static_assert(BLOCK_K == 4 * SCALE_BLOCK, "a token tile holds four scale blocks (_promote_chain)")
     gl.static_assert(not FP4W or (s_desc is not None and TOK_TILE <= 16),
@@ -851,7 +919,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
-                               ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs)),
+                               ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, S_COLUMN_BLOCK)),
         # Producer registers: what the consumers leave of 504 a thread (64K registers; 120 with
         # 192 a consumer keeps the narrow tiles' two wgmmas in flight, sm90_mx.py says why); the
         # wide tiles need 232 a consumer thread (192 spilled), 240 with a tail (232 spilled a
@@ -887,7 +955,8 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     else:
         token_scales = portable.decode_row_scales(p, a_scales, a_offsets, expert_ids, a_scale_offsets,
                                                   pad_stages=not staged, kb_major=staged,
-                                                  stage_blocks=cfg.stage_k // 32)
+                                                  stage_blocks=cfg.stage_k // 32,
+                                                  column_block=ACC_ORDER_BLOCK if wide and not fp4_weights else 4)
     if fp4_weights and not p.fmt.a.element.packed and tokens is None:  # w4a8's tokens meet the decoded weights
         a = portable.even_odd_k(a)
     s_desc = ws_desc = None
