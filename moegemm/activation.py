@@ -27,7 +27,7 @@ from . import layouts
 from .kernels import tl_source
 from .formats import E2M1, E4M3, get_format
 from .quantize import QuantizedTensor, quantize
-from .token_forms import ACC_ORDER_BLOCK, KernelTokens, TokenForm, kb_major_columns
+from .token_forms import KernelTokens, TokenForm, kb_major_columns
 
 __all__ = ["ACTIVATIONS", "interleave_gate_up", "deinterleave_gate_up", "swiglu", "gather_quantize",
            "swiglu_quantize"]
@@ -169,8 +169,6 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             form_code = module.FORM_BF16.value
             data, scales = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device), None
         else:
-            if form.column_block not in (4, ACC_ORDER_BLOCK):
-                raise ValueError(f"form: column_block 4 or {ACC_ORDER_BLOCK}, got {form.column_block}")
             form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups, form.column_block)
             data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
             scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)

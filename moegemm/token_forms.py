@@ -83,7 +83,10 @@ ACC_ORDER_BLOCK = 16
 
 
 def kb_major_columns(rows: int, groups: int, column_block: int = 4) -> int:
-    """Columns of the K-block-major token scales of `rows` rows in `groups` slots."""
+    """Columns of the K-block-major token scales of `rows` rows in `groups` slots; ValueError for
+    a column block other than 4 and ACC_ORDER_BLOCK (the two the kernels write and read)."""
+    if column_block not in (4, ACC_ORDER_BLOCK):
+        raise ValueError(f"column_block: 4 or {ACC_ORDER_BLOCK}, got {column_block}")
     return column_block * (-(-rows // column_block) + groups)
 
 

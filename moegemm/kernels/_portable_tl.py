@@ -308,14 +308,14 @@ def _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offse
         rows = rows.to(tl.int64)
         scale_rows = rows + scale_row_base
         scale_mask = row_mask & (scale_rows >= 0) & (scale_rows < NUM_SCALE_ROWS)
+        if ALIGN_GROUPS:
+            out_rows = kb_major_column(rows - s, s, g, ALIGN_GROUPS)
+        else:
+            out_rows = rows
         for kb0 in range(0, COLUMNS, BLOCK_KB):
             kb = kb0 + tl.arange(0, BLOCK_KB)
             raw = tl.load(a_scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED),
                           mask=scale_mask[:, None] & (kb[None, :] < NUM_KB), other=0)
-            if ALIGN_GROUPS:
-                out_rows = kb_major_column(rows - s, s, g, ALIGN_GROUPS)
-            else:
-                out_rows = rows
             tl.store(out_ptr + out_rows[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, _decode_e8m0(raw),
                      mask=row_mask[:, None] & (kb[None, :] < COLUMNS))
 

@@ -13,7 +13,7 @@ import torch
 from .. import layouts
 from ..config import portable_config
 from ..formats import E2M1, E4M3
-from ..token_forms import ACC_ORDER_BLOCK, kb_major_columns
+from ..token_forms import kb_major_columns
 from ..validation import GroupedProblem
 from . import tl_source
 
@@ -222,8 +222,6 @@ def _row_scales_launch(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_sca
     num_kb = p.num_k_scales
     columns = stage_blocks * (math.ceil(num_kb / stage_blocks) + 1) if pad_stages else num_kb
     if kb_major:
-        if column_block not in (4, ACC_ORDER_BLOCK):
-            raise ValueError(f"column_block: 4 or {ACC_ORDER_BLOCK}, got {column_block}")
         m_pad = kb_major_columns(p.m, p.num_groups, column_block)
         out = torch.empty(columns, m_pad, dtype=torch.float32, device=a_scales.device)
         row_stride, kb_stride = 1, m_pad

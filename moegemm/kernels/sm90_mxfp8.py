@@ -144,12 +144,18 @@ def _clear_padding(word, kk, NUM_KB):
 
 
 @gluon.jit
+def _word_byte_bits(word, j: gl.constexpr):
+    """Byte j of a _weight_scale_words word moved to fp32's exponent field (b << 23)."""
+    if j == 3:
+        return (word >> 1) & 0x7F800000
+    else:
+        return (word << (23 - 8 * j)) & 0x7F800000
+
+
+@gluon.jit
 def _word_scale(word, j: gl.constexpr):
     """fp32 scale of byte j of a _weight_scale_words word."""
-    if j == 3:
-        return _e8m0_f32((word >> 1) & 0x7F800000)
-    else:
-        return _e8m0_f32((word << (23 - 8 * j)) & 0x7F800000)
+    return _e8m0_f32(_word_byte_bits(word, j))
 
 
 @gluon.jit
@@ -157,11 +163,8 @@ def _word_scale_nan_later(word, j: gl.constexpr):
     """_word_scale but for the NaN code 255, which gives +inf: the wide loop marks the rows of a
     NaN scale (_nan_code_bits) and makes them NaN after the K loop, three integer operations
     fewer a scale (eight scales a thread and stage) for two a word."""
-    if j == 3:
-        bits = (word >> 1) & 0x7F800000
-    else:
-        bits = (word << (23 - 8 * j)) & 0x7F800000
-    return gl.maximum(bits, 0x00400000).to(gl.float32, bitcast=True)  # 0 -> 2^-127, an fp32 subnormal
+    # 0 -> 2^-127, an fp32 subnormal, as in _e8m0_f32
+    return gl.maximum(_word_byte_bits(word, j), 0x00400000).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
