@@ -8,11 +8,14 @@ the default choice) runs once for its output, which must match the first variant
 a CUDA graph and replayed under do_bench (median, L2 flushed), the swizzled A-scale offsets
 passed so that no torch set-up kernel runs inside the call. The copy bandwidth is measured in
 the same run; pct_copy = bytes of the touched weights and scales (+ tokens, output) / time /
-copy bandwidth. PLANS below name the sets of cases; the default runs all of them.
+copy bandwidth. A case whose fifth entry is "swiglu" times the gate/up step
+(grouped_matmul_swiglu) fused and unfused instead of the product alone. PLANS below name the
+sets of cases; the default runs all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -23,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moegemm import benchmark, grouped_matmul, layouts  # noqa: E402
-from moegemm.config import deepest_ring, override_config, sm90_mx_config, weight_bytes  # noqa: E402
+from moegemm import benchmark, grouped_matmul, grouped_matmul_swiglu, layouts  # noqa: E402
+from moegemm.config import Sm90Config, deepest_ring, override_config, sm90_config, sm90_mx_config, weight_bytes  # noqa: E402
 from moegemm.formats import FORMATS  # noqa: E402
 
 SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (4096, 7168),
@@ -41,7 +44,25 @@ def poisson_sizes(groups: int, mean: float, seed: int) -> list[int]:
 
 
 def default_config(fmt: str, n: int, k: int, sizes: list[int]):
+    if fmt in ("bf16", "fp8_block"):
+        return sm90_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes))
     return sm90_mx_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes))
+
+
+def bf16_tile_variants(fmt, n, k, sizes):
+    """The bf16 kernel's tile arrangements at ~128 tokens a slot (gpt-oss-120b at 4096 tokens)."""
+    tiles = {"split-64x128": dict(block_n=64, split_n=True, group_m=4),
+             "split-64x256": dict(block_n=128, split_n=True, group_m=4),
+             "normal-128x128": dict(block_n=128, group_m=4),
+             "normal-128x256": dict(block_n=256, group_m=4)}
+    return {"default": default_config(fmt, n, k, sizes),
+            **{name: deepest_ring(Sm90Config(block_k=64, stages=2, **kw), 2, 2) for name, kw in tiles.items()}}
+
+
+def bf16_swiglu_variants(fmt, n, k, sizes):
+    """The library's choice (None: no override, so the fused step gets its own config) against
+    the plain kernel's config forced on both steps."""
+    return {"default": None, "plain-ring": default_config(fmt, n, k, sizes)}
 
 
 def e2m1_variants(fmt, n, k, sizes):
@@ -114,6 +135,14 @@ PLANS = {
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 1024, 5)[:32], default_variant),
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(64, 40, 6), default_variant),
     ],
+    # the bf16 kernel's tiles at ~128 tokens a slot, plain and with the fused SwiGLU epilogue
+    "bf16-tiles": [
+        ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), bf16_tile_variants),
+        ("bf16", "gptoss-down", lambda: poisson_sizes(128, 128, 8), bf16_tile_variants),
+    ],
+    "bf16-swiglu": [
+        ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), bf16_swiglu_variants, "swiglu"),
+    ],
     "mxfp8-tiles": [
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),
         ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tile_variants),
@@ -138,43 +167,61 @@ def kernel_times(replay, reps: int = 20) -> dict:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def run_case(fmt, shape, sizes, variants, copy_tbps, device, rtol=5e-3):
+def _calls(inp, fmt, scale_offsets, step):
+    """{name: call} of a case: the product alone, or (step "swiglu") the gate/up step fused and
+    unfused (gpt-oss's clamped SwiGLU with the case's bias, bf16 out)."""
+    if step != "swiglu":
+        return {"": lambda: grouped_matmul(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
+                                           fmt=fmt, a_scale_offsets=scale_offsets, out=inp.out,
+                                           scale_layout=inp.scale_layout)}
+    bias = inp.bias
+
+    def swiglu(fused):
+        return lambda: grouped_matmul_swiglu(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
+                                             fmt=fmt, out_fmt=fmt, activation="swiglu_oai", bias=bias,
+                                             a_scale_offsets=scale_offsets, scale_layout=inp.scale_layout,
+                                             fused=fused).data
+    return {"/fused": swiglu(True), "/unfused": swiglu(False)}
+
+
+def run_case(fmt, shape, sizes, variants, copy_tbps, device, step=None, rtol=5e-3):
     n, k = SHAPES[shape]
     inp = benchmark.Inputs(fmt, n, k, sizes, device)
     scale_offsets = layouts.a_scale_offsets(inp.a_offsets) if inp.scale_layout == "swizzled" else None
+    m = sum(sizes)
+    inp.bias = torch.randn(len(sizes), n, device=device)  # one for every variant (step "swiglu")
 
-    def call():
-        return grouped_matmul(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids, fmt=fmt,
-                              a_scale_offsets=scale_offsets, out=inp.out, scale_layout=inp.scale_layout)
-
-    rows, first = [], None
+    rows, firsts = [], {}
     for name, cfg in variants(fmt, n, k, sizes).items():
-        with override_config(cfg):
-            inp.out.fill_(float("nan"))
-            call()
-            torch.cuda.synchronize()
-            out = inp.out.float().clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
-            ms = benchmark._bench(graph.replay)
-            kernels = kernel_times(graph.replay)
-        if first is None:
-            first = out
-            diff, identical = 0.0, True
-        else:
-            scale = first.abs().max().clamp(min=1e-30)
-            diff = float(((out - first).abs().max() / scale).nan_to_num(float("inf")))
-            identical = bool(torch.equal(out.nan_to_num(0.0), first.nan_to_num(0.0)))
-        row = dict(fmt=fmt, shape=shape, n=n, k=k, groups=len(sizes), tokens=sum(sizes), variant=name, config=asdict(cfg),
-                   us=ms * 1e3, kernels_us=kernels, pct_copy=100 * inp.bytes_moved() / (ms * 1e-3) / (copy_tbps * 1e12),
-                   tflops=2.0 * sum(sizes) * n * k / (ms * 1e-3) / 1e12, max_diff=diff, identical=identical,
-                   ok=diff <= rtol and bool(torch.isfinite(out[:sum(sizes)]).all()))
-        rows.append(row)
-        print(f"{fmt:<6} {shape:<12} {len(sizes):>3}x{sum(sizes) / len(sizes):<6.1f} {name:<16} {row['us']:9.1f} us "
-              f"{row['pct_copy']:5.1f}% copy {row['tflops']:6.1f} TFLOP/s  diff {diff:.1e}{' =' if identical else ''}"
-              f"{'' if row['ok'] else '  MISMATCH'}  kernels " +
-              " ".join(f"{name[:24]}={us:.1f}" for name, us in kernels.items()), flush=True)
+        for suffix, call in _calls(inp, fmt, scale_offsets, step).items():
+            with override_config(cfg) if cfg is not None else contextlib.nullcontext():
+                inp.out.fill_(float("nan"))
+                out = call()
+                torch.cuda.synchronize()
+                out = (inp.out if out is None else out)[:m].float().clone()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    call()
+                ms = benchmark._bench(graph.replay)
+                kernels = kernel_times(graph.replay)
+            first = firsts.setdefault(suffix, out)
+            if first is out:
+                diff, identical = 0.0, True
+            else:
+                scale = first.abs().max().clamp(min=1e-30)
+                diff = float(((out - first).abs().max() / scale).nan_to_num(float("inf")))
+                identical = bool(torch.equal(out.nan_to_num(0.0), first.nan_to_num(0.0)))
+            variant = name + suffix
+            row = dict(fmt=fmt, shape=shape, n=n, k=k, groups=len(sizes), tokens=m, variant=variant,
+                       config=asdict(cfg) if cfg is not None else None, us=ms * 1e3, kernels_us=kernels,
+                       pct_copy=100 * inp.bytes_moved() / (ms * 1e-3) / (copy_tbps * 1e12),
+                       tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12, max_diff=diff, identical=identical,
+                       ok=diff <= rtol and bool(torch.isfinite(out).all()))
+            rows.append(row)
+            print(f"{fmt:<6} {shape:<12} {len(sizes):>3}x{m / len(sizes):<6.1f} {variant:<22} {row['us']:9.1f} us "
+                  f"{row['pct_copy']:5.1f}% copy {row['tflops']:6.1f} TFLOP/s  diff {diff:.1e}"
+                  f"{' =' if identical else ''}{'' if row['ok'] else '  MISMATCH'}  kernels " +
+                  " ".join(f"{kname[:24]}={us:.1f}" for kname, us in kernels.items()), flush=True)
     del inp
     torch.cuda.empty_cache()
     return rows
@@ -191,8 +238,8 @@ def main():
     print(env, flush=True)
     rows = []
     for plan in plans:
-        for fmt, shape, sizes, variants in PLANS[plan]:
-            rows += run_case(fmt, shape, sizes(), variants, copy_tbps, device)
+        for fmt, shape, sizes, variants, *step in PLANS[plan]:
+            rows += run_case(fmt, shape, sizes(), variants, copy_tbps, device, *step)
     out_path.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} rows, {len(bad)} mismatched")

@@ -99,9 +99,21 @@ class Sm90Config:
         """Columns of one accumulator: fp8_block computes a normal 256-wide tile as two halves."""
         return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
 
-    def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None) -> int:
+    def fused_scratch(self) -> int:
+        """Shared memory of the fused SwiGLU epilogue's layout conversion (kernels/sm90_epilogue.py),
+        which runs instead of the plain epilogue and needs none of its buffers. Swapped tiles
+        convert each warpgroup's fp32 accumulator [64, tokens] that may run it. Normal tiles only
+        their [64, W/2] output, which Triton converts in pieces (sm_90 compile: 8 KB for both
+        warpgroups at 64 x 256 and 128 x 256 tiles, bf16 or quantized out): twice that is kept."""
+        if self.swap:
+            return (4 if self.split_k else 2) * 64 * self.token_tile * 4
+        return 2 * 8192
+
+    def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None,
+                   fused: bool = False) -> int:
         """Shared memory of the ring and epilogue; `weight_bytes` per weight element when the
-        weights stay compressed in the ring (MX/NV formats: 1 or 1/2), else `element_bytes`."""
+        weights stay compressed in the ring (MX/NV formats: 1 or 1/2), else `element_bytes`.
+        `fused`: the kernel runs the fused SwiGLU epilogue (fused_scratch) instead of the plain one."""
         # The MX kernel decodes the weights into two bf16 [64, block_k] buffers per warpgroup;
         # the promotion kernel its e2m1 weights into two e4m3 [64, 128] buffers.
         if weight_bytes is None or (self.fp8_mma and weight_bytes == 1):
@@ -118,14 +130,17 @@ class Sm90Config:
             stage += 8 * 4 * self.token_tile + self.weight_tile * 8  # and weight scales (two atoms)
         if self.tail_tokens:  # the tail's tokens and scales
             stage += int(self.tail_tokens * element_bytes * self.stage_k) + 4 * 4 * self.tail_tokens
-        epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
-        if self.swap and self.wide_promotion:  # tiles converted for 16-byte stores (sm90._store_swapped)
-            epilogue += self.swap_store_scratch(out_bytes)
+        if fused:
+            epilogue = self.fused_scratch()
+        else:
+            epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
+            if self.swap and self.wide_promotion:  # tiles converted for 16-byte stores (sm90._store_swapped)
+                epilogue += self.swap_store_scratch(out_bytes)
         if self.split_k:  # the K-half-1 warpgroups' partial sums and their four barriers
             epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8
         return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
 
-    def check(self, fmt: Format, out_bytes: int = 2):
+    def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
         e2m1_fp8 = self.fp8_mma and fmt.b.element.packed
         if self.split_k and not e2m1_fp8:
             raise ValueError(f"config: split_k is the e2m1 weights' arrangement on fp8_mma: {self}")
@@ -179,8 +194,9 @@ class Sm90Config:
         element = 1 if fp8 else 2
         if self.block_k * element != 128:
             raise ValueError(f"config: block_k rows must be 128 bytes (the TMA swizzle), got block_k={self.block_k}")
-        if self.smem_bytes(element, out_bytes) > SM90_SMEM_BYTES:
-            raise ValueError(f"config: {self.smem_bytes(element, out_bytes)} bytes of shared memory > {SM90_SMEM_BYTES}")
+        smem = self.smem_bytes(element, out_bytes, fused=fused)
+        if smem > SM90_SMEM_BYTES:
+            raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
 
 
 SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
@@ -191,23 +207,20 @@ FP8_MMA_FORMATS = ("mxfp8", "mxfp4", "w4a8")  # e8m0 scales per 32: one k32 fp8 
 def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None):
     """A swapped tile's fused SwiGLU epilogue converts each warpgroup's fp32 accumulator
     [64, tokens] through shared memory (kernels/sm90_epilogue.py): shorten the ring to leave
-    that room. Normal tiles need none (their column pairs already sit in one thread)."""
+    that room. Normal tiles are sized for it by their config function (sm90_config, fused)."""
     if not cfg.swap:
         return cfg
     cfg = replace(cfg, tail_tokens=0)  # (the fused epilogue runs on one accumulator a tile)
-    scratch = (4 if cfg.split_k else 2) * 64 * cfg.token_tile * 4  # one a warpgroup that may run it
-    if cfg.wide_promotion:  # (smem_bytes counts the plain epilogue's, which the fused kernel does not run)
-        scratch -= cfg.swap_store_scratch(out_bytes)
-    while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes) + scratch > SM90_SMEM_BYTES:
+    while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes, fused=True) > SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg
 
 
 def deepest_ring(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None,
-                 max_stages: int = 12) -> Sm90Config:
+                 max_stages: int = 12, fused: bool = False) -> Sm90Config:
     """cfg with its ring as deep as shared memory allows (up to max_stages), from its stages up."""
-    while (cfg.stages < max_stages and
-           replace(cfg, stages=cfg.stages + 1).smem_bytes(element_bytes, out_bytes, weight_bytes) <= SM90_SMEM_BYTES):
+    while (cfg.stages < max_stages and replace(cfg, stages=cfg.stages + 1).smem_bytes(
+            element_bytes, out_bytes, weight_bytes, fused) <= SM90_SMEM_BYTES):
         cfg = replace(cfg, stages=cfg.stages + 1)
     return cfg
 
@@ -245,10 +258,14 @@ def portable_config(fmt: Format, n: int, k: int, device_type: str) -> PortableCo
     return config
 
 
-def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: int = 2) -> Sm90Config:
-    """Pure function of (format, N, K, token regime); the regime is M / G, known on the host."""
-    config = _overrides.get(Sm90Config) or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes)
-    config.check(fmt, out_bytes)
+def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: int = 2,
+                fused: bool = False) -> Sm90Config:
+    """Pure function of (format, N, K, token regime); the regime is M / G, known on the host.
+    `fused`: the kernel runs the fused SwiGLU epilogue (Sm90Config.fused_scratch)."""
+    config = _overrides.get(Sm90Config) or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
+    if fused:
+        config = with_epilogue_scratch(config, 1 if fmt.name == "fp8_block" else 2, out_bytes)
+    config.check(fmt, out_bytes, fused)
     return config
 
 
@@ -265,7 +282,7 @@ def _regime(tokens_per_slot: float, smallest: int = 16) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> Sm90Config:
+def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int, fused: bool) -> Sm90Config:
     fp8 = fmt_name == "fp8_block"
     block_k = 128 if fp8 else 64
     if regime in (16, 32, 64):
@@ -283,10 +300,12 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int) -> 
         # 4 x 8192 x (6144, 7168)). Bands of 4 token blocks measured best of 4/8/16/32
         # (bench/tune_sm90.py, H100, 2026-11-22).
         cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
-    # The ring is as deep as shared memory allows, up to 12 stages.
+    # The ring is as deep as shared memory allows, up to 12 stages. The fused epilogue on normal
+    # tiles needs none of the plain one's TMA buffers, only its smaller conversion: one stage
+    # more at ~128 tokens a slot (gpt-oss-120b's gate/up at 4096 tokens).
     element = 1 if fp8 else 2
-    config = deepest_ring(cfg, element, out_bytes)
-    _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", config)
+    config = deepest_ring(cfg, element, out_bytes, fused=fused and not cfg.swap)
+    _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'} fused={fused}", config)
     return config
 
 

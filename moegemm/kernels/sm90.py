@@ -59,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..config import sm90_config, with_epilogue_scratch
+from ..config import sm90_config
 from ..validation import GroupedProblem
 from .sm90_epilogue import epilogue_args, fused_epilogue
 
@@ -506,9 +506,7 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, e
     """
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return out
-    cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size())
-    if epilogue is not None:
-        cfg = with_epilogue_scratch(cfg, a.element_size(), 2)
+    cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size(), fused=epilogue is not None)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
     promote = p.fmt.name == "fp8_block"

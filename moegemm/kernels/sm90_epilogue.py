@@ -14,7 +14,10 @@ scale buffer, so padding rows stay zero. Only rows [s, t) of the group are writt
 The accumulator of a swapped tile holds weights along its rows, whose pairs (2j, 2j+1) sit in
 different lanes: the tile goes through one layout conversion (shared memory) to a blocked
 layout holding 8 consecutive weight columns per thread. Normal tiles already hold column
-pairs in one thread; the same conversion is then a register renaming. The quantizer mirrors
+pairs in one thread: the activation runs in the accumulator's layout, and only its output
+(half the columns; bf16, or fp32 before quantizing) is converted for the stores (the
+conversion of the whole fp32 accumulator first took 8 rounds through shared memory, 16
+barriers a tile). The quantizer mirrors
 kernels/_activation_tl.py (tl and Gluon cannot share a helper) and moegemm.quantize bit for
 bit on the same fp32 input.
 """
@@ -93,16 +96,15 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
     if HAS_EXPERT_SCALES:
         acc = acc * gl.load(expert_scales_ptr + e)
     if SWAP:
-        h = gl.permute(acc, (1, 0))
+        pairs: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        h = gl.convert_layout(gl.permute(acc, (1, 0)), pairs)
     else:
-        h = acc
+        h = acc  # (a wgmma accumulator thread holds columns 2j and 2j+1 together)
     TR: gl.constexpr = h.shape[0]
     WC: gl.constexpr = h.shape[1]
     OC: gl.constexpr = WC // 2
-    pairs: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    h = gl.convert_layout(h, pairs)
     if HAS_BIAS:
-        wcols = w0 + gl.arange(0, WC, layout=gl.SliceLayout(0, pairs))
+        wcols = w0 + gl.arange(0, WC, layout=gl.SliceLayout(0, h.type.layout))
         bias = gl.load(bias_ptr + e * N + wcols, mask=wcols < N, other=0.0)
         h = h + gl.expand_dims(bias, 0)
     gate, up = gl.split(gl.reshape(h, [TR, OC, 2]))
@@ -122,6 +124,7 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
     if OUT == OUT_BF16:
         _store_rows(out_ptr, y.to(gl.bfloat16), toks, tok_mask, n_out, cols, n_out, out_layout)
     else:
+        y = gl.convert_layout(y, out_layout)
         NBLK: gl.constexpr = OC // VEC
         y3 = gl.reshape(y, [TR, NBLK, VEC])
         amax = gl.max(gl.abs(y3), axis=2)  # [TR, NBLK]
