@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegemm import benchmark, grouped_matmul, grouped_matmul_swiglu, layouts  # noqa: E402
-from moegemm.config import Sm90Config, deepest_ring, override_config, sm90_config, sm90_mx_config, weight_bytes  # noqa: E402
+from moegemm.config import (Sm90Config, deepest_ring, override_config, sm90_config,  # noqa: E402
+                            sm90_mx_config, weight_bytes)
 from moegemm.formats import FORMATS  # noqa: E402
 
 SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (4096, 7168),

@@ -107,7 +107,8 @@ def test_sm90_kernel_compiles_for_sm90(fmt, tokens_per_slot, out_dtype):
 
 # (tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC)): swapped (16, 40),
 # split-n (130) and normal (8192) tiles of the bf16 kernel, bf16 and mxfp8 out
-FUSED_BF16_CASES = [(tps, epi) for tps in (16, 40, 130, 8192) for epi in ((2, 0, False, True, 32), (1, 2, True, False, 32))]
+FUSED_BF16_CASES = [(tps, epi) for tps in (16, 40, 130, 8192)
+                    for epi in ((2, 0, False, True, 32), (1, 2, True, False, 32))]
 
 
 @pytest.mark.parametrize("tokens_per_slot,epilogue", FUSED_BF16_CASES)
