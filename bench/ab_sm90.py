@@ -168,15 +168,13 @@ def kernel_times(replay, reps: int = 20) -> dict:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def _calls(inp, fmt, scale_offsets, step):
+def _calls(inp, fmt, scale_offsets, step, bias):
     """{name: call} of a case: the product alone, or (step "swiglu") the gate/up step fused and
-    unfused (gpt-oss's clamped SwiGLU with the case's bias, bf16 out)."""
+    unfused (gpt-oss's clamped SwiGLU with `bias`, bf16 out)."""
     if step != "swiglu":
         return {"": lambda: grouped_matmul(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
                                            fmt=fmt, a_scale_offsets=scale_offsets, out=inp.out,
                                            scale_layout=inp.scale_layout)}
-    bias = inp.bias
-
     def swiglu(fused):
         return lambda: grouped_matmul_swiglu(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
                                              fmt=fmt, out_fmt=fmt, activation="swiglu_oai", bias=bias,
@@ -190,11 +188,11 @@ def run_case(fmt, shape, sizes, variants, copy_tbps, device, step=None, rtol=5e-
     inp = benchmark.Inputs(fmt, n, k, sizes, device)
     scale_offsets = layouts.a_scale_offsets(inp.a_offsets) if inp.scale_layout == "swizzled" else None
     m = sum(sizes)
-    inp.bias = torch.randn(len(sizes), n, device=device)  # one for every variant (step "swiglu")
+    bias = torch.randn(len(sizes), n, device=device)  # one for every variant (step "swiglu")
 
     rows, firsts = [], {}
     for name, cfg in variants(fmt, n, k, sizes).items():
-        for suffix, call in _calls(inp, fmt, scale_offsets, step).items():
+        for suffix, call in _calls(inp, fmt, scale_offsets, step, bias).items():
             with override_config(cfg) if cfg is not None else contextlib.nullcontext():
                 inp.out.fill_(float("nan"))
                 out = call()

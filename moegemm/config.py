@@ -263,7 +263,7 @@ def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: 
     """Pure function of (format, N, K, token regime); the regime is M / G, known on the host.
     `fused`: the kernel runs the fused SwiGLU epilogue (Sm90Config.fused_scratch)."""
     config = _overrides.get(Sm90Config) or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
-    if fused:
+    if fused:  # (a forced config's swapped ring may be too deep for the fused scratch)
         config = with_epilogue_scratch(config, 1 if fmt.name == "fp8_block" else 2, out_bytes)
     config.check(fmt, out_bytes, fused)
     return config
@@ -300,11 +300,11 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int, fus
         # 4 x 8192 x (6144, 7168)). Bands of 4 token blocks measured best of 4/8/16/32
         # (bench/tune_sm90.py, H100, 2026-11-22).
         cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
-    # The ring is as deep as shared memory allows, up to 12 stages. The fused epilogue on normal
-    # tiles needs none of the plain one's TMA buffers, only its smaller conversion: one stage
-    # more at ~128 tokens a slot (gpt-oss-120b's gate/up at 4096 tokens).
+    # The ring is as deep as shared memory allows, up to 12 stages, with the fused epilogue's
+    # scratch in place of the plain epilogue's buffers when fused (Sm90Config.fused_scratch): on
+    # normal tiles one stage more at ~128 tokens a slot (gpt-oss-120b's gate/up at 4096 tokens).
     element = 1 if fp8 else 2
-    config = deepest_ring(cfg, element, out_bytes, fused=fused and not cfg.swap)
+    config = deepest_ring(cfg, element, out_bytes, fused=fused)
     _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'} fused={fused}", config)
     return config
 
