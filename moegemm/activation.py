@@ -41,6 +41,9 @@ _SOURCE = Path(__file__).parent / "kernels" / "_activation_tl.py"
 CUDA_BLOCK_M = 16
 CUDA_SMALL_BLOCK_M = 4
 CUDA_WARPS = 4
+# Tile of kb_major_scales_kernel (the scatter form's scale move): rows x scale blocks.
+SCALE_MOVE_ROWS = 64
+SCALE_MOVE_BLOCKS = 32
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -177,6 +180,11 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
                   and x.storage_offset() % 2 == 0)
     if pair_words:
         x = x.view(torch.int32)
+    # The scatter form stores its scales as bytes by grouped row, then moves them (module docstring
+    # of _activation_tl.py, kb_major_scales_kernel).
+    scale_bytes = None
+    if topk and form_code == module.FORM_E4M3.value and rows and nkb:
+        scale_bytes = torch.empty(rows, nkb, dtype=torch.uint8, device=device)
     if rows and k_out:
         dummy = data
         block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
@@ -187,7 +195,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
             a_scale_offsets if a_scale_offsets is not None else dummy,
             global_scale if global_scale is not None else dummy,
-            data, scales if scales is not None else dummy,
+            data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
             rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad,
             float(alpha), float(limit),
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
@@ -197,6 +205,11 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             PAIR_WORDS=pair_words, COLUMN_BLOCK=form.column_block if form else 4,
             num_warps=CUDA_WARPS if device.type == "cuda" else 4,
         )
+    if scale_bytes is not None:
+        grid = (triton.cdiv(rows, SCALE_MOVE_ROWS), triton.cdiv(nkb, SCALE_MOVE_BLOCKS))
+        module.kb_major_scales_kernel[grid](scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad,
+                                            COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS,
+                                            BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4)
     if form is not None:
         if form.kind == "e4m3":
             data = data.view(torch.float8_e4m3fn)

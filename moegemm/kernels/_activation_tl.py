@@ -219,7 +219,7 @@ def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, 
 @triton.jit
 def activation_quantize_kernel(
     x_ptr, src_rows_ptr, bias_ptr, expert_ids_ptr, a_offsets_ptr, a_scale_offsets_ptr, global_ptr,
-    out_ptr, out_scale_ptr,
+    out_ptr, out_scale_ptr, scale_bytes_ptr,
     M, X_ROWS, X_STRIDE, K_OUT, G, NUM_KB, KB4, NUM_SCALE_ROWS, M_PAD, alpha, limit,
     ACT: tl.constexpr, CONCAT: tl.constexpr, OUT: tl.constexpr, SWIZZLED: tl.constexpr,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, LOG_G: tl.constexpr,
@@ -241,7 +241,8 @@ def activation_quantize_kernel(
     src_rows[token * TOPK + j] (the routing plan's grouped_row; M grouped rows), row p in slot
     expert_ids[p] (the plan's expert_of_row): the same bytes as the gather through the inverse
     permutation, with 1/TOPK of its reads and encoding work. A row outside its slot (a dropped
-    choice) is not stored."""
+    choice) is not stored. The scales go as e8m0 bytes to scale_bytes [M, NUM_KB] (row-major);
+    kb_major_scales_kernel then writes out_scale from them."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -311,12 +312,16 @@ def activation_quantize_kernel(
             dests = tl.where((starts <= dests) & (dests < ends), dests, -1)
             for j in tl.static_range(TOPK):
                 dest = tl.reduce(tl.where(choice == j, dests, 0), 1, _add)  # (column j: the rest are 0)
-                dest_slot = tl.reduce(tl.where(choice == j, slots, 0), 1, _add)
                 dest_in_slot = dest >= 0
-                _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, tl.maximum(dest, 0),
-                                     dest_slot if FORM == FORM_E4M3 else dest, dest_in_slot, pid_c, blk, cols3,
-                                     dest_in_slot[:, None, None] & col_mask3, M, K_OUT, NUM_KB, M_PAD, FORM,
-                                     EVEN_ODD, NB, COLUMN_BLOCK)
+                _store_kernel_values(out_ptr, values, tl.maximum(dest, 0), cols3,
+                                     dest_in_slot[:, None, None] & col_mask3, K_OUT, FORM, EVEN_ODD)
+                if FORM == FORM_E4M3:
+                    # The scale bytes row-major (kb_major_scales_kernel moves them into the kernel's
+                    # K-block-major fp32 form): a token's grouped rows lie in random slots, so
+                    # K-block-major stores from here were one 4-byte write a sector.
+                    kb = pid_c * NB + blk[None, :]  # [1, NB]
+                    tl.store(scale_bytes_ptr + tl.maximum(dest, 0).to(tl.int64)[:, None] * NUM_KB + kb,
+                             stored.to(tl.uint8), mask=dest_in_slot[:, None] & (kb < NUM_KB))
         elif FORM != FORM_OPERAND:
             _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot if FORM == FORM_E4M3
                                  else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
@@ -375,21 +380,50 @@ def _kernel_token_values(scaled, e, stored, OUT: tl.constexpr, FORM: tl.constexp
 
 
 @triton.jit
+def _store_kernel_values(out_ptr, values, rows, cols3, out_mask3, K_OUT, FORM: tl.constexpr,
+                         EVEN_ODD: tl.constexpr):
+    """_kernel_token_values' values stored to `rows`."""
+    out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
+    if FORM == FORM_E4M3 and EVEN_ODD:  # element i of a group of 8 -> position 4 * (i % 2) + i // 2
+        dest = (cols3 & ~7) | ((cols3 & 1) << 2) | ((cols3 & 7) >> 1)
+    else:
+        dest = cols3
+    tl.store(out_ptr + out_rows3 + dest, values, mask=out_mask3)
+
+
+@triton.jit
 def _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot, in_slot, pid_c, blk,
                          cols3, out_mask3, M, K_OUT, NUM_KB, M_PAD, FORM: tl.constexpr, EVEN_ODD: tl.constexpr,
                          NB: tl.constexpr, COLUMN_BLOCK: tl.constexpr):
     """_kernel_token_values' values and scales stored to `rows` (of slots `slot` where in_slot)."""
-    out_rows3 = rows[:, None, None].to(tl.int64) * K_OUT
-    if FORM == FORM_BF16:
-        tl.store(out_ptr + out_rows3 + cols3, values, mask=out_mask3)
-    else:
-        if EVEN_ODD:  # element i of a group of 8 -> position 4 * (i % 2) + i // 2
-            dest = (cols3 & ~7) | ((cols3 & 1) << 2) | ((cols3 & 7) >> 1)
-        else:
-            dest = cols3
-        tl.store(out_ptr + out_rows3 + dest, values, mask=out_mask3)
+    _store_kernel_values(out_ptr, values, rows, cols3, out_mask3, K_OUT, FORM, EVEN_ODD)
+    if FORM == FORM_E4M3:
         start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
         column = _portable.kb_major_column(rows - start, start, slot, COLUMN_BLOCK)
         kb = pid_c * NB + blk[None, :]  # [1, NB]
         tl.store(out_scale_ptr + kb.to(tl.int64) * M_PAD + column[:, None], scale,
                  mask=in_slot[:, None] & (rows[:, None] < M) & (kb < NUM_KB))
+
+
+@triton.jit
+def kb_major_scales_kernel(scale_bytes_ptr, row_slot_ptr, a_offsets_ptr, out_scale_ptr, M, G, NUM_KB, M_PAD,
+                           COLUMN_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """The scatter form's second step: e8m0 scale bytes [M, NUM_KB] (row-major, by grouped row)
+    -> out_scale[kb, kb_major_column(p - s, s, g, COLUMN_BLOCK)] = 2^(byte - 127) in fp32 (NaN
+    for 255) for every row p inside its slot g = row_slot[p] (first row s), as
+    activation_quantize_kernel writes them in FORM_E4M3. Program (i, j): rows
+    [i*BLOCK_R, (i+1)*BLOCK_R), scale blocks [j*BLOCK_KB, (j+1)*BLOCK_KB)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
+    row_mask = rows < M
+    slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=G)
+    slot = tl.where(row_mask & (slot >= 0) & (slot < G), slot, G)
+    start = tl.load(a_offsets_ptr + slot, mask=slot < G, other=M)
+    end = tl.load(a_offsets_ptr + slot + 1, mask=slot < G, other=M)
+    inside = (start <= rows) & (rows < end)
+    column = _portable.kb_major_column(rows - start, start, slot, COLUMN_BLOCK)
+    mask = inside[:, None] & (kb[None, :] < NUM_KB)
+    stored = tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :], mask=mask,
+                     other=0).to(tl.int32)
+    scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(stored - 127))
+    tl.store(out_scale_ptr + kb.to(tl.int64)[None, :] * M_PAD + column[:, None], scale, mask=mask)
