@@ -207,10 +207,10 @@ FP8_MMA_FORMATS = ("mxfp8", "mxfp4", "w4a8")  # e8m0 scales per 32: one k32 fp8 
 def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None):
     """A swapped tile's fused SwiGLU epilogue converts each warpgroup's fp32 accumulator
     [64, tokens] through shared memory (kernels/sm90_epilogue.py): shorten the ring to leave
-    that room. Normal tiles are sized for it by their config function (sm90_config, fused)."""
+    that room (a tail's [64, tail_tokens] accumulator is converted after the tile's, in the same
+    room). Normal tiles are sized for it by their config function (sm90_config, fused)."""
     if not cfg.swap:
         return cfg
-    cfg = replace(cfg, tail_tokens=0)  # (the fused epilogue runs on one accumulator a tile)
     while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes, fused=True) > SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg

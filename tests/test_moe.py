@@ -343,7 +343,10 @@ def _gpu_problem(fmt, counts, ids, n, k, device="cuda"):
 
 
 FUSED_CASES = [([65, 127, 3], [0, 1, 2]), ([128, 256, 512], [-1, 0, 2]), ([0, 3, 1, 2], [-1, 2, -1, 0]),
-               ([300], [1]), ([1, 2, 5, 9], [0, 1, 2, 3])]
+               ([300], [1]), ([1, 2, 5, 9], [0, 1, 2, 3]),
+               # ~120 tokens a slot: mxfp8's 128-token tiles with tails of up to 32 (one tile of 159,
+               # of 140, of 129 + a skipped slot, two of 161 = 128 + 33)
+               ([159, 140, 129, 20, 161], [0, 1, -1, 2, 3])]
 
 
 @pytest.mark.gpu

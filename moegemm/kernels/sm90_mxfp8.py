@@ -706,7 +706,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
     zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
     w_offsets = ROWS * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
     if TAIL > 0:  # a slot's last tile may hold up to TAIL more tokens (sm90._slot), a second accumulator
-        gl.static_assert(WIDE and EPI[0] == 0, "tails: wide mxfp8 tiles, plain epilogue")
+        gl.static_assert(WIDE, "tails: wide mxfp8 tiles")
         tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, TAIL, SCALE_BLOCK])
         tail_zero = gl.zeros([WG_ROWS, TAIL], gl.float32, tail_layout)
@@ -735,15 +735,19 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     acc, tail_acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows,
                                                             w_ok, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED,
                                                             acc_layout, tail_bufs, tail_s_bufs, tail_zero, tail_layout)
-                    # (offsets made here, not held through the K loops beside the accumulators)
-                    tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL,
-                                                                           layout=gl.SliceLayout(0, tail_layout))
-                    tail_ns = w_block * W_TILE + ROWS * WG_ROWS + gl.arange(0, WG_ROWS,
-                                                                             layout=gl.SliceLayout(1, tail_layout))
-                    # (2-byte stores: the tail's 16 values a thread; the 16-byte stores' conversion
-                    # here spilled tile-setup values with plain weight scales)
-                    _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
-                              tail_toks < t, tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+                    if EPI[0] != 0:  # the fused SwiGLU epilogue, the tail's tokens after the tile's
+                        fused_epilogue(tail_acc, out_ptr, expert_scales_ptr, g, s, e, s + (tok_block + 1) * TOK_TILE,
+                                       t, w_block * W_TILE + ROWS * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
+                    else:
+                        # (offsets made here, not held through the K loops beside the accumulators)
+                        tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL,
+                                                                               layout=gl.SliceLayout(0, tail_layout))
+                        tail_ns = w_block * W_TILE + ROWS * WG_ROWS + gl.arange(0, WG_ROWS,
+                                                                                 layout=gl.SliceLayout(1, tail_layout))
+                        # (2-byte stores: the tail's 16 values a thread; the 16-byte stores'
+                        # conversion here spilled tile-setup values with plain weight scales)
+                        _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
+                                  tail_toks < t, tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
             elif WIDE:
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok,
                                           NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
