@@ -31,9 +31,10 @@ and the rowwise baseline all hold the same real weights (only the gate/up row or
 [gate; up] for fp8_block, interleaved for mxfp8; the baseline splits the product the same way).
 gpt-oss: mxfp4 codes and scales; the bf16 row and the baseline use their exact bf16 decoding.
 
-Timing: triton.testing.do_bench median (it flushes L2 before every run). *_us: one call
-captured in a CUDA graph and replayed (kernel time, no host launch cost, as moegemm/benchmark.py
-reports); *_eager_us: the Python call. If any capture of a row fails, that row reports eager
+Timing: medians, L2 flushed before every run. *_us: one call captured in a CUDA graph and
+replayed (kernel time, no host launch cost, as moegemm/benchmark.py reports), at least 30
+samples a call, a row's calls a sample each a round in a shuffled order (Timer says why);
+*_eager_us: the Python call, triton.testing.do_bench on its own. If any capture of a row fails, that row reports eager
 times everywhere (timing = "eager"). The copy bandwidth (1 GiB device-to-device, bytes read
 + written) is measured in the same run; read_time_us = bytes of the weights and scales of the
 experts present in topk_ids / copy bandwidth; ratio_to_read = ours_us / read_time_us.
@@ -55,6 +56,8 @@ import json
 import math
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -301,35 +304,87 @@ class TorchMoE:
 
 # ---- timing ------------------------------------------------------------------------------
 
+@dataclass
+class Timed:
+    """A call of a row, prepared for Timer.in_turns."""
+
+    fn: object
+    graph: object  # torch.cuda.CUDAGraph, or None (CPU, or the capture failed)
+    eager_ms: float
+    why: str
+
+
 class Timer:
-    """(graph ms, eager ms) of fn: do_bench medians; on the CPU (smoke) one wall-clock call."""
+    """Times of a row's calls, taken call by call in a shuffled order: medians of at least
+    MIN_SAMPLES samples, L2 flushed before each (as do_bench does); on the CPU (smoke) one
+    wall-clock call each.
+
+    Under a sustained load the H100 runs at its power cap, its SM clock moving between ~1.4 and
+    1.98 GHz within a second (docs/perf-notes.md, sixteenth session). Timing each call in its
+    own burst (do_bench) gave each a different power state: the same graph measured 5.3 to 6.4
+    ms, and a call that always ran after another (in fixed turns) kept that one's bias. A
+    sample of every call in each round, in a new random order every round, gives each call the
+    same mix of states, so their ratios hold."""
+
+    MIN_SAMPLES = 30
+    ROUND_BUDGET_MS = 400  # rounds run until the samples of all calls take about this long
 
     def __init__(self, device, warmup=5, rep=40):
         self.device, self.warmup, self.rep = device, warmup, rep
 
     def bench(self, fn) -> float:
+        """do_bench median of one call (eager times and the copy bandwidth)."""
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median"))
 
-    def __call__(self, fn):
+    def prepare(self, fn) -> Timed:
+        """fn timed eagerly (its first call warms up and compiles outside the capture), then
+        captured in a CUDA graph for in_turns."""
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             fn()
-            return math.nan, (time.perf_counter() - t0) * 1e3, "no graph on the CPU"
-        eager = self.bench(fn)  # its first call warms up (and compiles) outside the capture
-        graph, why = math.nan, ""
+            return Timed(fn, None, (time.perf_counter() - t0) * 1e3, "no graph on the CPU")
+        eager = self.bench(fn)
         try:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 fn()
-            graph = self.bench(g.replay)
-            del g
+            return Timed(fn, g, eager, "")
         except Exception as exc:  # noqa: BLE001
-            why = f"graph capture failed: {type(exc).__name__}: {str(exc)[:160]}"
             torch.cuda.synchronize()
-        return graph, eager, why
+            return Timed(fn, None, eager, f"graph capture failed: {type(exc).__name__}: {str(exc)[:160]}")
+
+    def in_turns(self, timed: dict) -> dict:
+        """name -> (graph ms, eager ms, why): the graphs replayed a sample each a round, in a
+        shuffled order."""
+        graphs = {name: t.graph for name, t in timed.items() if t.graph is not None}
+        medians: dict = {}
+        if graphs and self.device.type == "cuda":
+            import triton
+
+            driver = triton.runtime.driver.active
+            cache = driver.get_empty_cache_for_benchmark()
+            total_ms = sum(max(timed[name].eager_ms, 1e-3) for name in graphs)
+            rounds = max(self.MIN_SAMPLES, min(2000, int(self.ROUND_BUDGET_MS / total_ms)))
+            order = random.Random(0)
+            names = list(graphs)
+            for graph in graphs.values():  # warm-up
+                graph.replay()
+            events = {name: [] for name in names}
+            for _ in range(rounds):
+                order.shuffle(names)
+                for name in names:
+                    driver.clear_cache(cache)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graphs[name].replay()
+                    end.record()
+                    events[name].append((start, end))
+            torch.cuda.synchronize()
+            medians = {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+        return {name: (medians.get(name, math.nan), t.eager_ms, t.why) for name, t in timed.items()}
 
     def kernel_times(self, fn, reps: int = 10) -> dict:
         """Mean device time (us) of each kernel of one graph replay of fn, by name (empty on
@@ -463,7 +518,7 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
     row.read_time_us = row.weight_bytes_touched / (copy_tbps * 1e12) * 1e6
     gu_bias, dn_bias = weights.biases()
     activation = cfg["activation"]
-    times: dict = {}  # name -> (graph ms, eager ms)
+    timed: dict = {}  # name -> Timed, timed in turns once all are prepared
     outs: dict = {}
 
     def measure(name, fn, keep_output=False):
@@ -471,10 +526,7 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
             out = fn()  # compiles outside timing; also the output the checks read
             if keep_output:
                 outs[name] = out
-            graph, eager, why = timer(fn)
-            times[name] = (graph, eager)
-            if why and device.type == "cuda":
-                row.notes.append(f"{name}: {why}")
+            timed[name] = timer.prepare(fn)
             return True
         except Exception as exc:  # noqa: BLE001
             row.notes.append(f"{name} failed: {type(exc).__name__}: {str(exc)[:200]}")
@@ -524,11 +576,16 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
             row.baseline_kind = BASELINE_NAMES[kind] + (" (fallback: _scaled_grouped_mm failed)" if i else "")
             break
 
+    times = timer.in_turns(timed)  # name -> (graph ms, eager ms, why)
+    timed.clear()  # the graphs' memory
+    for name, (_, _, why) in times.items():
+        if why and device.type == "cuda":
+            row.notes.append(f"{name}: {why}")
     # Times: graph replay where every capture of the row worked, else eager everywhere.
-    use_graph = bool(times) and all(math.isfinite(g) for g, _ in times.values())
+    use_graph = bool(times) and all(math.isfinite(g) for g, _, _ in times.values())
     row.timing = "graph" if use_graph else "eager"
-    pick = {name: (g if use_graph else e) * 1e3 for name, (g, e) in times.items()}
-    eager = {name: e * 1e3 for name, (_, e) in times.items()}
+    pick = {name: (g if use_graph else e) * 1e3 for name, (g, e, _) in times.items()}
+    eager = {name: e * 1e3 for name, (_, e, _) in times.items()}
     nan = math.nan
     row.ours_us, row.ours_eager_us = pick.get("ours", nan), eager.get("ours", nan)
     row.ours_unfused_us, row.ours_unfused_eager_us = pick.get("ours_unfused", nan), eager.get("ours_unfused", nan)
@@ -579,6 +636,19 @@ def free_device(device):
         torch.cuda.empty_cache()
 
 
+def gpu_limits() -> str:
+    """The GPU's power limit and top SM clock (nvidia-smi; "" without it): under a sustained load
+    such as a row's rounds of turns the H100 runs at its power cap, at SM clocks down to ~1.4 GHz
+    from 1.98 (throttle reason SW power cap: docs/perf-notes.md, sixteenth session)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def run(models: dict, tokens, fmts_per_model, device, out_dir: Path, budget_s: float, tag_name: str,
         quick: bool) -> list[Row]:
     start = time.time()
@@ -587,6 +657,7 @@ def run(models: dict, tokens, fmts_per_model, device, out_dir: Path, budget_s: f
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "moegemm": moegemm.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick, "tokens": list(tokens)}
+    env["gpu_limits"] = gpu_limits() if device.type == "cuda" else ""
     copy_tbps = timer.copy_tbps()
     env["copy_tbps"] = round(copy_tbps, 4)
     log(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | copy {copy_tbps:.3f} TB/s", start)
@@ -646,7 +717,8 @@ def _f(v, width, prec):
 
 def print_table(rows: list[Row], env: dict):
     print(f"\n# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | copy {env['copy_tbps']:.3f} TB/s")
-    print("us: kernel time (CUDA graph replay; timing=eager rows: Python call), median of do_bench (L2 flushed).\n"
+    print("us: kernel time (CUDA graph replay; timing=eager rows: Python call), median of >= 30 samples, a row's "
+          "calls in shuffled turns (L2 flushed).\n"
           "xbase = baseline/ours; xfuse = unfused/fused (layer); xgu = unfused/fused (gate/up step); "
           "read = touched weight bytes / copy BW; ratio = ours/read (64-token target <= 1.25)")
     head = (f"{'model':<13} {'fmt':<9} {'T':>5} {'ours':>9} {'unfused':>9} {'xfuse':>6} {'gu fused':>9} "
