@@ -34,10 +34,11 @@ gpt-oss: mxfp4 codes and scales; the bf16 row and the baseline use their exact b
 Timing: medians, L2 flushed before every run. *_us: one call captured in a CUDA graph and
 replayed (kernel time, no host launch cost, as moegemm/benchmark.py reports), at least 30
 samples a call, a row's calls a sample each a round in a shuffled order (Timer says why);
-*_eager_us: the Python call, triton.testing.do_bench on its own. If any capture of a row fails, that row reports eager
-times everywhere (timing = "eager"). The copy bandwidth (1 GiB device-to-device, bytes read
-+ written) is measured in the same run; read_time_us = bytes of the weights and scales of the
-experts present in topk_ids / copy bandwidth; ratio_to_read = ours_us / read_time_us.
+*_eager_us: the Python call, triton.testing.do_bench on its own. If any capture of a row
+fails, that row reports eager times everywhere (timing = "eager"). The copy bandwidth (1 GiB
+device-to-device, bytes read + written) is measured in the same run; read_time_us = bytes of
+the weights and scales of the experts present in topk_ids / copy bandwidth; ratio_to_read =
+ours_us / read_time_us.
 
 Checks (outside timing): every output must be finite; at 64 tokens ours is compared with the
 baseline (relative Frobenius error; tolerances in TOL) and the unfused chain with the fused
@@ -308,7 +309,6 @@ class TorchMoE:
 class Timed:
     """A call of a row, prepared for Timer.in_turns."""
 
-    fn: object
     graph: object  # torch.cuda.CUDAGraph, or None (CPU, or the capture failed)
     eager_ms: float
     why: str
@@ -344,24 +344,24 @@ class Timer:
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             fn()
-            return Timed(fn, None, (time.perf_counter() - t0) * 1e3, "no graph on the CPU")
+            return Timed(None, (time.perf_counter() - t0) * 1e3, "no graph on the CPU")
         eager = self.bench(fn)
         try:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 fn()
-            return Timed(fn, g, eager, "")
+            return Timed(g, eager, "")
         except Exception as exc:  # noqa: BLE001
             torch.cuda.synchronize()
-            return Timed(fn, None, eager, f"graph capture failed: {type(exc).__name__}: {str(exc)[:160]}")
+            return Timed(None, eager, f"graph capture failed: {type(exc).__name__}: {str(exc)[:160]}")
 
     def in_turns(self, timed: dict) -> dict:
         """name -> (graph ms, eager ms, why): the graphs replayed a sample each a round, in a
         shuffled order."""
         graphs = {name: t.graph for name, t in timed.items() if t.graph is not None}
         medians: dict = {}
-        if graphs and self.device.type == "cuda":
+        if graphs:  # (only CUDA calls have one)
             import triton
 
             driver = triton.runtime.driver.active

@@ -15,7 +15,8 @@ log = []
 def mark(msg):
     log.append((time.time(), msg)); print(f"{time.time():.2f} {msg}", flush=True)
 
-smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
+smi = subprocess.Popen(["nvidia-smi",
+                        "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
                         "--format=csv,noheader", "-lms", "100"], stdout=open(sys.argv[1] + ".smi", "w"))
 cfg = ml.MODELS["DeepSeek-V3"]
 gen = torch.Generator(device=dev).manual_seed(1234)
@@ -43,7 +44,8 @@ mark(f"ours alone {res['ours_alone']}")
 res["ours_eager"] = [med(ours) for _ in range(2)]
 mark(f"ours eager {res['ours_eager']}")
 gb = graph(basef)
-mark(f"base captured, mem {torch.cuda.memory_allocated()/2**30:.1f} GiB reserved {torch.cuda.memory_reserved()/2**30:.1f}")
+mark(f"base captured, mem {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+     f"reserved {torch.cuda.memory_reserved() / 2**30:.1f}")
 res["ours_with_base_alive"] = [med(go.replay) for _ in range(3)]
 mark(f"ours with base graph alive {res['ours_with_base_alive']}")
 turns = []

@@ -296,7 +296,7 @@ def activation_quantize_kernel(
             scaled = y * _pow2(-e)[:, :, None]
             stored = tl.where(amax == amax, e + 127, 255)  # NaN amax -> the NaN scale
         if FORM != FORM_OPERAND:
-            values, scale = _kernel_token_values(scaled, e, stored, OUT, FORM, EXP)
+            values, scale = _kernel_token_values(scaled, stored, OUT, FORM, EXP)
         if TOPK > 0:
             # Every choice's row and slot first (a choice's slot is the expert of its row, one slot
             # an expert: routing.route), in three rounds of loads for all of them; rows of dropped
@@ -353,11 +353,11 @@ def activation_quantize_kernel(
 
 
 @triton.jit
-def _kernel_token_values(scaled, e, stored, OUT: tl.constexpr, FORM: tl.constexpr, EXP: tl.constexpr):
+def _kernel_token_values(scaled, stored, OUT: tl.constexpr, FORM: tl.constexpr, EXP: tl.constexpr):
     """What activation_quantize_kernel's FORM_E4M3 and FORM_BF16 store (its docstring), from
     the [BLOCK_M, NB, VEC] block `scaled` of values divided by their block's 2^e and `stored`
     = e + 127 (255 for a NaN block): (the e4m3 bytes, or the bf16 values; the fp32 scales)."""
-    scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(e))  # [BLOCK_M, NB] fp32
+    scale = _portable._decode_e8m0(stored)  # [BLOCK_M, NB] fp32: 2^e, NaN for 255
     if OUT == OUT_E4M3_E8M0:
         codes = _encode_e4m3(scaled)
     else:
@@ -423,7 +423,6 @@ def kb_major_scales_kernel(scale_bytes_ptr, row_slot_ptr, a_offsets_ptr, out_sca
     inside = (start <= rows) & (rows < end)
     column = _portable.kb_major_column(rows - start, start, slot, COLUMN_BLOCK)
     mask = inside[:, None] & (kb[None, :] < NUM_KB)
-    stored = tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :], mask=mask,
-                     other=0).to(tl.int32)
-    scale = tl.where(stored == 255, _f32_from_bits(0x7FC00000 + 0 * stored), _pow2(stored - 127))
+    scale = _portable._decode_e8m0(tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :],
+                                           mask=mask, other=0))
     tl.store(out_scale_ptr + kb.to(tl.int64)[None, :] * M_PAD + column[:, None], scale, mask=mask)
