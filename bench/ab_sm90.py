@@ -4,9 +4,11 @@
 
 For each case (format, shape, group sizes) every variant (a forced Sm90Config, or None for
 the default choice) runs once for its output, which must match the first variant's within
-`rtol` of the largest output (bit-identical is reported), then is timed: one call captured in
-a CUDA graph and replayed under do_bench (median, L2 flushed), the swizzled A-scale offsets
-passed so that no torch set-up kernel runs inside the call. The copy bandwidth is measured in
+`rtol` of the largest output (bit-identical is reported) and is captured in a CUDA graph, the
+swizzled A-scale offsets passed so that no torch set-up kernel runs inside the call. Then the
+case's graphs are timed together by bench/moe_layer.py's Timer (a sample of each a round, in a
+shuffled order, L2 flushed; medians): under the H100's power cap, timing each in its own burst
+gave each a different clock. The copy bandwidth is measured in
 the same run; pct_copy = bytes of the touched weights and scales (+ tokens, output) / time /
 copy bandwidth. A case whose fifth entry is "swiglu" times the gate/up step
 (grouped_matmul_swiglu) fused and unfused instead of the product alone. PLANS below name the
@@ -25,7 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import moe_layer  # noqa: E402
 from moegemm import benchmark, grouped_matmul, grouped_matmul_swiglu, layouts  # noqa: E402
 from moegemm.config import (Sm90Config, deepest_ring, override_config, sm90_config,  # noqa: E402
                             sm90_mx_config, weight_bytes)
@@ -88,6 +92,22 @@ def mxfp8_tail_variants(fmt, n, k, sizes):
             for t in (32, 0, 16)}
 
 
+CLAIM_ROUNDS = (0, 2, 4, 8, 16, 1000)
+
+
+def schedule_variants(fmt, n, k, sizes):
+    """The last rounds' tiles claimed as programs free up, against round-robin throughout (0) and
+    claimed from the start (1000; kernels/sm90.py, schedule)."""
+    base = default_config(fmt, n, k, sizes)
+    return {f"claim-{r}": replace(base, claim_rounds=r) for r in CLAIM_ROUNDS}
+
+
+def fused_schedule_variants(fmt, n, k, sizes):
+    """The same for the fused gate/up step's own config."""
+    base = sm90_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes), fused=True)
+    return {f"claim-{r}": replace(base, claim_rounds=r) for r in CLAIM_ROUNDS}
+
+
 def _deepest(cfg, fmt):
     """The ring as deep as shared memory allows (up to 12 stages), as the config functions do."""
     return deepest_ring(replace(cfg, stages=2), 1, 2, weight_bytes(FORMATS[fmt]))
@@ -144,6 +164,16 @@ PLANS = {
     "bf16-swiglu": [
         ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), bf16_swiglu_variants, "swiglu"),
     ],
+    "schedule": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), schedule_variants),
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), schedule_variants),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 11), schedule_variants),
+        ("fp8_block", "dsv3-up", lambda: poisson_sizes(256, 128, 3), schedule_variants),
+        ("fp8_block", "dsv3-down", lambda: poisson_sizes(256, 128, 4), schedule_variants),
+        ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), schedule_variants),
+        ("bf16", "gptoss-down", lambda: poisson_sizes(128, 128, 8), schedule_variants),
+        ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), fused_schedule_variants, "swiglu-fused"),
+    ],
     "mxfp8-tiles": [
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),
         ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tile_variants),
@@ -170,8 +200,8 @@ def kernel_times(replay, reps: int = 20) -> dict:
 
 def _calls(inp, fmt, scale_offsets, step, bias):
     """{name: call} of a case: the product alone, or (step "swiglu") the gate/up step fused and
-    unfused (gpt-oss's clamped SwiGLU with `bias`, bf16 out)."""
-    if step != "swiglu":
+    unfused (gpt-oss's clamped SwiGLU with `bias`, bf16 out), or ("swiglu-fused") fused only."""
+    if step not in ("swiglu", "swiglu-fused"):
         return {"": lambda: grouped_matmul(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
                                            fmt=fmt, a_scale_offsets=scale_offsets, out=inp.out,
                                            scale_layout=inp.scale_layout)}
@@ -180,6 +210,8 @@ def _calls(inp, fmt, scale_offsets, step, bias):
                                              fmt=fmt, out_fmt=fmt, activation="swiglu_oai", bias=bias,
                                              a_scale_offsets=scale_offsets, scale_layout=inp.scale_layout,
                                              fused=fused).data
+    if step == "swiglu-fused":
+        return {"/fused": swiglu(True)}
     return {"/fused": swiglu(True), "/unfused": swiglu(False)}
 
 
@@ -190,7 +222,8 @@ def run_case(fmt, shape, sizes, variants, copy_tbps, device, step=None, rtol=5e-
     m = sum(sizes)
     bias = torch.randn(len(sizes), n, device=device)  # one for every variant (step "swiglu")
 
-    rows, firsts = [], {}
+    rows, firsts, timed, pending = [], {}, {}, []
+    timer = moe_layer.Timer(device)
     for name, cfg in variants(fmt, n, k, sizes).items():
         for suffix, call in _calls(inp, fmt, scale_offsets, step, bias).items():
             with override_config(cfg) if cfg is not None else contextlib.nullcontext():
@@ -198,29 +231,30 @@ def run_case(fmt, shape, sizes, variants, copy_tbps, device, step=None, rtol=5e-
                 out = call()
                 torch.cuda.synchronize()
                 out = (inp.out if out is None else out)[:m].float().clone()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    call()
-                ms = benchmark._bench(graph.replay)
-                kernels = kernel_times(graph.replay)
-            first = firsts.setdefault(suffix, out)
-            if first is out:
-                diff, identical = 0.0, True
-            else:
-                scale = first.abs().max().clamp(min=1e-30)
-                diff = float(((out - first).abs().max() / scale).nan_to_num(float("inf")))
-                identical = bool(torch.equal(out.nan_to_num(0.0), first.nan_to_num(0.0)))
-            variant = name + suffix
-            row = dict(fmt=fmt, shape=shape, n=n, k=k, groups=len(sizes), tokens=m, variant=variant,
-                       config=asdict(cfg) if cfg is not None else None, us=ms * 1e3, kernels_us=kernels,
-                       pct_copy=100 * inp.bytes_moved() / (ms * 1e-3) / (copy_tbps * 1e12),
-                       tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12, max_diff=diff, identical=identical,
-                       ok=diff <= rtol and bool(torch.isfinite(out).all()))
-            rows.append(row)
-            print(f"{fmt:<6} {shape:<12} {len(sizes):>3}x{m / len(sizes):<6.1f} {variant:<22} {row['us']:9.1f} us "
-                  f"{row['pct_copy']:5.1f}% copy {row['tflops']:6.1f} TFLOP/s  diff {diff:.1e}"
-                  f"{' =' if identical else ''}{'' if row['ok'] else '  MISMATCH'}  kernels " +
-                  " ".join(f"{kname[:24]}={us:.1f}" for kname, us in kernels.items()), flush=True)
+                timed[name + suffix] = timer.prepare(call)
+            pending.append((name, cfg, suffix, out))
+    times = timer.in_turns(timed)
+    for name, cfg, suffix, out in pending:
+        ms = times[name + suffix][0]
+        kernels = kernel_times(timed[name + suffix].graph.replay)
+        first = firsts.setdefault(suffix, out)
+        if first is out:
+            diff, identical = 0.0, True
+        else:
+            scale = first.abs().max().clamp(min=1e-30)
+            diff = float(((out - first).abs().max() / scale).nan_to_num(float("inf")))
+            identical = bool(torch.equal(out.nan_to_num(0.0), first.nan_to_num(0.0)))
+        variant = name + suffix
+        row = dict(fmt=fmt, shape=shape, n=n, k=k, groups=len(sizes), tokens=m, variant=variant,
+                   config=asdict(cfg) if cfg is not None else None, us=ms * 1e3, kernels_us=kernels,
+                   pct_copy=100 * inp.bytes_moved() / (ms * 1e-3) / (copy_tbps * 1e12),
+                   tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12, max_diff=diff, identical=identical,
+                   ok=diff <= rtol and bool(torch.isfinite(out).all()))
+        rows.append(row)
+        print(f"{fmt:<6} {shape:<12} {len(sizes):>3}x{m / len(sizes):<6.1f} {variant:<22} {row['us']:9.1f} us "
+              f"{row['pct_copy']:5.1f}% copy {row['tflops']:6.1f} TFLOP/s  diff {diff:.1e}"
+              f"{' =' if identical else ''}{'' if row['ok'] else '  MISMATCH'}  kernels " +
+              " ".join(f"{kname[:24]}={us:.1f}" for kname, us in kernels.items()), flush=True)
     del inp
     torch.cuda.empty_cache()
     return rows

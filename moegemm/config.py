@@ -67,6 +67,12 @@ class Sm90Config:
     # tokens, on a second accumulator of the same warpgroups (kernels/sm90_mxfp8.py), instead of
     # a nearly empty tile of its own that streams the weight block again
     tail_tokens: int = 0
+    # The last claim_rounds * programs tiles of a call are claimed from a counter as programs
+    # free up, the rest dealt round-robin (kernels/sm90.py, schedule); 0: round-robin throughout
+    # (always for split-K). Two rounds measured best of 0/2/4/8/16/all on DeepSeek-V3's mxfp8
+    # products (0.99x, 0.986x the time of 0) and gpt-oss's bf16 fused gate/up step (0.992x);
+    # fp8_block keeps 0 (_sm90_config). bench/results/schedule-*.json, H100.
+    claim_rounds: int = 2
 
     @property
     def stage_k(self) -> int:
@@ -138,7 +144,10 @@ class Sm90Config:
                 epilogue += self.swap_store_scratch(out_bytes)
         if self.split_k:  # the K-half-1 warpgroups' partial sums and their four barriers
             epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8
-        return self.stages * stage + operands + epilogue + 2 * 8 * self.stages
+        # The tile schedule's two words and four barriers, and the word through which the
+        # producer's claim reaches its warp (kernels/sm90.py, schedule): ~100 bytes aligned.
+        schedule = 128
+        return self.stages * stage + operands + epilogue + 2 * 8 * self.stages + schedule
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
         e2m1_fp8 = self.fp8_mma and fmt.b.element.packed
@@ -304,6 +313,11 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int, fus
     # scratch in place of the plain epilogue's buffers when fused (Sm90Config.fused_scratch): on
     # normal tiles one stage more at ~128 tokens a slot (gpt-oss-120b's gate/up at 4096 tokens).
     element = 1 if fp8 else 2
+    if fp8:
+        # Claimed last rounds did not pay on fp8_block: DeepSeek-V3's gate/up 1.006x slower, its
+        # down product 1.39x (2596 against 1866 us), though claiming every tile made that one
+        # 0.89x (bench/results/schedule-*.json; see docs/perf-notes.md, seventeenth session).
+        cfg = replace(cfg, claim_rounds=0)
     config = deepest_ring(cfg, element, out_bytes, fused=fused)
     _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'} fused={fused}", config)
     return config

@@ -339,3 +339,63 @@ def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, forced):
     graph.replay()
     torch.cuda.synchronize()
     check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+
+
+
+SCHEDULE_CONFIGS = {
+    "fp8_block-normal128": ("fp8_block", forced_config("fp8_block", "normal128")),
+    "fp8_block-swapped": ("fp8_block", forced_config("fp8_block", "swapped")),
+    "bf16-split_n": ("bf16", forced_config("bf16", "split_n")),
+    "bf16-normal256": ("bf16", forced_config("bf16", "normal256")),
+    "mxfp8-16": ("mxfp8", mxfp8_promotion_config(16)),
+    "mxfp8-128-tail32": ("mxfp8", dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32,
+                                                       consumer_regs=240)),
+    "mxfp4-8": ("mxfp4", e2m1_promotion_config(token_tile=8)),
+}
+# Tiles claimed after the first (1000 rounds), in the last round only, or dealt round-robin.
+CLAIM_ROUNDS = (1000, 1, 0)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_CONFIGS))
+def test_sm90_tile_claims_match_round_robin(name):
+    # N = 2048 over the TAIL_EDGES slots: ~2-5 tiles a program, so the producer claims the last
+    # rounds' tiles from the counter as programs free up (kernels/sm90.py, schedule). Which
+    # program computes a tile must not change it: each schedule against the reference, and all
+    # bit-identical.
+    fmt, config = SCHEDULE_CONFIGS[name]
+    layout = "swizzled" if FORMATS[fmt].swizzle_capable else "plain"
+    p = make_problem(fmt, layout, TAIL_EDGES, 2048, 512, "cuda")
+    outs = []
+    for claim_rounds in CLAIM_ROUNDS:
+        poisoned = poison_like(p.m, 2048, torch.bfloat16, "cuda")
+        out = poisoned.clone()
+        with override_config(dataclasses.replace(config, claim_rounds=claim_rounds)):
+            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+        check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+        outs.append(out[p.valid_rows().to(out.device)].view(torch.int16))
+    for rounds, out in zip(CLAIM_ROUNDS[1:], outs[1:]):
+        assert torch.equal(outs[0], out), f"claim_rounds {rounds} gave other outputs than claiming all tiles"
+
+
+@pytest.mark.parametrize("fmt,out_fmt", [("bf16", "bf16"), ("mxfp8", "mxfp8")])
+def test_sm90_fused_tile_claims_match_round_robin(fmt, out_fmt):
+    # The fused SwiGLU epilogue (bf16: 64 x 256 split tiles; mxfp8: 128-token tiles with tails,
+    # quantized output) under each schedule: the same bytes. (Its accuracy is tests/test_moe.py's
+    # test_fused_swiglu_epilogue_matches_unfused.)
+    p = make_problem(fmt, "swizzled" if fmt == "mxfp8" else "plain", TAIL_EDGES, 2048, 512, "cuda")
+    if fmt == "mxfp8":
+        config = dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32, consumer_regs=240)
+    else:
+        config = Sm90Config(block_n=128, block_k=64, stages=5, group_m=4, split_n=True)
+    valid = p.valid_rows().to("cuda")
+    outs = []
+    for claim_rounds in CLAIM_ROUNDS:
+        with override_config(dataclasses.replace(config, claim_rounds=claim_rounds)):
+            y = moegemm.grouped_matmul_swiglu(*p.args(), fmt=fmt, out_fmt=out_fmt, activation="swiglu_oai",
+                                              expert_scales=p.expert_scales, scale_layout=p.layout, fused=True,
+                                              backend="sm90")
+        assert bool(torch.isfinite(moegemm.dequantize(y)[valid].float()).all())
+        outs.append([y.data[valid].view(torch.uint8)] + ([] if y.scales is None else [y.scales.view(torch.uint8)]))
+    for rounds, out in zip(CLAIM_ROUNDS[1:], outs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], out)), \
+            f"claim_rounds {rounds} gave other bytes than claiming all tiles"

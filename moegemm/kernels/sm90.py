@@ -31,10 +31,20 @@ Steady state of one consumer, fp8_block (PROMOTE):
 bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
 
 Schedule: every partition walks the group slots in order (scalar loads of a_offsets and
-expert_ids; no host read, no pre-pass), counts the tiles of earlier slots, and takes tile t
-when t % nprog == pid. Within a slot, tiles go in bands of GROUP_M token blocks, token
-blocks fastest, so a wave of CTAs shares few A and B tiles in L2. Offsets are clamped to
-[0, M]; a slot whose expert id is outside [0, E) has no tiles.
+expert_ids; no host read, no pre-pass) and counts the tiles of earlier slots. Tile t goes to
+program t % nprog, round-robin, except the last claim_rounds * nprog tiles of the call (DYNAMIC,
+with the launcher's zeroed int32 tile counter): the producer, having counted the call's tiles
+(_total_tiles), claims each of those with an atomic add once it has issued its current tile's
+loads, and hands every next tile to the consumers through shared memory (_publish_tile,
+_receive_tile). Tile indices rise either way, so the slot walk only goes forward.
+Why both: round-robin keeps the programs that share an operand in step (neighbouring tiles are
+an expert's weight tiles, which read its token tile, or a weight tile's token tiles), so one
+HBM read serves them through L2; tiles claimed from the start lost that (DeepSeek-V3 mxfp8 gate/up
+product 1.08x slower, H100). But a program's round-robin share of slow tiles (tails) decides
+when the call ends, 2-3% after the average program; claimed at the end, the tiles even out.
+Within a slot, tiles go in bands of GROUP_M token blocks, token blocks fastest, so a wave of CTAs
+shares few A and B tiles in L2. Offsets are clamped to [0, M]; a slot whose expert id is outside
+[0, E) has no tiles.
 
 Epilogue: C = acc * expert_scales[e] * row_scales[m] in fp32, rounded to the output dtype.
 A warpgroup's 64 token rows that lie inside the group go out by TMA store (clipped at M and
@@ -70,9 +80,13 @@ WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma
 def _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE: gl.constexpr, TAIL: gl.constexpr = 0):
     """Rows [s, t), expert e and token-tile count of slot g (0 when e is outside [0, E)).
     TAIL > 0: the slot's last tile also takes up to TAIL more tokens (_tail_of)."""
-    s = gl.load(a_offsets_ptr + g)
-    t = gl.load(a_offsets_ptr + g + 1)
-    e = gl.load(expert_ids_ptr + g)
+    return _slot_tiles(gl.load(a_offsets_ptr + g), gl.load(a_offsets_ptr + g + 1), gl.load(expert_ids_ptr + g), M, E,
+                       TOK_TILE, TAIL)
+
+
+@gluon.jit
+def _slot_tiles(s, t, e, M, E, TOK_TILE: gl.constexpr, TAIL: gl.constexpr):
+    """_slot from the slot's loaded offsets and expert id (scalars, or vectors of slots)."""
     s = gl.minimum(gl.maximum(s, 0), M)
     t = gl.minimum(gl.maximum(t, s), M)
     if TAIL > 0:
@@ -84,6 +98,21 @@ def _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE: gl.constexpr, TAIL: 
 
 
 @gluon.jit
+def _total_tiles(a_offsets_ptr, expert_ids_ptr, M, E, G, w_tiles, TOK_TILE: gl.constexpr, TAIL: gl.constexpr):
+    """The call's tile count: the slot walk's, 64 slots at a time (the producer's one warp)."""
+    layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    total = 0
+    for g0 in range(0, G, 64):
+        g = g0 + gl.arange(0, 64, layout=layout)
+        ok = g < G
+        s, t, e, tok_tiles = _slot_tiles(gl.load(a_offsets_ptr + g, mask=ok, other=0),
+                                         gl.load(a_offsets_ptr + g + 1, mask=ok, other=0),
+                                         gl.load(expert_ids_ptr + g, mask=ok, other=-1), M, E, TOK_TILE, TAIL)
+        total += gl.sum(tok_tiles, axis=0)
+    return total * w_tiles
+
+
+@gluon.jit
 def _tail_of(tok_block, tok_tiles, s, t, TOK_TILE: gl.constexpr):
     """Whether token tile tok_block of slot rows [s, t) has a tail: it is the slot's last tile
     and holds more than TOK_TILE tokens (at most TOK_TILE + TAIL, _slot), the rest from row
@@ -91,6 +120,54 @@ def _tail_of(tok_block, tok_tiles, s, t, TOK_TILE: gl.constexpr):
     tile: the same weight block read by a second CTA for a few tokens costs a second read of it
     (kernels/sm90_mxfp8.py)."""
     return (tok_block == tok_tiles - 1) & (t - s - tok_block * TOK_TILE > TOK_TILE)
+
+
+@gluon.jit
+def _next_tile(tile, nprog, first_claimed, tile_counter_ptr):
+    """The producer's choice of its program's next tile (module docstring, schedule): round-robin
+    below first_claimed, from there on in the order programs ask. An index past the last tile
+    ends the program's walk. Relaxed: only the count is shared (acq_rel put a GPU-wide MEMBAR
+    and an L1 invalidation around it)."""
+    next_tile = tile + nprog
+    if next_tile >= first_claimed:
+        next_tile = first_claimed + gl.atomic_add(tile_counter_ptr, 1, sem="relaxed")
+    return next_tile
+
+
+@gluon.jit
+def _publish_tile(tile_ids, id_ready, id_free, n, tile):
+    """Producer: hand its n-th next tile `tile` to the consumer warpgroups through one of two
+    shared-memory words (id_ready: count 1; id_free: one arrival a consumer warpgroup). It is
+    published after the current tile's loads are issued, and read after that tile's K loop, so
+    neither side waits for the other's progress on the ring."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # the producer's one warp
+    slot = n % 2
+    mbarrier.wait(id_free.index(slot), ((n // 2) & 1) ^ 1)
+    tile_ids.index(slot).store(gl.full([1], tile, gl.int32, layout))
+    mbarrier.arrive(id_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _receive_tile(tile_ids, id_ready, id_free, n):
+    """Consumer warpgroup: the producer's n-th next tile (_publish_tile)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a consumer warpgroup
+    slot = n % 2
+    mbarrier.wait(id_ready.index(slot), (n // 2) & 1)
+    tile = gl.max(tile_ids.index(slot).load(layout), axis=0)
+    mbarrier.arrive(id_free.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def _tile_id_buffers(CONSUMERS: gl.constexpr):
+    """The two shared-memory words and their barriers of _publish_tile / _receive_tile."""
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(id_ready.index(i), count=1)
+        mbarrier.init(id_free.index(i), count=CONSUMERS)
+    return tile_ids, id_ready, id_free
 
 
 @gluon.jit
@@ -136,7 +213,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None,
                     ws_desc=None, ws_bufs=None, KB4=0, b_half_desc=None, tail_desc=None, tail_bufs=None,
-                    tail_s_desc=None, tail_s_bufs=None, S_COLUMN_BLOCK: gl.constexpr = 4):
+                    tail_s_desc=None, tail_s_bufs=None, S_COLUMN_BLOCK: gl.constexpr = 4, tile_counter_ptr=None,
+                    claim_rounds=0, tile_ids=None, id_ready=None, id_free=None, DYNAMIC: gl.constexpr = False):
     """The producer warp. A stage holds one B tile and SUB consecutive A tiles of BLOCK_K
     (a_bufs[stage * SUB + j]): the MX kernel loads 128 bytes of each weight row per stage,
     i.e. several 64-wide K steps of its bf16 tokens (kernels/sm90_mx.py). With s_desc, a stage
@@ -150,7 +228,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
     consumers of the other half skip it (kernels/sm90_mxfp8.py, split-K). With tail_desc (a
     [TAIL, BLOCK_K] box of A) and tail_s_desc (a [K blocks, TAIL] box of the token scales), a
     slot's last tile takes up to TAIL more tokens (_slot, _tail_of): when it has them, each
-    stage also holds their tokens and scales (kernels/sm90_mxfp8.py, wide tiles)."""
+    stage also holds their tokens and scales (kernels/sm90_mxfp8.py, wide tiles). DYNAMIC: the
+    last claim_rounds * nprog tiles are claimed from tile_counter_ptr, and every next tile is handed
+    to the consumers through tile_ids (module docstring, schedule)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     w_tiles = gl.cdiv(N, W_TILE)
@@ -177,6 +257,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
         TAIL: gl.constexpr = 0
     it = 0
     tile_base = 0
+    claims = 0
+    first_claimed = 0  # (DYNAMIC: set after the first tile's loads)
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
         s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE, TAIL)
@@ -188,7 +270,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
         # carry a variable the body only writes, so every slot restarted at pid (illegal address).
         while next_tile < tile_base + group_tiles:
             tile = next_tile
-            next_tile += nprog
+            if not DYNAMIC:
+                next_tile += nprog
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             a_row = s + tok_block * TOK_TILE
             b_row = e * N + w_block * W_TILE
@@ -234,6 +317,15 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty,
                     ws_row = ((e * w_tiles + w_block) * KB4 + kk * WS_ATOMS) * 32
                     tma.async_copy_global_to_shared(ws_desc, [ws_row, 0], ready.index(stage), ws_bufs.index(stage))
                 it += 1
+            if DYNAMIC:
+                # (claimed with the ring full of this tile's stages, which cover the atomic's round
+                # trip: claimed before the tile's loads, it held them back)
+                if claims == 0:  # (counted here, the slot loads' latency is under the ring's)
+                    first_claimed = gl.maximum(_total_tiles(a_offsets_ptr, expert_ids_ptr, M, E, G, w_tiles, TOK_TILE,
+                                                            TAIL) - claim_rounds * nprog, nprog)
+                next_tile = _next_tile(tile, nprog, first_claimed, tile_counter_ptr)
+                _publish_tile(tile_ids, id_ready, id_free, claims, next_tile)
+                claims += 1
         tile_base += group_tiles
 
 
@@ -356,7 +448,8 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
                         WG: gl.constexpr, TOK_TILE: gl.constexpr, W_TILE: gl.constexpr, SUB_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
                         SPLIT_N: gl.constexpr, PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                        HAS_ROW_SCALES: gl.constexpr, INSTR_K: gl.constexpr, EPI: gl.constexpr):
+                        HAS_ROW_SCALES: gl.constexpr, INSTR_K: gl.constexpr, EPI: gl.constexpr, tile_ids, id_ready,
+                        id_free, DYNAMIC: gl.constexpr):
     # An accumulator is [64, SUB_N]: rows are this warpgroup's tokens (weight rows when
     # SWAP), columns its weight rows (tokens when SWAP).
     N_SUB: gl.constexpr = 2 if (PROMOTE and not SWAP and not SPLIT_N and W_TILE > 128) else 1
@@ -388,13 +481,15 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
             w_offsets = gl.arange(0, SUB_N, layout=col_layout)
     it = 0
     tile_base = 0
+    claims = 0
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
     for g in range(G):
         s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE)
         group_tiles = tok_tiles * w_tiles
         while next_tile < tile_base + group_tiles:  # (sm90._load_partition says why not a for)
             tile = next_tile
-            next_tile += nprog
+            if not DYNAMIC:  # else the producer's choice, received after the tile
+                next_tile += nprog
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             toks = s + tok_block * TOK_TILE + tok_offsets
             tok_mask = toks < t
@@ -422,6 +517,9 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
             else:
                 _epilogue(acc0, c_desc, c_smem, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, tok_mask, ns, N,
                           row0, col0, t, SWAP, HAS_EXPERT_SCALES, HAS_ROW_SCALES, tok_dim, w_dim)
+            if DYNAMIC:
+                next_tile = _receive_tile(tile_ids, id_ready, id_free, claims)
+                claims += 1
         tile_base += group_tiles
     tma.store_wait(pendings=0)
 
@@ -430,13 +528,16 @@ def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, out_ptr,
 def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                expert_scales_ptr, row_scales_ptr,
-                               M, N, K, E, G, NUM_KB, epi,
+                               tile_counter_ptr, claim_rounds, M, N, K, E, G, NUM_KB, epi,
                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr,
                                PROMOTE: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                               HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
+                               HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
+                               DYNAMIC: gl.constexpr = False):
     """See the module docstring. a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight
     tiles [W_TILE, BLOCK_K] of B viewed as [E*N, K]; c_desc: [64, SUB_N] tiles of C (unused when
-    SWAP). The tile arrangement follows from the descriptor shapes: TOK_TILE = 64 is split-n."""
+    SWAP). The tile arrangement follows from the descriptor shapes: TOK_TILE = 64 is split-n.
+    DYNAMIC: the last claim_rounds * nprog tiles are claimed from tile_counter_ptr (an int32 that
+    is zero at launch), else all are dealt round-robin (module docstring, schedule)."""
     TOK_TILE: gl.constexpr = a_desc.block_type.shape[0]
     W_TILE: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -456,19 +557,22 @@ def grouped_matmul_sm90_kernel(a_desc, b_desc, c_desc, out_ptr,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    tile_ids, id_ready, id_free = _tile_id_buffers(2)  # (40 bytes; used when DYNAMIC)
     gl.warp_specialize([
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(0), out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                                row_scales_ptr, M, N, K, E, G, NUM_KB, epi, 0, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
                                STAGES, GROUP_M, SWAP, SPLIT_N, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
-                               INSTR_K, EPI)),
+                               INSTR_K, EPI, tile_ids, id_ready, id_free, DYNAMIC)),
         (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem.index(1), out_ptr,
                                a_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                                row_scales_ptr, M, N, K, E, G, NUM_KB, epi, 1, TOK_TILE, W_TILE, SUB_N, BLOCK_K,
                                STAGES, GROUP_M, SWAP, SPLIT_N, PROMOTE, HAS_EXPERT_SCALES, HAS_ROW_SCALES,
-                               INSTR_K, EPI)),
+                               INSTR_K, EPI, tile_ids, id_ready, id_free, DYNAMIC)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
-                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M)),
+                           M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, 1, None, None, None, None, 0,
+                           None, None, None, None, None, 4, tile_counter_ptr, claim_rounds, tile_ids, id_ready, id_free,
+                           DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -485,6 +589,15 @@ def _layout(block: tuple, dtype):
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile_counter(cfg, upper_tiles: int, num_programs: int, device: torch.device) -> torch.Tensor | None:
+    """The tile counter of a launch whose programs may get more than one tile, when its config
+    claims the last rounds (a zeroed int32 of this call, a fill in its stream; no host read;
+    module docstring, schedule). None: round-robin throughout (always for split-K)."""
+    if upper_tiles <= num_programs or cfg.claim_rounds <= 0 or cfg.split_k:
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def supports(p: GroupedProblem) -> bool:
@@ -509,6 +622,7 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, e
     cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size(), fused=epilogue is not None)
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
+    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
     promote = p.fmt.name == "fp8_block"
     bk = cfg.block_k
     a_block = (cfg.token_tile, bk)
@@ -525,9 +639,10 @@ def launch(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, expert_ids, e
         a_desc, b_desc, c_desc, out,
         a_scales if promote else dummy, b_scales if promote else dummy, a_offsets, expert_ids,
         expert_scales if expert_scales is not None else dummy, row_scales if row_scales is not None else dummy,
-        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales if promote else 0, epi,
+        counter if counter is not None else dummy, cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups,
+        p.num_k_scales if promote else 0, epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, num_warps=4,
     )
     return out

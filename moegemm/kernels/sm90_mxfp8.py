@@ -82,7 +82,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..token_forms import ACC_ORDER_BLOCK, E2M1_TOKEN_EXP
 from ..validation import GroupedProblem
 from . import portable
-from .sm90 import WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _slot, _sm_count, _tail_of
+from .sm90 import (WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _receive_tile, _slot, _sm_count,
+                   _tail_of, _tile_id_buffers, tile_counter)
 from .sm90_epilogue import epilogue_args, fused_epilogue
 from .sm90_mx import _scale_row_offsets
 
@@ -689,7 +690,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                               HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr,
                               WIDE: gl.constexpr, FP4W: gl.constexpr, SPLIT_K: gl.constexpr,
                               HALF_TILES: gl.constexpr, ACC_FACTOR: gl.constexpr, tail_bufs, tail_s_bufs,
-                              TAIL: gl.constexpr):
+                              TAIL: gl.constexpr, tile_ids, id_ready, id_free,
+                              DYNAMIC: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
     ROWS: gl.constexpr = WG % 2
@@ -719,7 +721,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
         group_tiles = tok_tiles * w_tiles
         while next_tile < tile_base + group_tiles:  # (sm90._load_partition says why not a for)
             tile = next_tile
-            next_tile += nprog
+            if not DYNAMIC:  # else the producer's choice (sm90's schedule), received after the tile
+                next_tile += nprog
             tok_block, w_block = _band_coords(tile - tile_base, tok_tiles, w_tiles, GROUP_M)
             ns = w_block * W_TILE + w_offsets
             w_ok = ns < N
@@ -792,17 +795,22 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, toks < t, ns, N,
                               s + tok_block * TOK_TILE, w_block * W_TILE + ROWS * WG_ROWS, t, True,
                               HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1, VECTOR_STORE)
+            if DYNAMIC:
+                next_tile = _receive_tile(tile_ids, id_ready, id_free, tiles_done)
+            if not SPLIT_K:
+                tiles_done += 1
         tile_base += group_tiles
 
 
 @gluon.jit
 def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out_ptr,
                                      t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
-                                     row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi,
-                                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWIZZLED: gl.constexpr,
+                                     row_scales_ptr, tile_counter_ptr, claim_rounds, M, N, K, E, G, NUM_KB, KB4,
+                                     T_SCALE_STRIDE, epi, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                     SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr,
-                                     SPLIT_K: gl.constexpr = False):
+                                     SPLIT_K: gl.constexpr = False, DYNAMIC: gl.constexpr = False):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
     weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
     e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
@@ -817,7 +825,9 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
     has and the warpgroups of the other 64 rows skip it. tail_desc, tail_s_desc (wide mxfp8
     tiles with tails, else None): [TAIL, 128] e4m3 token boxes and [4, TAIL] fp32 token-scale
     boxes: a slot's last tile takes up to TAIL tokens more (sm90._slot), computed by the same
-    warpgroups on a third accumulator (_promote_chain_wide)."""
+    warpgroups on a third accumulator (_promote_chain_wide). DYNAMIC (not with SPLIT_K): the
+    last claim_rounds * nprog tiles are claimed from tile_counter_ptr, an int32 that is zero at
+    launch (sm90's schedule)."""
     HALF_TILES: gl.constexpr = w_half_desc is not None
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
@@ -877,6 +887,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
         red_bufs = t_bufs  # unused
         red_ready = ready
         red_free = ready
+    gl.static_assert(not (DYNAMIC and SPLIT_K), "split-K tiles are dealt round-robin")
+    tile_ids, id_ready, id_free = _tile_id_buffers(2)  # (40 bytes; used when DYNAMIC)
     if SPLIT_K:
         # Four consumer warpgroups and the producer: 4 * CONSUMER_REGS + producer <= 512 (64K
         # registers over five warpgroups); ptxas keeps the wgmmas in flight only if the smallest
@@ -887,25 +899,29 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
+                                         id_free, DYNAMIC)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
+                                         id_free, DYNAMIC)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 2, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
+                                         id_free, DYNAMIC)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 3, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
+                                         id_free, DYNAMIC)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4, w_half_desc)),
@@ -917,16 +933,19 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
+                                         id_free, DYNAMIC)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
-                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL)),
+                                         HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
+                                         id_free, DYNAMIC)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
-                               ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, S_COLUMN_BLOCK)),
+                               ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, S_COLUMN_BLOCK,
+                               tile_counter_ptr, claim_rounds, tile_ids, id_ready, id_free, DYNAMIC)),
         # Producer registers: what the consumers leave of 504 a thread (64K registers; 120 with
         # 192 a consumer keeps the narrow tiles' two wgmmas in flight, sm90_mx.py says why); the
         # wide tiles need 232 a consumer thread (192 spilled), 240 with a tail (232 spilled a
@@ -972,6 +991,7 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         s_desc = TensorDescriptor.from_tensor(token_scales, s_block, _unswizzled_32bit_layout())
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
     num_programs = min(_sm_count(out.device), upper_tiles)
+    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
     t_block = (cfg.token_tile, cfg.block_k)
     t_desc = TensorDescriptor.from_tensor(a, list(t_block), _layout(t_block, a.dtype))
     # 128 bytes of each weight row a stage: 128 e4m3, or 256 packed e2m1 (two token tiles).
@@ -1003,11 +1023,12 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
     grouped_matmul_sm90_mxfp8_kernel[(num_programs, )](
         t_desc, w_desc, s_desc, ws_desc, w_half_desc, tail_desc, tail_s_desc, out, token_scales, weight_scales,
         a_offsets, expert_ids, expert_scales if expert_scales is not None else dummy,
-        row_scales if row_scales is not None else dummy,
+        row_scales if row_scales is not None else dummy, counter if counter is not None else dummy, cfg.claim_rounds,
         p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
         0 if staged else token_scales.shape[1], epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k, num_warps=4,
+        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k,
+        DYNAMIC=counter is not None, num_warps=4,
     )
     return out
