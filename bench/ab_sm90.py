@@ -95,17 +95,19 @@ def mxfp8_tail_variants(fmt, n, k, sizes):
 CLAIM_ROUNDS = (0, 2, 4, 8, 16, 1000)
 
 
+def _claim_variants(base):
+    return {f"claim-{r}": replace(base, claim_rounds=r) for r in CLAIM_ROUNDS}
+
+
 def schedule_variants(fmt, n, k, sizes):
     """The last rounds' tiles claimed as programs free up, against round-robin throughout (0) and
     claimed from the start (1000; kernels/sm90.py, schedule)."""
-    base = default_config(fmt, n, k, sizes)
-    return {f"claim-{r}": replace(base, claim_rounds=r) for r in CLAIM_ROUNDS}
+    return _claim_variants(default_config(fmt, n, k, sizes))
 
 
 def fused_schedule_variants(fmt, n, k, sizes):
     """The same for the fused gate/up step's own config."""
-    base = sm90_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes), fused=True)
-    return {f"claim-{r}": replace(base, claim_rounds=r) for r in CLAIM_ROUNDS}
+    return _claim_variants(sm90_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes), fused=True))
 
 
 def _deepest(cfg, fmt):

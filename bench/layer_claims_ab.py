@@ -21,18 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_layer as L  # noqa: E402
-import moegemm  # noqa: E402
 import moegemm.config as C  # noqa: E402
 
 ROWS = ((0, "DeepSeek-V3", "mxfp8"), (1, "gpt-oss-120b", "bf16"))  # (model index in moe_layer.MODELS, model, fmt)
 CLAIM_ROUNDS = (0, 2, 1)
 TOKENS = 4096
-
-
-def layer_call(cfg, x, ids, topk_weights, w_gu, w_dn, gu_bias, dn_bias):
-    return lambda: moegemm.moe_forward(x, ids, topk_weights, w_gu, w_dn, activation=cfg["activation"],
-                                       gate_up_bias=gu_bias, down_bias=dn_bias, alpha=L.ALPHA, limit=L.LIMIT,
-                                       fused=True, backend="auto")
 
 
 def captured_with_claim_rounds(timer, rounds, call):
@@ -53,12 +46,9 @@ def main():
     results = {}
     for m_index, model, fmt in ROWS:
         cfg = L.MODELS[model]
-        gen = torch.Generator(device=device).manual_seed(1234 + m_index)
-        weights = (L.Fp8Weights if cfg["family"] == "fp8" else L.Mxfp4Weights)(cfg, device, gen)
+        weights = L.build_weights(cfg, m_index, device)
         x, ids, topk_weights = L.routing_inputs(cfg, TOKENS, TOKENS * 7919 + m_index, device)
-        w_gu, w_dn = weights.ours(fmt)
-        gu_bias, dn_bias = weights.biases()
-        call = layer_call(cfg, x, ids, topk_weights, w_gu, w_dn, gu_bias, dn_bias)
+        call = L.layer_call(cfg, x, ids, topk_weights, weights, fmt, fused=True)
         timed = {f"claim-{r}": captured_with_claim_rounds(timer, r, call) for r in CLAIM_ROUNDS}
         base = L.baseline_for(weights, fmt, cfg, "fp8_rowwise" if weights.rowwise() is not None else "bf16")
         base_call = lambda: base(x, ids, topk_weights)  # noqa: E731

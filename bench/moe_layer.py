@@ -507,6 +507,21 @@ def baseline_for(weights, fmt: str, cfg: dict, kind: str) -> TorchMoE:
 BASELINE_NAMES = {"fp8_rowwise": "torch._scaled_grouped_mm fp8 rowwise", "bf16": "torch._grouped_mm bf16"}
 
 
+def build_weights(cfg: dict, m_index: int, device):
+    """The model's weights (its index in MODELS seeds them)."""
+    gen = torch.Generator(device=device).manual_seed(1234 + m_index)
+    return (Fp8Weights if cfg["family"] == "fp8" else Mxfp4Weights)(cfg, device, gen)
+
+
+def layer_call(cfg: dict, x, ids, topk_weights, weights, fmt: str, fused: bool):
+    """Our layer on the row's inputs: moe_forward with fmt's weights (and the model's biases)."""
+    w_gu, w_dn = weights.ours(fmt)
+    gu_bias, dn_bias = weights.biases()
+    return lambda: moegemm.moe_forward(x, ids, topk_weights, w_gu, w_dn, activation=cfg["activation"],
+                                       gate_up_bias=gu_bias, down_bias=dn_bias, alpha=ALPHA, limit=LIMIT,
+                                       fused=fused, backend="auto")
+
+
 def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer, copy_tbps: float, seed: int,
             device) -> Row:
     t_row = time.time()
@@ -536,9 +551,7 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
             return False
 
     def ours(fused):
-        return lambda: moegemm.moe_forward(x, ids, topk_weights, w_gu, w_dn, activation=activation,
-                                           gate_up_bias=gu_bias, down_bias=dn_bias, alpha=ALPHA, limit=LIMIT,
-                                           fused=fused, backend="auto")
+        return layer_call(cfg, x, ids, topk_weights, weights, fmt, fused)
 
     measure("ours", ours(True), keep_output=True)
     row.kernels_us = timer.kernel_times(ours(True))
@@ -674,9 +687,8 @@ def run(models: dict, tokens, fmts_per_model, device, out_dir: Path, budget_s: f
         free_device(device)
         log(f"{model}: building weights (H {cfg['hidden']}, I {cfg['width']}, E {cfg['experts']}, "
             f"top-{cfg['top_k']})", start)
-        gen = torch.Generator(device=device).manual_seed(1234 + m_index)
         try:
-            weights = (Fp8Weights if cfg["family"] == "fp8" else Mxfp4Weights)(cfg, device, gen)
+            weights = build_weights(cfg, m_index, device)
         except Exception as exc:  # noqa: BLE001
             log(f"{model}: weights failed: {type(exc).__name__}: {exc}", start)
             for fmt, t in plan:

@@ -771,7 +771,6 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                 # which would otherwise hold one pair back (the ring waits for all four).
                 owner = (tiles_done + KH) % 2 == 0
                 acc = _reduce_split_k(acc, red_bufs, red_ready, red_free, tiles_done, owner, ROWS, acc_layout)
-                tiles_done += 1
                 if ACC_FACTOR != 1.0:  # w4a8: the weights' 2^-6 (E2M1_WEIGHT_EXP), exact
                     acc = acc * ACC_FACTOR
             elif FP4W:
@@ -797,8 +796,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                               HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1, VECTOR_STORE)
             if DYNAMIC:
                 next_tile = _receive_tile(tile_ids, id_ready, id_free, tiles_done)
-            if not SPLIT_K:
-                tiles_done += 1
+            tiles_done += 1
         tile_base += group_tiles
 
 
