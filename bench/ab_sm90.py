@@ -110,6 +110,13 @@ def fused_schedule_variants(fmt, n, k, sizes):
     return _claim_variants(sm90_config(FORMATS[fmt], n, k, sum(sizes) / len(sizes), fused=True))
 
 
+def walk_variants(fmt, n, k, sizes):
+    """The narrow fp8_mma tiles' slot walk from chunks of slots, against three loads a slot
+    (config.Sm90Config.chunk_walk)."""
+    base = default_config(fmt, n, k, sizes)
+    return {"walk-chunks": replace(base, chunk_walk=True), "walk-slots": replace(base, chunk_walk=False)}
+
+
 def _deepest(cfg, fmt):
     """The ring as deep as shared memory allows (up to 12 stages), as the config functions do."""
     return deepest_ring(replace(cfg, stages=2), 1, 2, weight_bytes(FORMATS[fmt]))
@@ -175,6 +182,18 @@ PLANS = {
         ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), schedule_variants),
         ("bf16", "gptoss-down", lambda: poisson_sizes(128, 128, 8), schedule_variants),
         ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), fused_schedule_variants, "swiglu-fused"),
+    ],
+    "walk": [
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 16, 13), walk_variants),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 16, 15), walk_variants),
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 2, 14), walk_variants),
+        ("mxfp8", "dsv3-up", lambda: [1] * 8 + [0] * 248, walk_variants),
+        ("mxfp8", "dsv3-down", lambda: [0] * 100 + [1] * 8 + [0] * 148, walk_variants),
+        ("mxfp4", "gptoss-up", lambda: poisson_sizes(128, 2, 1), walk_variants),
+        ("mxfp4", "gptoss-down", lambda: poisson_sizes(128, 2, 2), walk_variants),
+        ("mxfp4", "gptoss-up", lambda: poisson_sizes(128, 8, 16), walk_variants),
+        ("mxfp4", "gptoss-up", lambda: [1] * 4 + [0] * 124, walk_variants),
+        ("mxfp4", "gptoss-down", lambda: [0] * 60 + [1] * 4 + [0] * 64, walk_variants),
     ],
     "mxfp8-tiles": [
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_tile_variants),

@@ -73,6 +73,9 @@ class Sm90Config:
     # products (0.99x, 0.986x the time of 0) and gpt-oss's bf16 fused gate/up step (0.992x);
     # fp8_block keeps 0 (_sm90_config). bench/results/schedule-*.json, H100.
     claim_rounds: int = 2
+    # Narrow fp8_mma tiles: the consumers walk the slots from chunks of 31 loaded at once
+    # (kernels/sm90_mxfp8.py, sm90._slot_chunk) instead of three loads a slot
+    chunk_walk: bool = False
 
     @property
     def stage_k(self) -> int:
@@ -165,6 +168,8 @@ class Sm90Config:
                                  f"two with e2m1 weights (sub_steps=2, 8- or 16-token tiles): {self}")
             if self.block_n > 128:
                 raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
+            if self.chunk_walk and self.wide_promotion:
+                raise ValueError(f"config: chunk_walk is for narrow fp8_mma tiles (<= 32 tokens): {self}")
             if self.tail_tokens not in (0, 16, 32) or (self.tail_tokens and (e2m1_fp8 or self.token_tile != 128)):
                 raise ValueError(f"config: tail_tokens (0, 16 or 32) is for 128-token mxfp8 fp8_mma tiles: {self}")
             # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
@@ -179,8 +184,8 @@ class Sm90Config:
             if smem > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
             return
-        if self.tail_tokens:
-            raise ValueError(f"config: tail_tokens is for wide mxfp8 fp8_mma tiles: {self}")
+        if self.tail_tokens or self.chunk_walk:
+            raise ValueError(f"config: tail_tokens and chunk_walk are fp8_mma settings: {self}")
         if fmt.name in MX_FORMATS:
             if not self.swap or self.block_k != 64:
                 raise ValueError(f"config: {fmt.name} runs swapped tiles (decoded weights as the wgmma A side) "
@@ -339,8 +344,13 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
         # (kernels/sm90_mxfp8.py), no weight decoding: 1.24-1.37x the decoding kernel at 2 and 16
         # tokens an expert (DeepSeek-V3 shapes, H100). At ~32-48 tokens an expert the decoding
         # kernel's 64-token tiles were faster (1.08-1.57x) than two 32-token promotion tiles.
+        # On 32-token tiles (~12-24 tokens an expert: DeepSeek-V3 at 512 tokens) the slot walk
+        # from chunks of slots took DeepSeek-V3's down and up products 1.034-1.046x faster; on
+        # 16-token tiles it was even at 2 tokens an expert and 1.02-1.03x slower at 1 token; on the
+        # e2m1 split-K tiles 1.02x faster at 8 tokens an expert, 1.01-1.11x slower at 1-2; on wide
+        # ones 0.99-1.0x (bench/results/slot-walk-chunks-*.json, H100).
         cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
-                         fp8_mma=True)
+                         fp8_mma=True, chunk_walk=regime == 32)
     elif fmt_name == "mxfp8":
         # More tokens an expert: the same fp8 wgmma and promotion on 64-token (regime 64) or
         # 128-token tiles, the token scales through the ring (kernels/sm90_mxfp8.py):

@@ -232,7 +232,7 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=Fa
     constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=True,
                       HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
                       EPI=epilogue or PLAIN_EPILOGUE, ACC_FACTOR=64.0 if fmt == "w4a8" else 1.0,
-                      SPLIT_K=cfg.split_k, DYNAMIC=not cfg.split_k)
+                      SPLIT_K=cfg.split_k, DYNAMIC=not cfg.split_k, CHUNK_WALK=cfg.chunk_walk)
     # (the layer's shapes: N a multiple of 16, as the launcher then specializes)
     return offline.gluon_compile_for_sm90(sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel, signature, constexprs,
                                           {"num_warps": 4}, aligned=("out_ptr", "N"))
@@ -433,6 +433,23 @@ def test_e2m1_promotion_config_rules():
         e2m1_cfg.check(FORMATS["nvfp4"])  # 16-wide scale blocks: no k32 wgmma per block
     with pytest.raises(ValueError, match="split_k"):
         dataclasses.replace(sm90_mx_config(FORMATS["mxfp8"], 4096, 7168, 2), split_k=True).check(FORMATS["mxfp8"])
+
+
+def test_chunk_walk_config_rules():
+    """The slot walk from chunks of slots is the 32-token mxfp8 tiles' default (where it measured
+    faster); wide tiles and the other kernels refuse it."""
+    import dataclasses
+
+    from moegemm.config import sm90_config, sm90_mx_config
+
+    assert sm90_mx_config(FORMATS["mxfp8"], 7168, 2048, 16).chunk_walk  # 32-token tiles
+    assert not any(sm90_mx_config(FORMATS[fmt], 7168, 2048, tps).chunk_walk
+                   for fmt in ("mxfp8", "mxfp4", "w4a8") for tps in (1, 2, 8, 40, 128))
+    for cfg, fmt in ((sm90_mx_config(FORMATS["mxfp8"], 7168, 2048, 128), "mxfp8"),
+                     (sm90_mx_config(FORMATS["nvfp4"], 7168, 2048, 16), "nvfp4"),
+                     (sm90_config(FORMATS["fp8_block"], 7168, 2048, 16), "fp8_block")):
+        with pytest.raises(ValueError, match="chunk_walk"):
+            dataclasses.replace(cfg, chunk_walk=True).check(FORMATS[fmt])
 
 
 def test_mxfp8_wide_loops_use_no_scale_load_in_its_own_iteration():

@@ -234,12 +234,13 @@ def many_slots_pattern():
 @pytest.mark.parametrize("fmt,config", [
     ("fp8_block", forced_config("fp8_block", "normal128")), ("fp8_block", forced_config("fp8_block", "swapped")),
     ("bf16", forced_config("bf16", "split_n")), ("mxfp8", mxfp8_promotion_config(16)),
-    ("mxfp8", mxfp8_promotion_config(128)), ("mxfp4", e2m1_promotion_config(token_tile=8)),
+    ("mxfp8", mxfp8_promotion_config(128)), ("mxfp8", dataclasses.replace(mxfp8_promotion_config(32), chunk_walk=True)),
+    ("mxfp4", e2m1_promotion_config(token_tile=8)),
     ("w4a8", e2m1_promotion_config(token_tile=16)), ("mxfp4", e2m1_promotion_config(token_tile=8, split_k=True)),
     ("w4a8", e2m1_promotion_config(token_tile=16, split_k=True)), ("nvfp4", mx_config(16)),
     ("mxfp4", mx_config(128))],
     ids=lambda v: v if isinstance(v, str) else
-    f"{v.block_n}{'-fp8mma' if v.fp8_mma else ''}{'-splitk' if v.split_k else ''}")
+    f"{v.block_n}{'-fp8mma' if v.fp8_mma else ''}{'-splitk' if v.split_k else ''}{'-chunks' if v.chunk_walk else ''}")
 def test_sm90_many_slots(fmt, config):
     # Every partition of every kernel walks all the slots; each group's tiles must run, once.
     layout = "swizzled" if FORMATS[fmt].swizzle_capable else "plain"
@@ -348,6 +349,7 @@ SCHEDULE_CONFIGS = {
     "bf16-split_n": ("bf16", forced_config("bf16", "split_n")),
     "bf16-normal256": ("bf16", forced_config("bf16", "normal256")),
     "mxfp8-16": ("mxfp8", mxfp8_promotion_config(16)),
+    "mxfp8-32-chunks": ("mxfp8", dataclasses.replace(mxfp8_promotion_config(32), chunk_walk=True)),
     "mxfp8-128-tail32": ("mxfp8", dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32,
                                                        consumer_regs=240)),
     "mxfp4-8": ("mxfp4", e2m1_promotion_config(token_tile=8)),

@@ -97,6 +97,33 @@ def _slot_tiles(s, t, e, M, E, TOK_TILE: gl.constexpr, TAIL: gl.constexpr):
     return s, t, e, tok_tiles
 
 
+SLOT_CHUNK = gl.constexpr(31)  # slots a consumer's slot walk loads at once (_slot_chunk)
+
+
+@gluon.jit
+def _slot_chunk(a_offsets_ptr, expert_ids_ptr, g0, G, WARPS: gl.constexpr):
+    """Offsets and expert ids of slots [g0, g0 + SLOT_CHUNK), one a lane of a warp: lane j holds
+    a_offsets[g0 + j] (j <= SLOT_CHUNK: the chunk's slots start and end there) and
+    expert_ids[g0 + j], the indices clamped to the tensors (G >= 1; the walk never picks a slot
+    past G). A consumer's slot walk then takes them from registers (_chunk_slot, REDUX in SASS):
+    one load latency a chunk instead of a slot (kernels/sm90_mxfp8.py, config.Sm90Config.chunk_walk,
+    where this measured faster). Two vectors, not three, and clamped indices, not masks: a third
+    vector's register, or the masks' predicates, spilled on the wide tiles."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    g = g0 + gl.arange(0, SLOT_CHUNK + 1, layout=layout)
+    return gl.load(a_offsets_ptr + gl.minimum(g, G)), gl.load(expert_ids_ptr + gl.minimum(g, G - 1))
+
+
+@gluon.jit
+def _chunk_slot(offsets, experts, j, M, E, TOK_TILE: gl.constexpr, TAIL: gl.constexpr = 0):
+    """_slot of the chunk's slot j (< SLOT_CHUNK) from _slot_chunk's vectors."""
+    lane = gl.arange(0, SLOT_CHUNK + 1, layout=offsets.type.layout)
+    s = gl.max(gl.where(lane == j, offsets, -1), axis=0)
+    t = gl.max(gl.where(lane == j + 1, offsets, -1), axis=0)
+    e = gl.max(gl.where(lane == j, experts, -1), axis=0)
+    return _slot_tiles(s, t, e, M, E, TOK_TILE, TAIL)
+
+
 @gluon.jit
 def _total_tiles(a_offsets_ptr, expert_ids_ptr, M, E, G, w_tiles, TOK_TILE: gl.constexpr, TAIL: gl.constexpr):
     """The call's tile count: the slot walk's, 64 slots at a time (the producer's one warp)."""

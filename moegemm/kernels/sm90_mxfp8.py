@@ -82,8 +82,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..token_forms import ACC_ORDER_BLOCK, E2M1_TOKEN_EXP
 from ..validation import GroupedProblem
 from . import portable
-from .sm90 import (WG_ROWS, _band_coords, _epilogue, _layout, _load_partition, _receive_tile, _slot, _sm_count,
-                   _tail_of, _tile_id_buffers, tile_counter)
+from .sm90 import (SLOT_CHUNK, WG_ROWS, _band_coords, _chunk_slot, _epilogue, _layout, _load_partition,
+                   _receive_tile, _slot, _slot_chunk, _sm_count, _tail_of, _tile_id_buffers, tile_counter)
 from .sm90_epilogue import epilogue_args, fused_epilogue
 from .sm90_mx import _scale_row_offsets
 
@@ -691,7 +691,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                               WIDE: gl.constexpr, FP4W: gl.constexpr, SPLIT_K: gl.constexpr,
                               HALF_TILES: gl.constexpr, ACC_FACTOR: gl.constexpr, tail_bufs, tail_s_bufs,
                               TAIL: gl.constexpr, tile_ids, id_ready, id_free,
-                              DYNAMIC: gl.constexpr):
+                              DYNAMIC: gl.constexpr, CHUNK_WALK: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
     ROWS: gl.constexpr = WG % 2
@@ -716,8 +716,21 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
     tile_base = 0
     tiles_done = 0
     next_tile = pid  # this program's next tile: the first index >= tile_base it owns
+    # CHUNK_WALK (narrow tiles, config.Sm90Config.chunk_walk): the slot walk takes the slots'
+    # offsets and expert ids from chunks of SLOT_CHUNK slots (sm90._slot_chunk) from slot
+    # chunk_base on, reloaded from the current slot after each tile, so the vectors are not held
+    # through its K loop and epilogue (on wide tiles they spilled there). Else three loads a slot.
+    if CHUNK_WALK:
+        chunk_base = 0
+        offsets, experts = _slot_chunk(a_offsets_ptr, expert_ids_ptr, 0, G, 4)
     for g in range(G):
-        s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE, TAIL)
+        if CHUNK_WALK:
+            if g - chunk_base >= SLOT_CHUNK:
+                chunk_base = g
+                offsets, experts = _slot_chunk(a_offsets_ptr, expert_ids_ptr, g, G, 4)
+            s, t, e, tok_tiles = _chunk_slot(offsets, experts, g - chunk_base, M, E, TOK_TILE, TAIL)
+        else:
+            s, t, e, tok_tiles = _slot(a_offsets_ptr, expert_ids_ptr, g, M, E, TOK_TILE, TAIL)
         group_tiles = tok_tiles * w_tiles
         while next_tile < tile_base + group_tiles:  # (sm90._load_partition says why not a for)
             tile = next_tile
@@ -794,6 +807,9 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                     _epilogue(acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, toks, toks < t, ns, N,
                               s + tok_block * TOK_TILE, w_block * W_TILE + ROWS * WG_ROWS, t, True,
                               HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1, VECTOR_STORE)
+            if CHUNK_WALK:
+                chunk_base = g  # (the walk's next slots, see above)
+                offsets, experts = _slot_chunk(a_offsets_ptr, expert_ids_ptr, g, G, 4)
             if DYNAMIC:
                 next_tile = _receive_tile(tile_ids, id_ready, id_free, tiles_done)
             tiles_done += 1
@@ -808,7 +824,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                      SWIZZLED: gl.constexpr,
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr,
-                                     SPLIT_K: gl.constexpr = False, DYNAMIC: gl.constexpr = False):
+                                     SPLIT_K: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
+                                     CHUNK_WALK: gl.constexpr = False):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
     weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
     e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
@@ -898,28 +915,28 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC)),
+                                         id_free, DYNAMIC, CHUNK_WALK)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC)),
+                                         id_free, DYNAMIC, CHUNK_WALK)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 2, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC)),
+                                         id_free, DYNAMIC, CHUNK_WALK)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 3, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC)),
+                                         id_free, DYNAMIC, CHUNK_WALK)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4, w_half_desc)),
@@ -932,14 +949,14 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC)),
+                                         id_free, DYNAMIC, CHUNK_WALK)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC)),
+                                         id_free, DYNAMIC, CHUNK_WALK)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, S_COLUMN_BLOCK,
@@ -1027,6 +1044,6 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k,
-        DYNAMIC=counter is not None, num_warps=4,
+        DYNAMIC=counter is not None, CHUNK_WALK=cfg.chunk_walk, num_warps=4,
     )
     return out
