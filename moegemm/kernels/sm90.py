@@ -116,7 +116,9 @@ def _slot_chunk(a_offsets_ptr, expert_ids_ptr, g0, G, WARPS: gl.constexpr):
 
 @gluon.jit
 def _chunk_slot(offsets, experts, j, M, E, TOK_TILE: gl.constexpr, TAIL: gl.constexpr = 0):
-    """_slot of the chunk's slot j (< SLOT_CHUNK) from _slot_chunk's vectors."""
+    """_slot of the chunk's slot j (< SLOT_CHUNK) from _slot_chunk's vectors. (The max over a lane
+    and -1 turns a negative offset or expert id into -1, which _slot_tiles' clamps and its e < 0
+    test take as they take the value itself.)"""
     lane = gl.arange(0, SLOT_CHUNK + 1, layout=offsets.type.layout)
     s = gl.max(gl.where(lane == j, offsets, -1), axis=0)
     t = gl.max(gl.where(lane == j + 1, offsets, -1), axis=0)
