@@ -92,6 +92,13 @@ def mxfp8_tail_variants(fmt, n, k, sizes):
             for t in (32, 0, 16)}
 
 
+def short_tail_variants(fmt, n, k, sizes):
+    """Tails of up to 16 tokens on a 16-wide accumulator, or every tail on the 32-wide one
+    (config.Sm90Config.short_tails)."""
+    base = default_config(fmt, n, k, sizes)
+    return {"short-tails": replace(base, short_tails=True), "tails-32": replace(base, short_tails=False)}
+
+
 CLAIM_ROUNDS = (0, 2, 4, 8, 16, 1000)
 
 
@@ -156,6 +163,15 @@ PLANS = {
         ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), mxfp8_tail_variants),
         ("mxfp8", "dsv3-up", lambda: [1024] * 32, mxfp8_tail_variants),
         ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 1024, 5)[:32], mxfp8_tail_variants),
+    ],
+    # tails of up to 16 tokens on their own narrow accumulator (~128 tokens an expert: ~40% of
+    # the experts have 129-144), the fused gate/up step beside the products
+    "short-tails": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), short_tail_variants),
+        ("mxfp8", "dsv3-down", lambda: poisson_sizes(256, 128, 4), short_tail_variants),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 11), short_tail_variants),
+        ("mxfp8", "dsv3-up", lambda: [136] * 256, short_tail_variants),
+        ("mxfp8", "dsv3-up", lambda: [152] * 256, short_tail_variants),
     ],
     # the promotion kernel's default configs at prefill (run under each kernel variant)
     "mxfp8-prefill": [

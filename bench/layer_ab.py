@@ -1,6 +1,6 @@
 """The MoE layer under different kernel configs, timed together (one run on one GPU).
 
-    python3 bench/layer_ab.py OUT.json PLAN          PLAN: claims | walk
+    python3 bench/layer_ab.py OUT.json PLAN          PLAN: claims | walk | short-tails
 
 For the plan's rows (bench/moe_layer.py's models, inputs and calls), the layer is captured once
 per variant, every sm90 config function's answer changed by the variant, and the graphs and the
@@ -9,6 +9,8 @@ baseline's are timed in shuffled turns by moe_layer.Timer, twice.
   schedule; fp8_block keeps 0); DeepSeek-V3 MXFP8 and gpt-oss-120b BF16 at 4096 tokens.
 - walk: the narrow mxfp8 tiles' slot walk from chunks of slots or three loads a slot
   (config.Sm90Config.chunk_walk); DeepSeek-V3 MXFP8 at 512 tokens (32-token tiles).
+- short-tails: the wide mxfp8 tiles' tails of up to 16 tokens on a 16-wide accumulator, or all
+  on the 32-wide one (config.Sm90Config.short_tails); DeepSeek-V3 MXFP8 at 4096 tokens.
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ def _walk(chunks):
     return lambda fmt_name, cfg: replace(cfg, chunk_walk=chunks) if cfg.fp8_mma and not cfg.wide_promotion else cfg
 
 
+def _short_tails(short):
+    return lambda fmt_name, cfg: replace(cfg, short_tails=short) if cfg.tail_tokens == 32 else cfg
+
+
 # plan: (tokens, rows (model index in moe_layer.MODELS, model, fmt), {variant: change(fmt name, config)})
 PLANS = {
     "claims": (4096, ((0, "DeepSeek-V3", "mxfp8"), (1, "gpt-oss-120b", "bf16")),
                {f"claim-{r}": _claims(r) for r in (0, 2, 1)}),
     "walk": (512, ((0, "DeepSeek-V3", "mxfp8"), ), {"walk-chunks": _walk(True), "walk-slots": _walk(False)}),
+    "short-tails": (4096, ((0, "DeepSeek-V3", "mxfp8"), ), {"short-tails": _short_tails(True),
+                                                           "tails-32": _short_tails(False)}),
 }
 
 

@@ -232,7 +232,8 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=Fa
     constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=True,
                       HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
                       EPI=epilogue or PLAIN_EPILOGUE, ACC_FACTOR=64.0 if fmt == "w4a8" else 1.0,
-                      SPLIT_K=cfg.split_k, DYNAMIC=not cfg.split_k, CHUNK_WALK=cfg.chunk_walk)
+                      SPLIT_K=cfg.split_k, DYNAMIC=not cfg.split_k, CHUNK_WALK=cfg.chunk_walk,
+                      SHORT_TAILS=cfg.short_tails)
     # (the layer's shapes: N a multiple of 16, as the launcher then specializes)
     return offline.gluon_compile_for_sm90(sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel, signature, constexprs,
                                           {"num_warps": 4}, aligned=("out_ptr", "N"))
@@ -484,7 +485,27 @@ def test_mxfp8_tails_only_where_they_pay():
     assert sm90_mx_config(f, 4096, 7168, 128).tail_tokens == 32  # ~128 tokens an expert
     assert sm90_mx_config(f, 4096, 7168, 1024).tail_tokens == 0  # an expert's tiles share weights
     assert sm90_mx_config(f, 4096, 7168, 40).tail_tokens == 0  # 64-token tiles
+    assert sm90_mx_config(f, 4096, 7168, 128).short_tails  # and tails of <= 16 tokens on their own accumulator
     cfg = sm90_mx_config(f, 4096, 7168, 128)
     for bad in (replace(cfg, block_n=64), replace(cfg, tail_tokens=8)):
         with pytest.raises(ValueError, match="tail_tokens"):
             bad.check(f)
+    for bad, fmt in ((replace(cfg, tail_tokens=16), "mxfp8"), (replace(cfg, tail_tokens=0), "mxfp8"),
+                     (sm90_mx_config(FORMATS["mxfp4"], 4096, 7168, 128), "mxfp4")):
+        with pytest.raises(ValueError, match="short_tails"):
+            replace(bad, short_tails=True).check(FORMATS[fmt])
+
+
+def test_offline_compile_names_every_argument():
+    # triton.compile does not apply a kernel's defaults: a constexpr left out would compile a
+    # kernel other than the one launched, so the helpers refuse it (and names it has not).
+    from moegemm.kernels import sm90_mxfp8
+
+    kernel = sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel
+    given = {name: "i32" for name in kernel.arg_names if name != "SHORT_TAILS"}
+    with pytest.raises(ValueError, match="SHORT_TAILS"):
+        offline.gluon_compile_for_sm90(kernel, given, {}, {"num_warps": 4})
+    with pytest.raises(ValueError, match="nope"):
+        offline.gluon_compile_for_sm90(kernel, given, {"SHORT_TAILS": False, "nope": 1}, {"num_warps": 4})
+    with pytest.raises(ValueError, match="HAS_ROW_SCALES"):
+        offline.compile_for_sm90(portable.kernel_module(False).grouped_matmul_kernel, {}, {}, {})

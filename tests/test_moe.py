@@ -194,7 +194,15 @@ def reference_layer(x, ids, weights, gate, up, down, activation="swiglu", gate_u
     return out
 
 
-MOE_TOL = {"bf16": 2e-2, "fp8_block": 0.1, "mxfp8": 0.1, "w4a8": 0.3, "mxfp4": 0.4, "nvfp4": 0.3}
+# Relative error of the layer against reference_layer on the DEQUANTIZED weights: what is left is
+# the quantization of the tokens and of the intermediate. Weighed against the unquantized weights,
+# one token's error was a coin toss near the old bounds (sm90, 120 draws of one token: mxfp4 median
+# 0.30, max 0.54 against 0.4; nvfp4 0.23, 0.34 against 0.3). On the dequantized weights (sm90, one
+# H100, bench/results/layer-error-distribution-*.json; the CPU's reference backend agrees): median
+# and max of one token's 120 draws mxfp4 0.224 / 0.342 (a long tail: the CPU's 300 draws had sd
+# 0.025, max 0.294), nvfp4 0.166 / 0.231, w4a8 0.047 / 0.065, mxfp8 0.047 / 0.063,
+# fp8_block 0.044 / 0.059, bf16 0.003 / 0.0034; 5 and 300 tokens lower.
+MOE_TOL = {"bf16": 1e-2, "fp8_block": 0.1, "mxfp8": 0.1, "w4a8": 0.12, "mxfp4": 0.5, "nvfp4": 0.35}
 
 
 def _layer_weights(e, i, h, device="cpu"):
@@ -204,6 +212,17 @@ def _layer_weights(e, i, h, device="cpu"):
 
 def _rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _dequantized_experts(layer):
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) of the layer's quantized weights, fp32."""
+    w_gate_up, w_down = layer.weights()
+    gate_up, down = moegemm.dequantize(w_gate_up).float(), moegemm.dequantize(w_down).float()
+    if layer.gate_up_layout == "concat":
+        gate, up = gate_up.chunk(2, dim=1)
+    else:
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return gate, up, down
 
 
 @needs_interpreter
@@ -219,7 +238,7 @@ def test_moe_forward_matches_reference_cpu(fmt):
     w_gate_up, w_down = layer.weights()
     y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="reference")
     assert y.shape == (t, h) and y.dtype == torch.bfloat16
-    assert _rel_err(y, reference_layer(x, ids, weights, gate, up, down)) < MOE_TOL[fmt]
+    assert _rel_err(y, reference_layer(x, ids, weights, *_dequantized_experts(layer))) < MOE_TOL[fmt]
 
 
 @needs_interpreter
@@ -415,7 +434,7 @@ def test_moe_forward_sm90_matches_reference(fmt, tokens):
     weights = torch.rand(tokens, k, device="cuda")
     w_gate_up, w_down = layer.weights()
     y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="sm90" if fmt != "fp8_block" else "auto")
-    want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), gate.cpu(), up.cpu(), down.cpu())
+    want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), *(w.cpu() for w in _dequantized_experts(layer)))
     assert _rel_err(y.cpu(), want) < MOE_TOL[fmt]
 
 

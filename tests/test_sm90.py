@@ -154,15 +154,44 @@ TAIL_EDGES = TokenPattern("tail_edges", (159, 160, 161, 288, 289, 32, 33, 144, 1
                           start=5, tail=40, why="last tiles of 128 + 0..33 tokens")
 
 
-@pytest.mark.parametrize("tail", [16, 32])
+def mxfp8_tail_config(tail: int = 32, short_tails: bool = False) -> Sm90Config:
+    return dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=tail, consumer_regs=240,
+                               short_tails=short_tails)
+
+
+@pytest.mark.parametrize("tail", [16, 32, "32-short"])
 @pytest.mark.parametrize("k", [608, 7168])
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS + [TAIL_EDGES], ids=lambda p: p.name)
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_sm90_mxfp8_tails_match_reference(layout, pattern, k, tail):
     # A slot's last 128-token tile takes up to `tail` more tokens on a second accumulator
     # (kernels/sm90_mxfp8.py); the tail's tokens and scales come through the ring with it.
-    config = dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=tail, consumer_regs=240)
+    # 32-short: tails of up to 16 tokens on a 16-wide accumulator (TAIL_EDGES: 144 and 145).
+    config = mxfp8_tail_config(32, True) if tail == "32-short" else mxfp8_tail_config(tail)
     run_sm90("mxfp8", pattern, n=320, k=k, config=config, layout=layout)
+
+
+@pytest.mark.parametrize("out_fmt", [None, "mxfp8"])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_sm90_mxfp8_short_tails_are_bit_identical(layout, out_fmt):
+    # A token's sums do not depend on the accumulator's width: the short tails' outputs are the
+    # 32-wide tails' bytes, for the plain and the fused SwiGLU epilogue (mxfp8 output).
+    p = make_problem("mxfp8", layout, TAIL_EDGES, 320, 608, "cuda")
+    valid = p.valid_rows().to("cuda")
+    outs = []
+    for short in (False, True):
+        with override_config(mxfp8_tail_config(32, short)):
+            if out_fmt is None:
+                out = poison_like(p.m, 320, torch.bfloat16, "cuda")
+                moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+                outs.append([out[valid].view(torch.int16)])
+            else:
+                y = moegemm.grouped_matmul_swiglu(*p.args(), fmt="mxfp8", out_fmt=out_fmt, activation="swiglu",
+                                                  expert_scales=p.expert_scales, scale_layout=p.layout, fused=True,
+                                                  backend="sm90")
+                outs.append([y.data[valid].view(torch.uint8), y.scales.view(torch.uint8)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 E2M1_WEIGHT_FORMATS = ("mxfp4", "w4a8")
@@ -350,8 +379,8 @@ SCHEDULE_CONFIGS = {
     "bf16-normal256": ("bf16", forced_config("bf16", "normal256")),
     "mxfp8-16": ("mxfp8", mxfp8_promotion_config(16)),
     "mxfp8-32-chunks": ("mxfp8", dataclasses.replace(mxfp8_promotion_config(32), chunk_walk=True)),
-    "mxfp8-128-tail32": ("mxfp8", dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32,
-                                                       consumer_regs=240)),
+    "mxfp8-128-tail32": ("mxfp8", mxfp8_tail_config(32)),
+    "mxfp8-128-short-tails": ("mxfp8", mxfp8_tail_config(32, True)),
     "mxfp4-8": ("mxfp4", e2m1_promotion_config(token_tile=8)),
 }
 # Tiles claimed after the first (1000 rounds), in the last round only, or dealt round-robin.

@@ -19,11 +19,27 @@ from triton.compiler import ASTSource
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict):
-    """Compile a @triton.jit function for sm_90; returns triton's CompiledKernel."""
+def _full_signature(jit_fn, signature: dict, constexprs: dict) -> dict:
+    """signature plus constexprs marked as such, with every argument of jit_fn named.
+
+    triton.compile does not apply a kernel's defaults: a constexpr left out compiles as absent,
+    i.e. a different kernel from the one the launcher runs, and nothing fails. So every argument
+    must be given."""
+    missing = [name for name in jit_fn.arg_names if name not in signature and name not in constexprs]
+    if missing:
+        raise ValueError(f"constexprs: {jit_fn.__name__} arguments not given (defaults are not applied): {missing}")
+    unknown = [name for name in (*signature, *constexprs) if name not in jit_fn.arg_names]
+    if unknown:
+        raise ValueError(f"signature: {jit_fn.__name__} has no arguments {unknown}")
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
+    return sig
+
+
+def compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict):
+    """Compile a @triton.jit function for sm_90; returns triton's CompiledKernel."""
+    sig = _full_signature(jit_fn, signature, constexprs)
     return triton.compile(ASTSource(jit_fn, sig, constexprs), target=SM90, options=options)
 
 
@@ -49,9 +65,7 @@ def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: d
     launcher specializes on at run time when they are)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = dict(signature)
-    for name in constexprs:
-        sig[name] = "constexpr"
+    sig = _full_signature(jit_fn, signature, constexprs)
     attrs = {(jit_fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in aligned}
     return triton.compile(GluonASTSource(jit_fn, sig, constexprs, attrs), target=SM90, options=options)
 

@@ -31,7 +31,9 @@ half's partial is promoted (_promote_stage_halves; a whole-tile partial in fligh
 one promoted spilled). Up to 192 tokens a slot, a slot's last 128-token tile also takes up to
 32 more tokens (a tail): the same warpgroups run them on a third [64, 32] accumulator over the
 same weight stream, its wgmma in turn with the halves' (_promote_chain_wide), instead of
-a nearly empty tile that streams the weight block again.
+a nearly empty tile that streams the weight block again. A tail of up to 16 tokens runs on a
+[64, 16] accumulator over the tail buffers' first rows (config.Sm90Config.short_tails): a
+third K loop of 803 instructions a stage against the 32-wide tail's 873, and the same sums.
 The weight scales of the next stage are loaded a stage ahead and decoded only in the next
 iteration (_weight_scale_loads): decoded right after the load, every stage waited for DRAM.
 
@@ -351,11 +353,14 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     (acc, tail_acc, it) with tail buffers.
 
     With tail_bufs (a slot's last tile holding more than TOK_TILE tokens, sm90._tail_of), the
-    stage also brings the tail's tokens and scales, and a third, narrow accumulator [64, TAIL]
-    sums them over the same weight stream. The consumer calls this loop with and without the
+    stage also brings the tail's tokens and scales, and a third, narrow accumulator (tail_zero's
+    [64, TAIL], or [64, TAIL // 2] over the buffers' first rows for a short tail) sums them over
+    the same weight stream. The consumer calls this loop with and without the
     tail from two branches, so each is a loop of its own: with the tail as a runtime branch in
     one loop, the 16 registers of its accumulator spilled 69-107 values there."""
     TAIL: gl.constexpr = tail_bufs is not None
+    if TAIL:  # the tail's tokens: the first TAIL_W rows of its buffers (a short tail: half of them)
+        TAIL_W: gl.constexpr = tail_zero.shape[1]
     HALF_TOK: gl.constexpr = zero.shape[1] // 2
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, HALF_TOK, SCALE_BLOCK])
@@ -380,8 +385,10 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
         # the stage's scales and passed its wgmma wait.)
         if TAIL:
             acc_lo, acc_hi, tail_acc = _promote_stage_halves(acc_lo, acc_hi, tail_acc, w_stage, t_bufs.index(stage),
-                                                             s_bufs.index(stage), tail_bufs.index(stage),
-                                                             tail_s_bufs.index(stage), empty.index(stage), half_zero,
+                                                             s_bufs.index(stage),
+                                                             tail_bufs.index(stage).slice(0, TAIL_W),
+                                                             tail_s_bufs.index(stage).slice(0, TAIL_W, dim=1),
+                                                             empty.index(stage), half_zero,
                                                              tail_zero, word, half_layout, tail_layout)
         else:
             acc_lo, acc_hi = _promote_stage_halves(acc_lo, acc_hi, None, w_stage, t_bufs.index(stage),
@@ -682,6 +689,25 @@ def _reduce_split_k(acc, red_bufs, red_ready, red_free, tiles_done, receiver, RO
 
 
 @gluon.jit
+def _tail_epilogue(tail_acc, out_ptr, expert_scales_ptr, row_scales_ptr, epi, g, s, e, tail_start, t, n0, N,
+                   HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, EPI: gl.constexpr):
+    """The epilogue of a tail's accumulator [64, tail width]: tokens [tail_start, t) (at most
+    the width), weight rows n0 + [0, 64). Fused: the SwiGLU epilogue, after the tile's own."""
+    tail_layout: gl.constexpr = tail_acc.type.layout
+    if EPI[0] != 0:
+        fused_epilogue(tail_acc, out_ptr, expert_scales_ptr, g, s, e, tail_start, t, n0, N, epi, True,
+                       HAS_EXPERT_SCALES, EPI)
+    else:
+        # (offsets made here, not held through the K loops beside the accumulators)
+        tail_toks = tail_start + gl.arange(0, tail_acc.shape[1], layout=gl.SliceLayout(0, tail_layout))
+        tail_ns = n0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, tail_layout))
+        # (2-byte stores: the tail's 16 values a thread; the 16-byte stores' conversion here
+        # spilled tile-setup values with plain weight scales)
+        _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks, tail_toks < t,
+                  tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+
+
+@gluon.jit
 def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready, red_free,
                               out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                               row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, T_SCALE_STRIDE, epi, WG: gl.constexpr,
@@ -691,7 +717,7 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                               WIDE: gl.constexpr, FP4W: gl.constexpr, SPLIT_K: gl.constexpr,
                               HALF_TILES: gl.constexpr, ACC_FACTOR: gl.constexpr, tail_bufs, tail_s_bufs,
                               TAIL: gl.constexpr, tile_ids, id_ready, id_free,
-                              DYNAMIC: gl.constexpr, CHUNK_WALK: gl.constexpr):
+                              DYNAMIC: gl.constexpr, CHUNK_WALK: gl.constexpr, SHORT_TAILS: gl.constexpr):
     # acc [64, TOK_TILE]: rows are this warpgroup's weight rows, columns the tile's tokens.
     # Split-K (four warpgroups): WG % 2 picks the rows, WG // 2 the K half of every stage.
     ROWS: gl.constexpr = WG % 2
@@ -712,6 +738,10 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
         tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, TAIL, SCALE_BLOCK])
         tail_zero = gl.zeros([WG_ROWS, TAIL], gl.float32, tail_layout)
+        if SHORT_TAILS:  # tails of up to TAIL // 2 tokens on a half-width accumulator
+            short_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                   instr_shape=[16, TAIL // 2, SCALE_BLOCK])
+            short_zero = gl.zeros([WG_ROWS, TAIL // 2], gl.float32, short_layout)
     it = 0
     tile_base = 0
     tiles_done = 0
@@ -747,23 +777,22 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
                 if not _tail_of(tok_block, tok_tiles, s, t, TOK_TILE):
                     acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok,
                                                   NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
+                elif SHORT_TAILS and t - s - (tok_block + 1) * TOK_TILE <= TAIL // 2:
+                    # (its own name: a tensor's type is fixed across the branches)
+                    acc, short_acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero,
+                                                             w_scale_rows, w_ok, NUM_KB, KB4, it, k_steps, ROWS, STAGES,
+                                                             SWIZZLED, acc_layout, tail_bufs, tail_s_bufs, short_zero,
+                                                             short_layout)
+                    _tail_epilogue(short_acc, out_ptr, expert_scales_ptr, row_scales_ptr, epi, g, s, e,
+                                   s + (tok_block + 1) * TOK_TILE, t, w_block * W_TILE + ROWS * WG_ROWS, N,
+                                   HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)
                 else:
                     acc, tail_acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows,
                                                             w_ok, NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED,
                                                             acc_layout, tail_bufs, tail_s_bufs, tail_zero, tail_layout)
-                    if EPI[0] != 0:  # the fused SwiGLU epilogue, the tail's tokens after the tile's
-                        fused_epilogue(tail_acc, out_ptr, expert_scales_ptr, g, s, e, s + (tok_block + 1) * TOK_TILE,
-                                       t, w_block * W_TILE + ROWS * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI)
-                    else:
-                        # (offsets made here, not held through the K loops beside the accumulators)
-                        tail_toks = s + (tok_block + 1) * TOK_TILE + gl.arange(0, TAIL,
-                                                                               layout=gl.SliceLayout(0, tail_layout))
-                        tail_ns = w_block * W_TILE + ROWS * WG_ROWS + gl.arange(0, WG_ROWS,
-                                                                                 layout=gl.SliceLayout(1, tail_layout))
-                        # (2-byte stores: the tail's 16 values a thread; the 16-byte stores'
-                        # conversion here spilled tile-setup values with plain weight scales)
-                        _epilogue(tail_acc, None, None, out_ptr, expert_scales_ptr, row_scales_ptr, e, tail_toks,
-                                  tail_toks < t, tail_ns, N, 0, 0, t, True, HAS_EXPERT_SCALES, HAS_ROW_SCALES, 0, 1)
+                    _tail_epilogue(tail_acc, out_ptr, expert_scales_ptr, row_scales_ptr, epi, g, s, e,
+                                   s + (tok_block + 1) * TOK_TILE, t, w_block * W_TILE + ROWS * WG_ROWS, N,
+                                   HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI)
             elif WIDE:
                 acc, it = _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows, w_ok,
                                           NUM_KB, KB4, it, k_steps, ROWS, STAGES, SWIZZLED, acc_layout)
@@ -825,7 +854,7 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                      HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr, ACC_FACTOR: gl.constexpr,
                                      SPLIT_K: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
-                                     CHUNK_WALK: gl.constexpr = False):
+                                     CHUNK_WALK: gl.constexpr = False, SHORT_TAILS: gl.constexpr = False):
     """See the module docstring. t_desc: e4m3 token tiles [TOK_TILE, 128] of A; w_desc: e4m3
     weight tiles [128, 128] of B viewed as [E*N, K] (one of each fills a ring stage), or packed
     e2m1 weight tiles [128, 128 bytes] of B viewed as [E*N, K/2] bytes (FP4W: a stage holds 256
@@ -840,7 +869,8 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
     has and the warpgroups of the other 64 rows skip it. tail_desc, tail_s_desc (wide mxfp8
     tiles with tails, else None): [TAIL, 128] e4m3 token boxes and [4, TAIL] fp32 token-scale
     boxes: a slot's last tile takes up to TAIL tokens more (sm90._slot), computed by the same
-    warpgroups on a third accumulator (_promote_chain_wide). DYNAMIC (not with SPLIT_K): the
+    warpgroups on a third accumulator (_promote_chain_wide); SHORT_TAILS: tails of up to TAIL // 2
+    tokens on one of half the width (config.Sm90Config.short_tails). DYNAMIC (not with SPLIT_K): the
     last claim_rounds * nprog tiles are claimed from tile_counter_ptr, an int32 that is zero at
     launch (sm90's schedule)."""
     HALF_TILES: gl.constexpr = w_half_desc is not None
@@ -915,28 +945,28 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC, CHUNK_WALK)),
+                                         id_free, DYNAMIC, CHUNK_WALK, SHORT_TAILS)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC, CHUNK_WALK)),
+                                         id_free, DYNAMIC, CHUNK_WALK, SHORT_TAILS)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 2, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC, CHUNK_WALK)),
+                                         id_free, DYNAMIC, CHUNK_WALK, SHORT_TAILS)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 3, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC, CHUNK_WALK)),
+                                         id_free, DYNAMIC, CHUNK_WALK, SHORT_TAILS)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4, w_half_desc)),
@@ -949,14 +979,14 @@ def grouped_matmul_sm90_mxfp8_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_des
                                          T_SCALE_STRIDE, epi, 0, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC, CHUNK_WALK)),
+                                         id_free, DYNAMIC, CHUNK_WALK, SHORT_TAILS)),
             (_mxfp8_consumer_partition, (t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, ready, empty, red_ready,
                                          red_free, out_ptr, t_scale_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr,
                                          expert_scales_ptr, row_scales_ptr, M, N, K, E, G, NUM_KB, KB4,
                                          T_SCALE_STRIDE, epi, 1, TOK_TILE, W_TILE, SUB * BLOCK_K, STAGES, GROUP_M,
                                          SWIZZLED, HAS_EXPERT_SCALES, HAS_ROW_SCALES, EPI, WIDE, FP4W, SPLIT_K,
                                          HALF_TILES, ACC_FACTOR, tail_bufs, tail_s_bufs, TAIL, tile_ids, id_ready,
-                                         id_free, DYNAMIC, CHUNK_WALK)),
+                                         id_free, DYNAMIC, CHUNK_WALK, SHORT_TAILS)),
             (_load_partition, (t_desc, w_desc, t_bufs, w_bufs, ready, empty, a_offsets_ptr, expert_ids_ptr,
                                M, N, K, E, G, TOK_TILE, W_TILE, BLOCK_K, STAGES, GROUP_M, SUB, s_desc, s_bufs, ws_desc,
                                ws_bufs, KB4, None, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, S_COLUMN_BLOCK,
@@ -1044,6 +1074,7 @@ def launch(p: GroupedProblem, cfg, a, b, a_scales, b_scales, a_offsets, expert_i
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k,
-        DYNAMIC=counter is not None, CHUNK_WALK=cfg.chunk_walk, num_warps=4,
+        DYNAMIC=counter is not None, CHUNK_WALK=cfg.chunk_walk,
+        SHORT_TAILS=cfg.short_tails, num_warps=4,
     )
     return out
