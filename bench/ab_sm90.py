@@ -88,7 +88,8 @@ def mxfp8_tile_variants(fmt, n, k, sizes):
 
 def mxfp8_tail_variants(fmt, n, k, sizes):
     base = default_config(fmt, n, k, sizes)
-    return {f"tail-{t}": _deepest(replace(base, tail_tokens=t, consumer_regs=240 if t else 232), fmt)
+    return {f"tail-{t}": _deepest(replace(base, tail_tokens=t, consumer_regs=240 if t else 232,
+                                          short_tails=base.short_tails and t == 32), fmt)
             for t in (32, 0, 16)}
 
 

@@ -355,9 +355,9 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ready, empty, zero, w_scale_rows
     With tail_bufs (a slot's last tile holding more than TOK_TILE tokens, sm90._tail_of), the
     stage also brings the tail's tokens and scales, and a third, narrow accumulator (tail_zero's
     [64, TAIL], or [64, TAIL // 2] over the buffers' first rows for a short tail) sums them over
-    the same weight stream. The consumer calls this loop with and without the
-    tail from two branches, so each is a loop of its own: with the tail as a runtime branch in
-    one loop, the 16 registers of its accumulator spilled 69-107 values there."""
+    the same weight stream. The consumer calls this loop without a tail and with each tail
+    width from branches of their own, so each is a loop of its own: with the tail as a runtime
+    branch in one loop, the 16 registers of its accumulator spilled 69-107 values there."""
     TAIL: gl.constexpr = tail_bufs is not None
     if TAIL:  # the tail's tokens: the first TAIL_W rows of its buffers (a short tail: half of them)
         TAIL_W: gl.constexpr = tail_zero.shape[1]
