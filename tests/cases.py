@@ -232,3 +232,13 @@ def check_output(p: Problem, out: torch.Tensor, poisoned: torch.Tensor, tol: Tol
         limit_n = tol.normalized_bf16 if out.dtype == torch.bfloat16 else tol.normalized_fp32
         assert normalized <= limit_n, f"normalized error {normalized:.3e} > {limit_n:.1e}"
 
+
+def dequantized_experts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) of an MoE layer's quantized weights, fp32."""
+    w_gate_up, w_down = layer.weights()
+    gate_up, down = moegemm.dequantize(w_gate_up), moegemm.dequantize(w_down)
+    if layer.gate_up_layout == "concat":
+        gate, up = gate_up.chunk(2, dim=1)
+    else:
+        gate, up = moegemm.activation.deinterleave_gate_up(gate_up)
+    return gate, up, down

@@ -8,6 +8,8 @@ import moegemm
 from moegemm import activation as act
 from moegemm.ops import interpreter_usable
 
+from cases import dequantized_experts
+
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
 A_FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8")
 FUSED_OUT = ("bf16", "mxfp8", "nvfp4", "mxfp4")
@@ -214,17 +216,6 @@ def _rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def _dequantized_experts(layer):
-    """(gate [E, I, H], up [E, I, H], down [E, H, I]) of the layer's quantized weights, fp32."""
-    w_gate_up, w_down = layer.weights()
-    gate_up, down = moegemm.dequantize(w_gate_up).float(), moegemm.dequantize(w_down).float()
-    if layer.gate_up_layout == "concat":
-        gate, up = gate_up.chunk(2, dim=1)
-    else:
-        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
-    return gate, up, down
-
-
 @needs_interpreter
 @pytest.mark.parametrize("fmt", A_FORMATS)
 def test_moe_forward_matches_reference_cpu(fmt):
@@ -238,7 +229,7 @@ def test_moe_forward_matches_reference_cpu(fmt):
     w_gate_up, w_down = layer.weights()
     y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="reference")
     assert y.shape == (t, h) and y.dtype == torch.bfloat16
-    assert _rel_err(y, reference_layer(x, ids, weights, *_dequantized_experts(layer))) < MOE_TOL[fmt]
+    assert _rel_err(y, reference_layer(x, ids, weights, *dequantized_experts(layer))) < MOE_TOL[fmt]
 
 
 @needs_interpreter
@@ -434,7 +425,7 @@ def test_moe_forward_sm90_matches_reference(fmt, tokens):
     weights = torch.rand(tokens, k, device="cuda")
     w_gate_up, w_down = layer.weights()
     y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="sm90" if fmt != "fp8_block" else "auto")
-    want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), *(w.cpu() for w in _dequantized_experts(layer)))
+    want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), *(w.cpu() for w in dequantized_experts(layer)))
     assert _rel_err(y.cpu(), want) < MOE_TOL[fmt]
 
 

@@ -11,6 +11,8 @@ import torch
 import moegemm
 from moegemm.ops import interpreter_usable
 
+from cases import dequantized_experts
+
 transformers = pytest.importorskip("transformers")
 import hf_moe  # noqa: E402  (after the skip: it needs transformers)
 
@@ -73,13 +75,7 @@ def block_hidden(block):
 
 def _dequantized_params(layer, p):
     """The block's parameters with the layer's experts replaced by their dequantized values."""
-    w_gate_up, w_down = layer.weights()
-    gate_up = moegemm.dequantize(w_gate_up)
-    down = moegemm.dequantize(w_down)
-    if layer.gate_up_layout == "concat":
-        gate, up = gate_up.chunk(2, dim=1)
-    else:
-        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    gate, up, down = dequantized_experts(layer)
     return dataclasses.replace(p, gate=gate, up=up, down=down)
 
 

@@ -347,7 +347,7 @@ def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, forced):
     p = make_problem(fmt, layout, pattern, 256, 512, "cuda")
     out = torch.zeros(p.m, 256, dtype=torch.bfloat16, device="cuda")
     config = {None: None, "narrow": mxfp8_promotion_config(32),
-              "tail": dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32, consumer_regs=240)}[forced]
+              "tail": mxfp8_tail_config(32)}[forced]
 
     def call():
         if config is None:
@@ -415,7 +415,7 @@ def test_sm90_fused_tile_claims_match_round_robin(fmt, out_fmt):
     # test_fused_swiglu_epilogue_matches_unfused.)
     p = make_problem(fmt, "swizzled" if fmt == "mxfp8" else "plain", TAIL_EDGES, 2048, 512, "cuda")
     if fmt == "mxfp8":
-        config = dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=32, consumer_regs=240)
+        config = mxfp8_tail_config(32)
     else:
         config = Sm90Config(block_n=128, block_k=64, stages=5, group_m=4, split_n=True)
     valid = p.valid_rows().to("cuda")
