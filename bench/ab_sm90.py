@@ -70,6 +70,14 @@ def bf16_swiglu_variants(fmt, n, k, sizes):
     return {"default": None, "plain-ring": default_config(fmt, n, k, sizes)}
 
 
+def mxfp8_swiglu_variants(fmt, n, k, sizes):
+    """The library's choice (None: the fused step gets its own config, the ring as deep as its
+    epilogue's shared memory leaves) against the ring of 4 stages that the fused epilogue's
+    [64, tokens] fp32 conversion left until the twentieth session, forced on both steps."""
+    base = default_config(fmt, n, k, sizes)
+    return {"default": None, "ring-4": replace(base, stages=4)}
+
+
 def e2m1_variants(fmt, n, k, sizes):
     base = default_config(fmt, n, k, sizes)
     two = replace(base, split_k=False, consumer_regs=192)
@@ -79,6 +87,11 @@ def e2m1_variants(fmt, n, k, sizes):
 
 def default_variant(fmt, n, k, sizes):
     return {"default": default_config(fmt, n, k, sizes)}
+
+
+def library_variant(fmt, n, k, sizes):
+    """No override: every step (the fused one included) gets the library's own config."""
+    return {"library": None}
 
 
 def mxfp8_tile_variants(fmt, n, k, sizes):
@@ -186,6 +199,19 @@ PLANS = {
     "bf16-tiles": [
         ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), bf16_tile_variants),
         ("bf16", "gptoss-down", lambda: poisson_sizes(128, 128, 8), bf16_tile_variants),
+    ],
+    # the fused gate/up step of the wide mxfp8 tiles (row pairs by shuffles, mxfp8 out) and the
+    # unfused chain it replaces
+    "mxfp8-swiglu": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), mxfp8_swiglu_variants, "swiglu"),
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 11), mxfp8_swiglu_variants, "swiglu"),
+    ],
+    # the fused gate/up step against the unfused chain: DeepSeek-V3 mxfp8 and gpt-oss-120b mxfp4
+    # at ~128 tokens a slot (4096 tokens), gpt-oss-120b mxfp4 at ~16 (512 tokens)
+    "fused-swiglu": [
+        ("mxfp8", "dsv3-up", lambda: poisson_sizes(256, 128, 3), library_variant, "swiglu"),
+        ("mxfp4", "gptoss-up", lambda: poisson_sizes(128, 128, 7), library_variant, "swiglu"),
+        ("mxfp4", "gptoss-up", lambda: poisson_sizes(128, 16, 17), library_variant, "swiglu"),
     ],
     "bf16-swiglu": [
         ("bf16", "gptoss-up", lambda: poisson_sizes(128, 128, 7), bf16_swiglu_variants, "swiglu"),

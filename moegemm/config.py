@@ -112,13 +112,16 @@ class Sm90Config:
         return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
 
     def fused_scratch(self) -> int:
-        """Shared memory of the fused SwiGLU epilogue's layout conversion (kernels/sm90_epilogue.py),
+        """Shared memory of the fused SwiGLU epilogue's layout conversions (kernels/sm90_epilogue.py),
         which runs instead of the plain epilogue and needs none of its buffers. Swapped tiles
-        convert each warpgroup's fp32 accumulator [64, tokens] that may run it. Normal tiles only
-        their [64, W/2] output, which Triton converts in pieces (sm_90 compile: 8 KB for both
+        convert each warpgroup's fp32 accumulator [64, tokens] that may run it; the wide mxfp8
+        tiles only the activation's [tokens, 32] output (their row pairs meet by shuffles; sm_90
+        compile at 128 tokens, two warpgroups, mxfp8 out: 32 KB). Normal tiles only their
+        [64, W/2] output, which Triton converts in pieces (sm_90 compile: 8 KB for both
         warpgroups at 64 x 256 and 128 x 256 tiles, bf16 or quantized out): twice that is kept."""
         if self.swap:
-            return (4 if self.split_k else 2) * 64 * self.token_tile * 4
+            per_token = 32 * 4 if self.wide_promotion else 64 * 4
+            return (4 if self.split_k else 2) * self.token_tile * per_token
         return 2 * 8192
 
     def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None,
@@ -224,10 +227,10 @@ FP8_MMA_FORMATS = ("mxfp8", "mxfp4", "w4a8")  # e8m0 scales per 32: one k32 fp8 
 
 
 def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None):
-    """A swapped tile's fused SwiGLU epilogue converts each warpgroup's fp32 accumulator
-    [64, tokens] through shared memory (kernels/sm90_epilogue.py): shorten the ring to leave
-    that room (a tail's [64, tail_tokens] accumulator is converted after the tile's, in the same
-    room). Normal tiles are sized for it by their config function (sm90_config, fused)."""
+    """A swapped tile's fused SwiGLU epilogue converts each warpgroup's [tokens, 32] output
+    through shared memory (Sm90Config.fused_scratch): shorten the ring, if need be, to leave
+    that room (a tail's output is converted after the tile's, in the same room). Normal tiles
+    are sized for it by their config function (sm90_config, fused)."""
     if not cfg.swap:
         return cfg
     while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes, fused=True) > SM90_SMEM_BYTES:

@@ -138,6 +138,69 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     assert (got[rows] - want[rows]).abs().max() <= 0.35 * want[rows].abs().amax(dim=1).max()
 
 
+_interpreted_activation_kernels = None  # (a module global: the interpreter resolves names in globals only)
+
+
+def _interpreted_e8m0_exponents(amax: torch.Tensor, max_finite: float) -> torch.Tensor:
+    """The quantizer kernels' e8m0 exponent (kernels/_activation_tl.py, whose Gluon twin in
+    kernels/sm90_epilogue.py is the same code) of each amax, run by Triton's CPU interpreter."""
+    import triton
+    import triton.language as tl
+
+    global _interpreted_activation_kernels
+    _interpreted_activation_kernels = act._kernels(True)
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+
+        @triton.jit
+        def exponent_kernel(amax_ptr, out_ptr, MAX_FINITE: tl.constexpr, N: tl.constexpr):
+            offsets = tl.arange(0, N)
+            tl.store(out_ptr + offsets,
+                     _interpreted_activation_kernels._e8m0_exponent(tl.load(amax_ptr + offsets), MAX_FINITE))
+
+    n = 1 << (amax.numel() - 1).bit_length()
+    padded = torch.zeros(n, dtype=torch.float32)
+    padded[:amax.numel()] = amax
+    out = torch.empty(n, dtype=torch.int32)
+    exponent_kernel[(1, )](padded, out, max_finite, n)
+    return out[:amax.numel()]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("max_finite", (448.0, 6.0))
+def test_quantizer_e8m0_exponent_on_every_exponent_field(max_finite):
+    """The exponent from amax's bits (no division) equals codecs' exact rule for every fp32
+    exponent field with the mantissas at and beside 448's and 6's (zero and subnormals in field
+    0); inf and NaN give 127, which the kernels store as the NaN scale."""
+    mantissas = torch.tensor([0, 1, 0x3FFFFF, 0x400000, 0x400001, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF],
+                             dtype=torch.int32)
+    fields = torch.arange(0, 255, dtype=torch.int32)
+    bits = (fields[:, None] << 23 | mantissas[None, :]).flatten()
+    amax = bits.view(torch.float32)
+    want = moegemm.codecs.e8m0_exponent_for(amax, max_finite)
+    assert torch.equal(_interpreted_e8m0_exponents(amax, max_finite), want)
+    special = torch.tensor([float("inf"), float("nan")])
+    assert _interpreted_e8m0_exponents(special, max_finite).tolist() == [127, 127]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("mxfp8", "mxfp4"))
+def test_gather_quantize_non_finite_block_gets_the_nan_scale(fmt):
+    """A block holding inf, -inf or NaN gets scale 0xFF (as moegemm.quantize), so it dequantizes
+    to NaN; the kernels once stored 2^127 for an infinite amax, i.e. finite values."""
+    x = torch.randn(8, 64)
+    x[1, 3], x[2, 40], x[3, 5] = float("inf"), float("-inf"), float("nan")
+    q = act.gather_quantize(x, fmt, torch.arange(8))
+    r = moegemm.quantize(x, fmt)
+    assert torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
+    assert q.scales.view(torch.uint8)[1, 0] == 255 and q.scales.view(torch.uint8)[2, 1] == 255
+    got = moegemm.dequantize(q)
+    assert got[1, :32].isnan().all() and got[2, 32:].isnan().all() and got[3, :32].isnan().all()
+    finite = torch.ones_like(got, dtype=torch.bool)
+    finite[1, :32] = finite[2, 32:] = finite[3, :32] = False
+    assert torch.equal(got[finite], moegemm.dequantize(r)[finite])
+
+
 @needs_interpreter
 def test_swiglu_quantize_nvfp4_default_global_ignores_rows_outside_slots():
     """The default nvfp4 global scale is amax over the rows of valid slots only: the layer's h is

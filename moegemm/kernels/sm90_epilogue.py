@@ -12,12 +12,21 @@ token m of slot g = 128 * (a_scale_offsets[g] + s // 128) + m - s); the caller z
 scale buffer, so padding rows stay zero. Only rows [s, t) of the group are written.
 
 The accumulator of a swapped tile holds weights along its rows, whose pairs (2j, 2j+1) sit in
-different lanes: the tile goes through one layout conversion (shared memory) to a blocked
-layout holding 8 consecutive weight columns per thread. Normal tiles already hold column
-pairs in one thread: the activation runs in the accumulator's layout, and only its output
-(half the columns; bf16, or fp32 before quantizing) is converted for the stores (the
-conversion of the whole fp32 accumulator first took 8 rounds through shared memory, 16
-barriers a tile). The quantizer mirrors
+lanes 4 apart. The wide mxfp8 tiles and their tails (SHUFFLE_PAIRS) bring them into one thread
+by a swap of two bases of the layout within each warp (_row_pairs_layout), i.e. shuffles, and
+run the activation there; only its output is converted (below). That freed the 32 KB a
+warpgroup of converting the whole fp32 tile through shared memory, which had cost the mxfp8 ring
+a stage: DeepSeek-V3's fused gate/up step went from 0.90 to 0.99 of the unfused chain. Other
+swapped tiles still convert the tile to a blocked layout of 8 consecutive weight rows a thread:
+with shuffles, gpt-oss-120b's mxfp4 step at ~16 tokens a slot (32-token tiles of the decoding
+kernel) took 1086 us against 994, the same at ~128 (H100, bench/ab_sm90.py fused-swiglu).
+Normal tiles already hold column pairs in one thread: the activation runs in the accumulator's
+layout. Then only the activation's output (half the columns; bf16, or fp32 before quantizing)
+is converted, to a blocked layout of 4 columns a thread, for the block maxima and the stores
+(the conversion of the whole fp32 accumulator of a normal tile first took 8 rounds through
+shared memory, 16 barriers a tile; quantizing in the shuffled layout instead, 16 tokens a
+thread with their maxima reduced over warps, made the wide mxfp8 kernel 11000 SASS
+instructions long against 9784, the plain epilogue 8792). The quantizer mirrors
 kernels/_activation_tl.py (tl and Gluon cannot share a helper) and moegemm.quantize bit for
 bit on the same fp32 input.
 """
@@ -42,6 +51,7 @@ OUT_BF16 = gl.constexpr(0)
 OUT_E4M3_E8M0 = gl.constexpr(2)  # mxfp8, w4a8
 OUT_E2M1_E8M0 = gl.constexpr(3)  # mxfp4
 OUT_E2M1_E4M3 = gl.constexpr(4)  # nvfp4
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -52,14 +62,15 @@ def _pow2(e):
 
 @gluon.jit
 def _e8m0_exponent(amax, MAX_FINITE: gl.constexpr):
-    """Smallest e in [-127, 127] with 2^e * MAX_FINITE >= amax (exact, see _activation_tl.py)."""
-    ratio = gl.div_rn(amax, MAX_FINITE)
-    bits = ratio.to(gl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
-    e = gl.maximum(gl.minimum(e, 127), -127)
-    e = gl.where((e > -127) & (_pow2(gl.maximum(e - 1, -127)) * MAX_FINITE >= amax), e - 1, e)
-    e = gl.where((e < 127) & (_pow2(e) * MAX_FINITE < amax), e + 1, e)
-    return e
+    """Smallest e in [-127, 127] with 2^e * MAX_FINITE >= amax, from amax's bits (see _activation_tl.py)."""
+    bits = amax.to(gl.int32, bitcast=True)
+    field = (bits >> 23) & 0xFF
+    if MAX_FINITE == 448.0:
+        e = field - 135 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
+    else:
+        gl.static_assert(MAX_FINITE == 6.0, "e8m0 exponents for e4m3 (448) or e2m1 (6)")
+        e = field - 129 + ((bits & 0x7FFFFF) > 0x400000).to(gl.int32)
+    return gl.where(field == 255, 127, gl.maximum(gl.minimum(e, 127), -127))
 
 
 @gluon.jit
@@ -77,6 +88,18 @@ def _e4m3_bits(x):
     return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
 
 
+@gluon.constexpr_function
+def _row_pairs_layout(tokens):
+    """The layout of a wgmma accumulator [64 weight rows, tokens] (4 warps of 16 rows) with its
+    first register basis (token 1) and third lane basis (weight row 1) exchanged: a thread's
+    register pairs hold weight rows 2j, 2j + 1 of one token. Only registers and lanes of a warp
+    trade places, so the conversion is shuffles (sm_90 compile at 128 tokens: 32 SHFL, no shared
+    memory)."""
+    regs = [[1, 0], [8, 0]] + [[0, 8 << i] for i in range((tokens // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [0, 1], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, tokens])
+
+
 @gluon.jit
 def _store_rows(ptr, value, toks, tok_mask, row_stride, cols, col_limit, layout: gl.constexpr):
     """ptr[toks, cols] = value for tokens of the group and cols < col_limit (value in `layout`)."""
@@ -90,12 +113,16 @@ def _store_rows(ptr, value, toks, tok_mask, row_stride, cols, col_limit, layout:
 def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_scales_ptr, e, tok0, t, w0, N,
                     scale_row_base, NUM_SCALE_ROWS, NUM_OUT_KB, OUT_KB4, alpha, limit,
                     SWAP: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    ACT: gl.constexpr, OUT: gl.constexpr, OUT_SWIZZLED: gl.constexpr, VEC: gl.constexpr):
+                    ACT: gl.constexpr, OUT: gl.constexpr, OUT_SWIZZLED: gl.constexpr, VEC: gl.constexpr,
+                    SHUFFLE_PAIRS: gl.constexpr = False):
     """See the module docstring. acc: [64, W] (tokens x weights) or, SWAP, [W, T]; its tokens
-    start at row tok0 (group end t), its weight columns at w0 (even)."""
+    start at row tok0 (group end t), its weight columns at w0 (even). SHUFFLE_PAIRS (SWAP): a
+    swapped tile's row pairs meet by shuffles, else through shared memory."""
     if HAS_EXPERT_SCALES:
         acc = acc * gl.load(expert_scales_ptr + e)
-    if SWAP:
+    if SWAP and SHUFFLE_PAIRS:
+        h = gl.permute(gl.convert_layout(acc, _row_pairs_layout(acc.shape[1])), (1, 0))
+    elif SWAP:  # 8 consecutive weight rows a thread
         pairs: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         h = gl.convert_layout(gl.permute(acc, (1, 0)), pairs)
     else:
@@ -108,12 +135,14 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
         bias = gl.load(bias_ptr + e * N + wcols, mask=wcols < N, other=0.0)
         h = h + gl.expand_dims(bias, 0)
     gate, up = gl.split(gl.reshape(h, [TR, OC, 2]))
+    # exp(-x) as exp2(x * -log2(e)): the same bits as gl.exp (which multiplies by fp32 log2(e)
+    # before ex2), without the separate negation
     if ACT == ACT_SWIGLU:
-        y = gate / (1.0 + gl.exp(-gate)) * up
+        y = gate / (1.0 + gl.exp2(gate * -LOG2E)) * up
     else:
         gate = gl.minimum(gate, limit)
         up = gl.minimum(gl.maximum(up, -limit), limit)
-        y = gate / (1.0 + gl.exp(-alpha * gate)) * (up + 1.0)
+        y = gate / (1.0 + gl.exp2((alpha * gate) * -LOG2E)) * (up + 1.0)
 
     out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     toks = tok0 + gl.arange(0, TR, layout=gl.SliceLayout(1, out_layout))
@@ -136,7 +165,7 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
         else:
             ex = _e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y3 * gl.expand_dims(_pow2(-ex), 2)
-            stored = gl.where(amax == amax, ex + 127, 255).to(gl.uint8)
+            stored = gl.where(amax < float("inf"), ex + 127, 255).to(gl.uint8)  # inf, NaN: the NaN scale
         if OUT == OUT_E4M3_E8M0:
             data = gl.reshape(_e4m3_bits(scaled), [TR, OC])
             _store_rows(out_ptr, data, toks, tok_mask, n_out, cols, n_out, out_layout)
@@ -164,7 +193,7 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
 
 @gluon.jit
 def fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, tok0, t, w0, N, epi, SWAP: gl.constexpr,
-                   HAS_EXPERT_SCALES: gl.constexpr, EPI: gl.constexpr):
+                   HAS_EXPERT_SCALES: gl.constexpr, EPI: gl.constexpr, SHUFFLE_PAIRS: gl.constexpr = False):
     """swiglu_epilogue with its arguments unpacked from the kernels' two tuples:
     epi = (out_scale_ptr, bias_ptr, global_ptr, a_scale_offsets_ptr, NUM_SCALE_ROWS, NUM_OUT_KB,
     OUT_KB4, alpha, limit) and EPI = (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC) (see epilogue_args)."""
@@ -174,7 +203,7 @@ def fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, tok0, t, w0, N, epi
         scale_row_base = s * 0
     swiglu_epilogue(acc, out_ptr, epi[0], epi[1], epi[2], expert_scales_ptr, e, tok0, t, w0, N, scale_row_base,
                     epi[4], epi[5], epi[6], epi[7], epi[8], SWAP, HAS_EXPERT_SCALES, EPI[3], EPI[0], EPI[1], EPI[2],
-                    EPI[4])
+                    EPI[4], SHUFFLE_PAIRS)
 
 
 # ---- host side ---------------------------------------------------------------------------
@@ -221,7 +250,8 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
       4096 tokens took 9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring
       depth made no difference, 64-token promotion tiles took 8.88 ms fused. With the tails of
       the unfused kernel (up to 32 more tokens on a slot's last tile; 4 stages instead of 5) the
-      fused step is 0.94-0.95x the unfused one, and the layer 0.96x.
+      fused step was 0.94-0.95x the unfused one, and the layer 0.96x; with the row pairs by
+      shuffles and the ring's fifth stage (twentieth session), 0.99x (5148 against 5094 us).
     - e2m1 weights on the split-K promotion kernel (mxfp4/w4a8 at decode) from half a token a
       slot on: gpt-oss-120b's gate/up step at 64 tokens (2 a slot) took 428 us fused, 404 us
       unfused; on 8-token tiles the epilogue's layout conversions and quantization cost about a
