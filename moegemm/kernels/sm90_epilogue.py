@@ -135,8 +135,9 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
         bias = gl.load(bias_ptr + e * N + wcols, mask=wcols < N, other=0.0)
         h = h + gl.expand_dims(bias, 0)
     gate, up = gl.split(gl.reshape(h, [TR, OC, 2]))
-    # exp(-x) as exp2(x * -log2(e)): the same bits as gl.exp (which multiplies by fp32 log2(e)
-    # before ex2), without the separate negation
+    # exp(-x) as exp2(x * -log2(e)), without gl.exp's separate negation: the same ex2 input
+    # (gl.exp multiplies by fp32 log2(e)); exp2's ex2.approx.ftz flushes subnormal results, which
+    # 1 + exp absorbs, so the sum has the same bits
     if ACT == ACT_SWIGLU:
         y = gate / (1.0 + gl.exp2(gate * -LOG2E)) * up
     else:
