@@ -138,7 +138,7 @@ def _e8m0_exponent(amax, MAX_FINITE: tl.constexpr):
     MAX_FINITE = mf * 2^F with mf = 1.75, F = 8 (448) or mf = 1.5, F = 2 (6). For amax = m * 2^E
     (m in [1, 2)), m / mf is in (1/2, 2/mf): e = E - F, plus one where m > mf (mantissa bits
     above mf's). Subnormal and zero amax land below -127 (clamped); inf and NaN give 127, as the
-    rounded quotient of the first version did (the caller stores NaN's scale as 255). Integer
+    rounded quotient of the first version did (the callers store the NaN scale 255 for both). Integer
     operations only: the quotient's division and two corrections took ~30 instructions a value
     in the fused epilogue (kernels/sm90_epilogue.py, its twin).
     """

@@ -696,7 +696,7 @@ def _tail_epilogue(tail_acc, out_ptr, expert_scales_ptr, row_scales_ptr, epi, g,
     tail_layout: gl.constexpr = tail_acc.type.layout
     if EPI[0] != 0:
         fused_epilogue(tail_acc, out_ptr, expert_scales_ptr, g, s, e, tail_start, t, n0, N, epi, True,
-                       HAS_EXPERT_SCALES, EPI, True)
+                       HAS_EXPERT_SCALES, EPI, SHUFFLE_PAIRS=True)
     else:
         # (offsets made here, not held through the K loops beside the accumulators)
         tail_toks = tail_start + gl.arange(0, tail_acc.shape[1], layout=gl.SliceLayout(0, tail_layout))
@@ -829,7 +829,8 @@ def _mxfp8_consumer_partition(t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs,
             if owner:  # (split-K: the warpgroup that received the other K half's sum)
                 if EPI[0] != 0:  # the fused SwiGLU epilogue
                     fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, s + tok_block * TOK_TILE, t,
-                                   w_block * W_TILE + ROWS * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI, WIDE)
+                                   w_block * W_TILE + ROWS * WG_ROWS, N, epi, True, HAS_EXPERT_SCALES, EPI,
+                                   SHUFFLE_PAIRS=WIDE)
                 else:
                     # (the tile's token offsets made here, not held through the K loop: they spilled)
                     toks = s + tok_block * TOK_TILE + gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
