@@ -1,6 +1,6 @@
 """The MoE layer under different kernel configs, timed together (one run on one GPU).
 
-    python3 bench/layer_ab.py OUT.json PLAN          PLAN: claims | walk | short-tails
+    python3 bench/layer_ab.py OUT.json PLAN     PLAN: claims | walk | short-tails | scatter | fused-form
 
 For the plan's rows (bench/moe_layer.py's models, inputs and calls), the layer is captured once
 per variant, every sm90 config function's answer changed by the variant, and the graphs and the
@@ -11,6 +11,13 @@ baseline's are timed in shuffled turns by moe_layer.Timer, twice.
   (config.Sm90Config.chunk_walk); DeepSeek-V3 MXFP8 at 512 tokens (32-token tiles).
 - short-tails: the wide mxfp8 tiles' tails of up to 16 tokens on a 16-wide accumulator, or all
   on the 32-wide one (config.Sm90Config.short_tails); DeepSeek-V3 MXFP8 at 4096 tokens.
+- scatter: the tokens quantized once each and stored to their k rows (activation.scatter_quantize),
+  or gathered k times each (gather_quantize through the inverse of the plan's grouped_row, one
+  small index scatter more than the layer ran before); the formats without a kernel token form,
+  DeepSeek-V3 FP8 block and gpt-oss-120b BF16 at 4096 tokens.
+- fused-form: the fused epilogue writes the down product's bf16 token form (the decoded values),
+  or its operand, which the down product's pre-pass decodes (dequantize_rows); gpt-oss-120b
+  MXFP4 at 4096 tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_layer as L  # noqa: E402
+import moegemm.activation as A  # noqa: E402
 import moegemm.config as C  # noqa: E402
+import moegemm.kernels.sm90_epilogue as E  # noqa: E402
 
 def _claims(rounds):
     return lambda fmt_name, cfg: replace(cfg, claim_rounds=0 if fmt_name == "fp8_block" else rounds)
@@ -40,6 +49,29 @@ def _short_tails(short):
     return lambda fmt_name, cfg: replace(cfg, short_tails=short) if cfg.tail_tokens == 32 else cfg
 
 
+def _gathered(x, fmt, grouped_row, row_slot, **kwargs):
+    """scatter_quantize's result by the gather (the layer's token step before the scatter form)."""
+    choices = torch.arange(grouped_row.numel(), device=x.device) // grouped_row.shape[1]
+    src = torch.empty_like(choices).scatter_(0, grouped_row.reshape(-1), choices)
+    return A.gather_quantize(x, fmt, src, **kwargs)
+
+
+class Patch:
+    """A variant that replaces module.name while captured (replacement None: keep it)."""
+
+    def __init__(self, module, name, replacement=None):
+        self.module, self.name, self.replacement = module, name, replacement
+
+    def __call__(self, fmt_name, cfg):
+        return cfg
+
+
+def _operand_out(launch_fused):
+    """launch_fused without out_form: the fused epilogue's operand, which the down product
+    decodes in its own pre-pass (the layer before the fused bf16 token form)."""
+    return lambda *args, out_form=None, **kwargs: launch_fused(*args, **kwargs)
+
+
 # plan: (tokens, rows (model index in moe_layer.MODELS, model, fmt), {variant: change(fmt name, config)})
 PLANS = {
     "claims": (4096, ((0, "DeepSeek-V3", "mxfp8"), (1, "gpt-oss-120b", "bf16")),
@@ -47,6 +79,11 @@ PLANS = {
     "walk": (512, ((0, "DeepSeek-V3", "mxfp8"), ), {"walk-chunks": _walk(True), "walk-slots": _walk(False)}),
     "short-tails": (4096, ((0, "DeepSeek-V3", "mxfp8"), ), {"short-tails": _short_tails(True),
                                                            "tails-32": _short_tails(False)}),
+    "scatter": (4096, ((0, "DeepSeek-V3", "fp8_block"), (1, "gpt-oss-120b", "bf16")),
+                {"scatter": Patch(A, "scatter_quantize"), "gather": Patch(A, "scatter_quantize", _gathered)}),
+    "fused-form": (4096, ((1, "gpt-oss-120b", "mxfp4"), ),
+                   {"bf16-form": Patch(E, "launch_fused"),
+                    "operand": Patch(E, "launch_fused", _operand_out(E.launch_fused))}),
 }
 
 
@@ -55,11 +92,17 @@ def captured_with(timer, change, call):
     mx_config, config = C._sm90_mx_config, C._sm90_config
     C._sm90_mx_config = lambda *a: change(a[0], mx_config(*a))
     C._sm90_config = lambda *a: change(a[0], config(*a))
+    patched = isinstance(change, Patch) and change.replacement is not None
+    if patched:
+        original = getattr(change.module, change.name)
+        setattr(change.module, change.name, change.replacement)
     try:
         call()  # compile outside the capture
         return timer.prepare(call)
     finally:
         C._sm90_mx_config, C._sm90_config = mx_config, config
+        if patched:
+            setattr(change.module, change.name, original)
 
 
 def main():

@@ -60,3 +60,19 @@ q = act.gather_quantize(x, "nvfp4", torch.randint(0, t, (50,), device=device))
 torch.cuda.synchronize()
 assert torch.isfinite(y).all()
 print("moe_forward with dropped choices and gather_quantize: ok")
+
+# The tokens' scatter form (activation.scatter_quantize: stores to k rows a token, none for a
+# dropped choice), in the layer (fp8_block takes it) and alone in both scale layouts.
+layer = moegemm.MoE(h, i, e, top_k, fmt="fp8_block", device=device).load_experts(
+    gate=torch.randn(e, i, h, device=device) * 0.1, up=torch.randn(e, i, h, device=device) * 0.1,
+    down=torch.randn(e, h, i, device=device) * 0.1)
+w_gate_up, w_down = layer.weights()
+y = moegemm.moe_forward(x, topk_ids, torch.rand(t, top_k, device=device), w_gate_up, w_down)
+plan = moegemm.route(topk_ids, e)
+for fmt, layout in (("fp8_block", "plain"), ("bf16", "plain"), ("mxfp8", "swizzled"), ("mxfp4", "swizzled"),
+                    ("nvfp4", "swizzled"), ("w4a8", "plain")):
+    act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), a_offsets=plan.a_offsets,
+                         scale_layout=layout, num_scale_blocks=plan.scale_blocks_bound)
+torch.cuda.synchronize()
+assert torch.isfinite(y).all()
+print("fp8_block moe_forward and scatter_quantize with dropped choices: ok")

@@ -332,15 +332,9 @@ def gather_kernel_tokens(x: torch.Tensor, fmt: str, src_rows: torch.Tensor, form
                    scale_layout="plain", num_scale_blocks=None, global_scale=None, alpha=1.0, limit=0.0, form=form)
 
 
-def scatter_kernel_tokens(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor,
-                          form: TokenForm, a_offsets: torch.Tensor) -> KernelTokens:
-    """gather_kernel_tokens in scatter form: grouped_row [T, k] (routing.RoutingPlan.grouped_row)
-    names the grouped row of each choice of each token of x [T, K], row_slot [T*k] the slot of
-    each grouped row (the plan's expert_of_row: slot e holds expert e), and each token is read
-    and quantized once, then stored to its k rows (the gather reads and quantizes it k times).
-    Rows outside their slot (dropped choices) are left unwritten, as are their scales; every
-    row inside a slot gets the same bytes as from gather_kernel_tokens with src_rows = the
-    plan's token_index."""
+def _check_scatter_rows(x: torch.Tensor, grouped_row: torch.Tensor, row_slot: torch.Tensor, a_offsets: torch.Tensor,
+                        fmt: str):
+    """The arguments of the gather in scatter form (scatter_quantize, scatter_kernel_tokens)."""
     _check_rows_input(x, "x")
     _check_index(a_offsets, "a_offsets", x.device)
     _check_index(row_slot, "row_slot", x.device, None if not isinstance(grouped_row, torch.Tensor)
@@ -353,6 +347,43 @@ def scatter_kernel_tokens(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, 
     f = get_format(fmt)
     if x.shape[1] % f.k_multiple:
         raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={x.shape[1]}")
+    return f
+
+
+def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor, *,
+                     a_offsets: torch.Tensor, a_scale_offsets: torch.Tensor | None = None,
+                     scale_layout: str = "plain", num_scale_blocks: int | None = None,
+                     global_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
+    """gather_quantize in scatter form, for the MoE layer: grouped_row [T, k]
+    (routing.RoutingPlan.grouped_row) names the grouped row of each choice of each token of x
+    [T, K], row_slot [T*k] the slot of each grouped row (the plan's expert_of_row: slot e holds
+    expert e). Each token is read and quantized once, then stored to its k rows; the gather
+    reads and quantizes it k times (DeepSeek-V3's fp8_block gather at 4096 tokens: 342 us on an
+    H100). Every row inside its slot gets the bytes and scales of gather_quantize with src_rows =
+    the plan's token_index; rows outside their slot (dropped choices) are left unwritten."""
+    f = _check_scatter_rows(x, grouped_row, row_slot, a_offsets, fmt)
+    f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
+    if f.global_scale and global_scale is None:
+        global_scale = _nvfp4_global_of(x)  # (over x, as gather_quantize's)
+    if not _kernel_usable(x.device):  # the gather through the inverse of grouped_row
+        choices = torch.arange(grouped_row.numel(), device=x.device) // max(grouped_row.shape[1], 1)
+        src = torch.empty_like(choices).scatter_(0, grouped_row.reshape(-1).long(), choices)
+        return gather_quantize(x, f.name, src, a_offsets=a_offsets, a_scale_offsets=a_scale_offsets,
+                               scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    module = _kernels(x.device.type != "cuda")
+    return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
+                   concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
+                   a_scale_offsets=a_scale_offsets, scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
+                   global_scale=global_scale, alpha=1.0, limit=0.0, topk=grouped_row.shape[1])
+
+
+def scatter_kernel_tokens(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor,
+                          form: TokenForm, a_offsets: torch.Tensor) -> KernelTokens:
+    """gather_kernel_tokens in scatter form (scatter_quantize's arguments): each token is read and
+    quantized once, then stored to its k rows. Rows outside their slot (dropped choices) are
+    left unwritten, as are their scales; every row inside a slot gets the same bytes as from
+    gather_kernel_tokens with src_rows = the plan's token_index."""
+    f = _check_scatter_rows(x, grouped_row, row_slot, a_offsets, fmt)
     module = _kernels(x.device.type != "cuda")
     topk = grouped_row.shape[1]
     return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,

@@ -5,7 +5,8 @@
 
 Data flow of moe_forward (T tokens, k choices, H hidden, I expert width, E experts):
     plan = route(topk_ids)                          counts, offsets, permutation (GPU kernels)
-    a    = gather_quantize(x, plan.token_index)     [T*k, H] in fmt's A operand, grouped by expert
+    a    = scatter_quantize(x, plan.grouped_row)    [T*k, H] in fmt's A operand, grouped by expert (each
+                                                    token quantized once, stored to its k rows)
     h    = grouped_matmul_swiglu(a, w_gate_up)      [T*k, I]: product, expert scale, bias,
                                                     SwiGLU, requantized into fmt's A operand
                                                     (fused into the sm90 epilogue)
@@ -168,8 +169,9 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
             bias=gate_up_bias, out_scale_layout=layout, num_scale_blocks=bound, alpha=alpha, limit=limit,
             fused=fused, out_form=down_form)
     else:
-        a = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
-                                scale_layout=layout, num_scale_blocks=bound, global_scale=input_global_scale)
+        a = act.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
+                                 a_scale_offsets=aso, scale_layout=layout, num_scale_blocks=bound,
+                                 global_scale=input_global_scale)
         mid = grouped_matmul_swiglu(
             a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
             activation=activation, a_scale_offsets=aso,

@@ -231,8 +231,9 @@ def swiglu_step_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem:
                             activation, a_scale_offsets, expert_scales, bias, out_scale_layout, num_scale_blocks,
                             alpha, limit, fused, out_form):
     """grouped_matmul_swiglu (interleaved gate/up, no global scale) with A given as KernelTokens.
-    The fused epilogue, where asked for and supported, returns the QuantizedTensor of out_fmt;
-    the unfused chain returns KernelTokens of `out_form` for the next product when given."""
+    Returns KernelTokens of `out_form` for the next product when given, else the QuantizedTensor
+    of out_fmt; except that the fused epilogue (where asked for and supported) writes only the bf16
+    form, and returns the QuantizedTensor for the other forms."""
     from . import activation as act
     from .kernels import sm90_epilogue
 
@@ -241,7 +242,8 @@ def swiglu_step_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem:
         return sm90_epilogue.launch_fused(
             problem, None, b, None, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
             out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
-            num_scale_blocks=num_scale_blocks, out_global_scale=None, alpha=alpha, limit=limit, tokens=tokens)
+            num_scale_blocks=num_scale_blocks, out_global_scale=None, alpha=alpha, limit=limit, tokens=tokens,
+            out_form=out_form if out_form is not None and out_form.kind == "bf16" else None)
     h = torch.empty(problem.m, problem.n, dtype=torch.bfloat16, device=b.device)
     grouped_matmul_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem, expert_scales=expert_scales,
                                out=h)

@@ -15,9 +15,9 @@ from moegemm.validation import GroupedProblem
 from cases import FORMAT_LAYOUTS
 
 # The kernels' fused-epilogue tuples (kernels/sm90_epilogue.epilogue_args): runtime values, and
-# the constexprs (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC) of the plain epilogue.
+# the constexprs (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT) of the plain epilogue.
 EPILOGUE_SIGNATURE = ("*u8", "*fp32", "*fp32", "*i32", "i32", "i32", "i32", "fp32", "fp32")
-PLAIN_EPILOGUE = (0, 0, False, False, 32)
+PLAIN_EPILOGUE = (0, 0, False, False, 32, False)
 
 POINTERS = {"a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "a_scale_offsets_ptr": "*i32",
             "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32"}
@@ -112,7 +112,7 @@ def test_sm90_kernel_compiles_for_sm90(fmt, tokens_per_slot, out_dtype):
 # (tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC)): swapped (16, 40),
 # split-n (130) and normal (8192) tiles of the bf16 kernel, bf16 and mxfp8 out
 FUSED_BF16_CASES = [(tps, epi) for tps in (16, 40, 130, 8192)
-                    for epi in ((2, 0, False, True, 32), (1, 2, True, False, 32))]
+                    for epi in ((2, 0, False, True, 32, False), (1, 2, True, False, 32, False))]
 
 
 @pytest.mark.parametrize("tokens_per_slot,epilogue", FUSED_BF16_CASES)
@@ -366,15 +366,19 @@ def test_merged_token_prepass_compiles_for_sm90(swizzled):
     assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
 
 
-# (weight format, tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC))
+# (weight format, tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT))
 FUSED_MX_CASES = [
-    ("mxfp8", 16, (1, 2, True, False, 32)),
-    ("mxfp4", 8192, (2, 3, True, True, 32)),
-    ("nvfp4", 32, (1, 4, True, False, 16)),
-    ("w4a8", 8192, (1, 2, False, True, 32)),
-    ("mxfp8", 128, (2, 0, False, True, 32)),
-    ("mxfp4", 8, (2, 3, True, True, 32)),  # e2m1 weights on the promotion kernel
-    ("w4a8", 2, (1, 2, True, False, 32)),  # and its 8-token tiles
+    ("mxfp8", 16, (1, 2, True, False, 32, False)),
+    ("mxfp4", 8192, (2, 3, True, True, 32, False)),
+    ("nvfp4", 32, (1, 4, True, False, 16, False)),
+    ("w4a8", 8192, (1, 2, False, True, 32, False)),
+    ("mxfp8", 128, (2, 0, False, True, 32, False)),
+    ("mxfp4", 8, (2, 3, True, True, 32, False)),  # e2m1 weights on the promotion kernel
+    ("w4a8", 2, (1, 2, True, False, 32, False)),  # and its 8-token tiles
+    # the bf16 token form out (the decoded values): gpt-oss's prefill, and a wide mxfp8 tile
+    ("mxfp4", 8192, (2, 3, False, True, 32, True)),
+    ("w4a8", 8192, (2, 2, False, True, 32, True)),
+    ("mxfp8", 128, (1, 2, False, False, 32, True)),
 ]
 
 

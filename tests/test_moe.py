@@ -201,6 +201,78 @@ def test_gather_quantize_non_finite_block_gets_the_nan_scale(fmt):
     assert torch.equal(got[finite], moegemm.dequantize(r)[finite])
 
 
+def _bits(t):
+    """The bits of a tensor (NaN == NaN), as integers of its element size."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def check_scatter_quantize(fmt, layout, device):
+    """The gather in scatter form (each token quantized once, stored to its k rows) against the
+    gather: the same bytes and scales on every row inside a slot, the same swizzled buffer
+    (padding and rows of no slot zero in both), the same nvfp4 global scale. The routing drops
+    choices (ids -1: rows in no slot, left unwritten) and leaves an expert empty."""
+    t, k, e, hidden = 37, 3, 6, 320
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    ids[ids == 4] = 5  # expert 4 gets no tokens
+    ids[torch.rand(t, k, generator=gen) < 0.15] = -1
+    plan = moegemm.route(ids.to(device), e)
+    assert not bool(plan.valid.all())
+    x = _rows(t, hidden).to(device)
+    x[5, 7] = float("nan")
+    x[6, 100] = float("inf")
+    kwargs = dict(a_offsets=plan.a_offsets, scale_layout=layout, num_scale_blocks=plan.scale_blocks_bound)
+    got = act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), **kwargs)
+    want = act.gather_quantize(x, fmt, plan.token_index, **kwargs)
+    offsets, experts = plan.a_offsets.tolist(), plan.expert_ids.tolist()
+    slot_rows = torch.zeros(t * k, dtype=torch.bool)
+    for g, expert in enumerate(experts):
+        if expert >= 0:
+            slot_rows[offsets[g]:offsets[g + 1]] = True
+    assert 0 < int(slot_rows.sum()) < t * k
+    assert got.data.shape == want.data.shape and got.data.dtype == want.data.dtype
+    assert torch.equal(_bits(got.data).cpu()[slot_rows], _bits(want.data).cpu()[slot_rows])
+    if want.scales is None:
+        assert got.scales is None
+    elif layout == "swizzled":
+        assert torch.equal(_bits(got.scales).cpu(), _bits(want.scales).cpu())
+    else:
+        assert torch.equal(_bits(got.scales).cpu()[slot_rows], _bits(want.scales).cpu()[slot_rows])
+    if want.global_scale is not None:
+        assert torch.equal(got.global_scale, want.global_scale)
+
+
+SCATTER_CASES = [(f, "plain") for f in A_FORMATS] + [(f, "swizzled") for f in ("mxfp8", "mxfp4", "nvfp4", "w4a8")]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt,layout", SCATTER_CASES)
+def test_scatter_quantize_matches_the_gather_interpreted(fmt, layout):
+    check_scatter_quantize(fmt, layout, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,layout", SCATTER_CASES)
+def test_scatter_quantize_matches_the_gather_compiled(fmt, layout):
+    check_scatter_quantize(fmt, layout, "cuda")
+
+
+def test_scatter_quantize_rejects_bad_rows():
+    x = torch.randn(4, 64)
+    offsets = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="grouped_row"):
+        act.scatter_quantize(x, "fp8_block", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32), a_offsets=offsets)
+    with pytest.raises(ValueError, match="grouped_row"):
+        act.scatter_quantize(x, "fp8_block", torch.zeros(3, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int32),
+                             a_offsets=offsets)
+    with pytest.raises(ValueError, match="row_slot"):
+        act.scatter_quantize(x, "fp8_block", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(7, dtype=torch.int32),
+                             a_offsets=offsets)
+    with pytest.raises(ValueError, match="scale_layout"):
+        act.scatter_quantize(x, "fp8_block", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(8, dtype=torch.int32),
+                             a_offsets=offsets, scale_layout="swizzled")
+
+
 @needs_interpreter
 def test_swiglu_quantize_nvfp4_default_global_ignores_rows_outside_slots():
     """The default nvfp4 global scale is amax over the rows of valid slots only: the layer's h is
@@ -420,6 +492,51 @@ FUSED_CASES = [([65, 127, 3], [0, 1, 2]), ([128, 256, 512], [-1, 0, 2]), ([0, 3,
                # ~120 tokens a slot: mxfp8's 128-token tiles with tails of up to 32 (one tile of 159,
                # of 140, of 129 + a skipped slot, two of 161 = 128 + 33)
                ([159, 140, 129, 20, 161], [0, 1, -1, 2, 3])]
+
+
+def _canonical_bf16_bits(t):
+    """bf16 bits with every NaN one pattern and -0 as +0 (the decode's NaN payload and the sign
+    of a zero are not part of the form's contract)."""
+    bits = t.view(torch.int16)
+    bits = torch.where(t.isnan(), torch.full_like(bits, 0x7FC0), bits)
+    return torch.where((bits & 0x7FFF) == 0, torch.zeros_like(bits), bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("mxfp8", "mxfp4", "w4a8"))
+@pytest.mark.parametrize("case", (0, 2, 5))
+def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
+    """The fused epilogue's bf16 token form (the down product's input where its kernel decodes,
+    e.g. gpt-oss MXFP4 at prefill) is the fused operand decoded, bf16(value * 2^e), on every
+    row of a valid slot: what dequantize_rows built from the operand before."""
+    from moegemm.kernels import sm90_epilogue
+    from moegemm.token_forms import TokenForm
+    from moegemm.validation import GroupedProblem
+
+    counts, ids = FUSED_CASES[case]
+    n, k = 256, 256
+    offsets, expert_ids, a, b, layout, m, e = _gpu_problem(fmt, counts, ids, n, k)
+    p = GroupedProblem(moegemm.formats.get_format(fmt), m, n, k, e, len(ids), layout, torch.bfloat16)
+    bias = torch.randn(e, n, device="cuda") * 0.1
+    bias[0, :8] = float("nan")  # NaN in a block of expert 0's outputs
+    kw = dict(out_fmt=fmt, activation="swiglu_oai" if case % 2 else "swiglu", out_scale_layout=layout,
+              num_scale_blocks=None, out_global_scale=None, alpha=1.702, limit=7.0)
+    args = (p, a.data, b.data, a.scales, b.scales, offsets, expert_ids, None, torch.rand(e, device="cuda") + 0.5,
+            bias)
+    operand = sm90_epilogue.launch_fused(*args, **kw)
+    form = sm90_epilogue.launch_fused(*args, out_form=TokenForm("bf16"), **kw)
+    assert form.form == TokenForm("bf16") and form.scales is None and form.data.shape == (m, n // 2)
+    assert form.data.dtype == torch.bfloat16
+    valid = torch.zeros(m, dtype=torch.bool, device="cuda")
+    for g, x in enumerate(ids):
+        if x >= 0:
+            valid[int(offsets[g]):int(offsets[g + 1])] = True
+    if not valid.any():
+        return
+    want = moegemm.dequantize(operand).bfloat16()[valid]
+    assert torch.equal(_canonical_bf16_bits(form.data[valid]), _canonical_bf16_bits(want))
+    with pytest.raises(ValueError, match="out_form"):
+        sm90_epilogue.launch_fused(*args, out_form=TokenForm("e4m3"), **kw)
 
 
 @pytest.mark.gpu

@@ -241,19 +241,20 @@ def activation_quantize_kernel(
     kb_major layout; FORM_BF16 writes bf16(value * 2^e), which is portable.dequantize_rows'.
     Rows outside slots get no scales in FORM_E4M3, as in the swizzled layout.
 
-    TOPK > 0 (kernel forms only, no activation): the gather in scatter form. Program rows are
-    the X_ROWS tokens, each read and quantized once, and stored to the TOPK grouped rows
-    src_rows[token * TOPK + j] (the routing plan's grouped_row; M grouped rows), row p in slot
-    expert_ids[p] (the plan's expert_of_row): the same bytes as the gather through the inverse
-    permutation, with 1/TOPK of its reads and encoding work. A row outside its slot (a dropped
-    choice) is not stored. The scales go as e8m0 bytes to scale_bytes [M, NUM_KB] (row-major);
-    kb_major_scales_kernel then writes out_scale from them."""
+    TOPK > 0 (no activation): the gather in scatter form. Program rows are the X_ROWS tokens, each
+    read and quantized once, and stored to the TOPK grouped rows src_rows[token * TOPK + j] (the
+    routing plan's grouped_row; M grouped rows), row p in slot expert_ids[p] (the plan's
+    expert_of_row): the same bytes as the gather through the inverse permutation, with 1/TOPK of
+    its reads and encoding work. A row outside its slot (a dropped choice) is not stored. In a
+    kernel form the scales go as e8m0 bytes to scale_bytes [M, NUM_KB] (row-major), and
+    kb_major_scales_kernel then writes out_scale from them; the operand form stores its scales
+    itself, in either layout."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     if TOPK > 0:
-        tl.static_assert(FORM != FORM_OPERAND and ACT == ACT_NONE, "scatter form: kernel token forms only")
+        tl.static_assert(ACT == ACT_NONE, "scatter form: the gather only")
         row_mask = rows < X_ROWS
         src = rows
     elif GATHER:
@@ -262,6 +263,8 @@ def activation_quantize_kernel(
     else:
         src = rows
     src = src.to(tl.int64)
+    slot = rows * 0  # (read only where SWIZZLED, HAS_BIAS or FORM_E4M3 computed them)
+    in_slot = row_mask
     if (HAS_BIAS or SWIZZLED or FORM == FORM_E4M3) and TOPK == 0:
         slot, in_slot = _group_of_rows(rows, a_offsets_ptr, G, LOG_G)
     if HAS_BIAS:
@@ -281,9 +284,9 @@ def activation_quantize_kernel(
                         bias_ptr, row_expert[:, None, None], bias_rows[:, None, None], alpha, limit, ACT, CONCAT,
                         HAS_BIAS, PAIR_WORDS)
     out_mask3 = (rows3 < M) & col_mask3
-    out_rows3 = rows3.to(tl.int64) * K_OUT
     if OUT == OUT_BF16:
-        tl.store(out_ptr + out_rows3 + cols3, _to_bf16_rne(y), mask=out_mask3)
+        scaled = y
+        stored = y  # (no scales)
     else:
         amax = tl.reduce(tl.abs(y), 2, _max_abs)  # [BLOCK_M, NB]
         if OUT == OUT_FP8_BLOCK:
@@ -302,59 +305,83 @@ def activation_quantize_kernel(
             stored = tl.where(amax < float("inf"), e + 127, 255)  # inf or NaN amax -> the NaN scale
         if FORM != FORM_OPERAND:
             values, scale = _kernel_token_values(scaled, stored, OUT, FORM, EXP)
-        if TOPK > 0:
-            # Every choice's row and slot first (a choice's slot is the expert of its row, one slot
-            # an expert: routing.route), in three rounds of loads for all of them; rows of dropped
-            # choices lie outside their slot. Then the stores, a choice at a time.
-            choice = tl.arange(0, TOPK_P2)[None, :]
-            dests = tl.load(src_rows_ptr + rows.to(tl.int64)[:, None] * TOPK + choice,
-                            mask=row_mask[:, None] & (choice < TOPK), other=M)
-            dests = tl.where((dests >= 0) & (dests < M), dests, M)
-            slots = tl.load(expert_ids_ptr + dests, mask=dests < M, other=G)
-            slots = tl.where((slots >= 0) & (slots < G), slots, G)
-            starts = tl.load(a_offsets_ptr + slots, mask=slots < G, other=M)
-            ends = tl.load(a_offsets_ptr + slots + 1, mask=slots < G, other=M)
-            dests = tl.where((starts <= dests) & (dests < ends), dests, -1)
-            for j in tl.static_range(TOPK):
-                dest = tl.reduce(tl.where(choice == j, dests, 0), 1, _add)  # (column j: the rest are 0)
-                dest_in_slot = dest >= 0
-                _store_kernel_values(out_ptr, values, tl.maximum(dest, 0), cols3,
-                                     dest_in_slot[:, None, None] & col_mask3, K_OUT, FORM, EVEN_ODD)
+    if TOPK > 0:
+        # Every choice's row and slot first (a choice's slot is the expert of its row, one slot
+        # an expert: routing.route), in three rounds of loads for all of them; rows of dropped
+        # choices lie outside their slot. Then the stores, a choice at a time.
+        choice = tl.arange(0, TOPK_P2)[None, :]
+        dests = tl.load(src_rows_ptr + rows.to(tl.int64)[:, None] * TOPK + choice,
+                        mask=row_mask[:, None] & (choice < TOPK), other=M)
+        dests = tl.where((dests >= 0) & (dests < M), dests, M)
+        slots = tl.load(expert_ids_ptr + dests, mask=dests < M, other=G)
+        slots = tl.where((slots >= 0) & (slots < G), slots, G)
+        starts = tl.load(a_offsets_ptr + slots, mask=slots < G, other=M)
+        ends = tl.load(a_offsets_ptr + slots + 1, mask=slots < G, other=M)
+        dests = tl.where((starts <= dests) & (dests < ends), dests, -1)
+        for j in tl.static_range(TOPK):
+            dest = tl.reduce(tl.where(choice == j, dests, 0), 1, _add)  # (column j: the rest are 0)
+            dest_in_slot = dest >= 0
+            dest = tl.maximum(dest, 0)
+            if FORM == FORM_OPERAND:
+                dest_slot = tl.reduce(tl.where(choice == j, slots, 0), 1, _add)
+                _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, scaled, stored, dest,
+                               dest_in_slot, dest_slot, dest_in_slot, pid_c, blk, cols3, col_mask3, K_OUT, NUM_KB,
+                               KB4, NUM_SCALE_ROWS, OUT, SWIZZLED, NB, VEC)
+            else:
+                _store_kernel_values(out_ptr, values, dest, cols3, dest_in_slot[:, None, None] & col_mask3, K_OUT,
+                                     FORM, EVEN_ODD)
                 if FORM == FORM_E4M3:
                     # The scale bytes row-major (kb_major_scales_kernel moves them into the kernel's
                     # K-block-major fp32 form): a token's grouped rows lie in random slots, so
                     # K-block-major stores from here were one 4-byte write a sector.
                     kb = pid_c * NB + blk[None, :]  # [1, NB]
-                    tl.store(scale_bytes_ptr + tl.maximum(dest, 0).to(tl.int64)[:, None] * NUM_KB + kb,
-                             stored.to(tl.uint8), mask=dest_in_slot[:, None] & (kb < NUM_KB))
-        elif FORM != FORM_OPERAND:
-            _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot if FORM == FORM_E4M3
-                                 else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
-                                 M, K_OUT, NUM_KB, M_PAD, FORM, EVEN_ODD, NB, COLUMN_BLOCK)
+                    tl.store(scale_bytes_ptr + dest.to(tl.int64)[:, None] * NUM_KB + kb, stored.to(tl.uint8),
+                             mask=dest_in_slot[:, None] & (kb < NUM_KB))
+    elif FORM != FORM_OPERAND:
+        _store_kernel_tokens(out_ptr, out_scale_ptr, a_offsets_ptr, values, scale, rows, slot if FORM == FORM_E4M3
+                             else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
+                             M, K_OUT, NUM_KB, M_PAD, FORM, EVEN_ODD, NB, COLUMN_BLOCK)
+    else:
+        _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, scaled, stored, rows, rows < M,
+                       slot, in_slot, pid_c, blk, cols3, col_mask3, K_OUT, NUM_KB, KB4, NUM_SCALE_ROWS, OUT, SWIZZLED,
+                       NB, VEC)
+
+
+@triton.jit
+def _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, scaled, stored, rows, row_ok, slot,
+                   in_slot, pid_c, blk, cols3, col_mask3, K_OUT, NUM_KB, KB4, NUM_SCALE_ROWS, OUT: tl.constexpr,
+                   SWIZZLED: tl.constexpr, NB: tl.constexpr, VEC: tl.constexpr):
+    """The format's A operand of `rows` where row_ok: the block-scaled values `scaled` (y itself
+    for bf16) encoded, and their scales `stored` (none for bf16) row-major, or in the swizzled
+    layout by each row's slot (rows outside every slot, in_slot False, get no scales there)."""
+    rows3 = rows[:, None, None]
+    out_mask3 = row_ok[:, None, None] & col_mask3
+    if OUT == OUT_BF16:
+        tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, _to_bf16_rne(scaled), mask=out_mask3)
+    else:
+        if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
+            tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
         else:
-            if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
-                tl.store(out_ptr + out_rows3 + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
-            else:
-                codes = tl.reshape(_encode_e2m1(scaled), [BLOCK_M, NB, VEC // 2, 2])
-                low, high = tl.split(codes)
-                packed = (low | (high << 4)).to(tl.uint8)
-                half = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
-                tl.store(out_ptr + rows3.to(tl.int64) * (K_OUT // 2) + half, packed,
-                         mask=(rows3 < M) & (half < K_OUT // 2))
-            kb = pid_c * NB + blk[None, :]  # [1, NB]
-            kb_mask = (rows[:, None] < M) & (kb < NUM_KB)
-            if SWIZZLED:
-                start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
-                block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + start // 128
-                srow = (128 * block0 + rows - start).to(tl.int64)[:, None]
-                offset = ((srow // 128) * KB4 + kb // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb % 4
-                kb_mask = kb_mask & in_slot[:, None] & (srow >= 0) & (srow < NUM_SCALE_ROWS)
-            else:
-                offset = rows.to(tl.int64)[:, None] * NUM_KB + kb
-            if OUT == OUT_FP8_BLOCK:
-                tl.store(out_scale_ptr + offset, stored, mask=kb_mask)
-            else:
-                tl.store(out_scale_ptr + offset, stored.to(tl.uint8), mask=kb_mask)
+            codes = tl.reshape(_encode_e2m1(scaled), [scaled.shape[0], NB, VEC // 2, 2])
+            low, high = tl.split(codes)
+            packed = (low | (high << 4)).to(tl.uint8)
+            half = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
+            tl.store(out_ptr + rows3.to(tl.int64) * (K_OUT // 2) + half, packed,
+                     mask=row_ok[:, None, None] & (half < K_OUT // 2))
+        kb = pid_c * NB + blk[None, :]  # [1, NB]
+        kb_mask = row_ok[:, None] & (kb < NUM_KB)
+        if SWIZZLED:
+            start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
+            block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + start // 128
+            srow = (128 * block0 + rows - start).to(tl.int64)[:, None]
+            offset = ((srow // 128) * KB4 + kb // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb % 4
+            kb_mask = kb_mask & in_slot[:, None] & (srow >= 0) & (srow < NUM_SCALE_ROWS)
+        else:
+            offset = rows.to(tl.int64)[:, None] * NUM_KB + kb
+        if OUT == OUT_FP8_BLOCK:
+            tl.store(out_scale_ptr + offset, stored, mask=kb_mask)
+        else:
+            tl.store(out_scale_ptr + offset, stored.to(tl.uint8), mask=kb_mask)
 
 
 @triton.jit

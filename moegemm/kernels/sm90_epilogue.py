@@ -43,6 +43,7 @@ from .. import layouts
 from ..activation import allocate_a_operand, as_quantized
 from ..config import MX_FORMATS
 from ..formats import E2M1, E4M3, get_format
+from ..token_forms import KernelTokens, TokenForm
 
 # The epilogue's constexpr codes (the same as kernels/_activation_tl.py's).
 ACT_SWIGLU = gl.constexpr(1)
@@ -83,6 +84,25 @@ def _encode_e2m1(x):
 
 
 @gluon.jit
+def _decode_e2m1(code):
+    """e2m1 code (int32, 0..15) -> fp32 (the tl twin: _activation_tl._decode_e2m1)."""
+    mag = code & 7
+    exp = mag >> 1
+    man = mag & 1
+    normal = (((exp + 126) << 23) | (man << 22)).to(gl.float32, bitcast=True)
+    val = gl.where(exp == 0, man.to(gl.float32) * 0.5, normal)
+    return gl.where((code & 8) != 0, -val, val)
+
+
+@gluon.jit
+def _e8m0_value(stored):
+    """e8m0 byte (int32) -> fp32 2^(b-127): 2^-127 (subnormal) for 0, NaN for 255, as
+    portable._decode_e8m0 (what dequantize_rows multiplies by)."""
+    bits = gl.where(stored == 0, 0x00400000, stored << 23)
+    return gl.where(stored == 255, 0x7FC00000, bits).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _e4m3_bits(x):
     """fp32 -> e4m3fn byte: the hardware conversion rounds to nearest even and saturates."""
     return x.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
@@ -114,10 +134,12 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
                     scale_row_base, NUM_SCALE_ROWS, NUM_OUT_KB, OUT_KB4, alpha, limit,
                     SWAP: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr, HAS_BIAS: gl.constexpr,
                     ACT: gl.constexpr, OUT: gl.constexpr, OUT_SWIZZLED: gl.constexpr, VEC: gl.constexpr,
-                    SHUFFLE_PAIRS: gl.constexpr = False):
+                    SHUFFLE_PAIRS: gl.constexpr = False, DEQUANT: gl.constexpr = False):
     """See the module docstring. acc: [64, W] (tokens x weights) or, SWAP, [W, T]; its tokens
     start at row tok0 (group end t), its weight columns at w0 (even). SHUFFLE_PAIRS (SWAP): a
-    swapped tile's row pairs meet by shuffles, else through shared memory."""
+    swapped tile's row pairs meet by shuffles, else through shared memory. DEQUANT (e8m0
+    formats): store the quantized values decoded, bf16(value * 2^e), and no scales: the bf16
+    token form of the next product (token_forms.py), which dequantize_rows would build."""
     if HAS_EXPERT_SCALES:
         acc = acc * gl.load(expert_scales_ptr + e)
     if SWAP and SHUFFLE_PAIRS:
@@ -167,6 +189,16 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
             ex = _e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y3 * gl.expand_dims(_pow2(-ex), 2)
             stored = gl.where(amax < float("inf"), ex + 127, 255).to(gl.uint8)  # inf, NaN: the NaN scale
+        if DEQUANT:
+            gl.static_assert(OUT == OUT_E4M3_E8M0 or OUT == OUT_E2M1_E8M0, "token forms: e8m0 formats only")
+            if OUT == OUT_E4M3_E8M0:  # (the hardware decode, as dequantize_rows' on the GPU)
+                values = _e4m3_bits(scaled).to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            else:
+                values = _decode_e2m1(_encode_e2m1(scaled))
+            values = values * gl.expand_dims(_e8m0_value(stored.to(gl.int32)), 2)
+            _store_rows(out_ptr, gl.reshape(values, [TR, OC]).to(gl.bfloat16), toks, tok_mask, n_out, cols, n_out,
+                        out_layout)
+            return
         if OUT == OUT_E4M3_E8M0:
             data = gl.reshape(_e4m3_bits(scaled), [TR, OC])
             _store_rows(out_ptr, data, toks, tok_mask, n_out, cols, n_out, out_layout)
@@ -197,14 +229,15 @@ def fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, tok0, t, w0, N, epi
                    HAS_EXPERT_SCALES: gl.constexpr, EPI: gl.constexpr, SHUFFLE_PAIRS: gl.constexpr = False):
     """swiglu_epilogue with its arguments unpacked from the kernels' two tuples:
     epi = (out_scale_ptr, bias_ptr, global_ptr, a_scale_offsets_ptr, NUM_SCALE_ROWS, NUM_OUT_KB,
-    OUT_KB4, alpha, limit) and EPI = (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC) (see epilogue_args)."""
+    OUT_KB4, alpha, limit) and EPI = (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT) (see
+    epilogue_args)."""
     if EPI[2]:
         scale_row_base = 128 * (gl.load(epi[3] + g) + s // 128) - s
     else:
         scale_row_base = s * 0
     swiglu_epilogue(acc, out_ptr, epi[0], epi[1], epi[2], expert_scales_ptr, e, tok0, t, w0, N, scale_row_base,
                     epi[4], epi[5], epi[6], epi[7], epi[8], SWAP, HAS_EXPERT_SCALES, EPI[3], EPI[0], EPI[1], EPI[2],
-                    EPI[4], SHUFFLE_PAIRS)
+                    EPI[4], SHUFFLE_PAIRS, EPI[5])
 
 
 # ---- host side ---------------------------------------------------------------------------
@@ -214,13 +247,13 @@ def epilogue_args(epilogue: dict | None, dummy: torch.Tensor) -> tuple[tuple, tu
     """The kernels' (epi, EPI) tuples: runtime values and constexprs of the fused epilogue
     (EPI[0] == 0: the plain epilogue; the runtime values are then placeholders)."""
     if epilogue is None:
-        return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), (0, 0, False, False, 32)
+        return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), (0, 0, False, False, 32, False)
     pick = lambda t: t if t is not None else dummy  # noqa: E731
     epi = (epilogue["out_scale"], pick(epilogue["bias"]), pick(epilogue["global_scale"]),
            pick(epilogue["a_scale_offsets"]), epilogue["num_scale_rows"], epilogue["num_out_kb"],
            epilogue["out_kb4"], epilogue["alpha"], epilogue["limit"])
     consts = (epilogue["act"], epilogue["out"], epilogue["out_swizzled"], epilogue["bias"] is not None,
-              epilogue["vec"])
+              epilogue["vec"], epilogue.get("dequant", False))
     return epi, consts
 
 
@@ -269,16 +302,26 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
 
 
 def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,
-                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, tokens=None):
+                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, tokens=None,
+                 out_form: TokenForm | None = None):
     """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue.
-    `tokens`: A in the block-format kernel's form (sm90_mx.launch), a and a_scales then unused."""
+    `tokens`: A in the block-format kernel's form (sm90_mx.launch), a and a_scales then unused.
+    `out_form`: the output as KernelTokens of that form instead (the bf16 form only: the
+    quantized values decoded, for the down product's kernel), rows outside the slots unwritten."""
     from . import sm90, sm90_mx
 
     f = get_format(out_fmt)
     out_code, vec = _out_kind(out_fmt)
     swizzled = out_scale_layout == "swizzled" and f.a.scale is not None
-    data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
-                                                      p.num_groups, b.device)
+    if out_form is not None:
+        if out_form.kind != "bf16" or f.a.scale != "e8m0":
+            raise ValueError(f"out_form: the fused epilogue writes the bf16 token form of an e8m0 format, "
+                             f"not the {out_form.kind} form of {f.name}")
+        swizzled, num_scale_rows = False, 0
+        data, scales = torch.empty(p.m, p.n // 2, dtype=torch.bfloat16, device=b.device), None
+    else:
+        data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
+                                                          p.num_groups, b.device)
     nkb = math.ceil(p.n // 2 / vec) if f.a.scale is not None else 0
     if f.global_scale:
         if out_global_scale is None:
@@ -293,11 +336,13 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
         a_scale_offsets=a_scale_offsets, num_scale_rows=num_scale_rows, num_out_kb=nkb,
         out_kb4=math.ceil(nkb / 4), alpha=float(alpha), limit=float(limit),
         act=(ACT_SWIGLU if activation == "swiglu" else ACT_SWIGLU_OAI).value, out=out_code, out_swizzled=swizzled,
-        vec=vec,
+        vec=vec, dequant=out_form is not None,
     )
     if p.fmt.name == "bf16":
         sm90.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, None, data, epilogue=epilogue)
     else:
         sm90_mx.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None, data,
                        epilogue=epilogue, tokens=tokens)
+    if out_form is not None:
+        return KernelTokens(out_form, data, None)
     return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets)
