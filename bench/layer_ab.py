@@ -51,9 +51,7 @@ def _short_tails(short):
 
 def _gathered(x, fmt, grouped_row, row_slot, **kwargs):
     """scatter_quantize's result by the gather (the layer's token step before the scatter form)."""
-    choices = torch.arange(grouped_row.numel(), device=x.device) // grouped_row.shape[1]
-    src = torch.empty_like(choices).scatter_(0, grouped_row.reshape(-1), choices)
-    return A.gather_quantize(x, fmt, src, **kwargs)
+    return A.gather_quantize(x, fmt, A.token_of_row(grouped_row), **kwargs)
 
 
 class Patch:

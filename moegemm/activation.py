@@ -350,6 +350,13 @@ def _check_scatter_rows(x: torch.Tensor, grouped_row: torch.Tensor, row_slot: to
     return f
 
 
+def token_of_row(grouped_row: torch.Tensor) -> torch.Tensor:
+    """The gather's src_rows for the scatter form's grouped_row [T, k]: grouped row p holds token t
+    where grouped_row[t, j] = p (the routing plan's token_index, rebuilt from grouped_row)."""
+    choices = torch.arange(grouped_row.numel(), device=grouped_row.device) // max(grouped_row.shape[1], 1)
+    return torch.empty_like(choices).scatter_(0, grouped_row.reshape(-1).long(), choices)
+
+
 def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor, *,
                      a_offsets: torch.Tensor, a_scale_offsets: torch.Tensor | None = None,
                      scale_layout: str = "plain", num_scale_blocks: int | None = None,
@@ -365,11 +372,10 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
     f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     if f.global_scale and global_scale is None:
         global_scale = _nvfp4_global_of(x)  # (over x, as gather_quantize's)
-    if not _kernel_usable(x.device):  # the gather through the inverse of grouped_row
-        choices = torch.arange(grouped_row.numel(), device=x.device) // max(grouped_row.shape[1], 1)
-        src = torch.empty_like(choices).scatter_(0, grouped_row.reshape(-1).long(), choices)
-        return gather_quantize(x, f.name, src, a_offsets=a_offsets, a_scale_offsets=a_scale_offsets,
-                               scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    if not _kernel_usable(x.device):
+        return gather_quantize(x, f.name, token_of_row(grouped_row), a_offsets=a_offsets,
+                               a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
+                               num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = _kernels(x.device.type != "cuda")
     return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
                    concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,

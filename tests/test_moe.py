@@ -257,6 +257,14 @@ def test_scatter_quantize_matches_the_gather_compiled(fmt, layout):
     check_scatter_quantize(fmt, layout, "cuda")
 
 
+def test_token_of_row_is_the_plans_token_index():
+    """The scatter form's fallback (no kernel) gathers through token_of_row(grouped_row)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 7, (29, 4), generator=gen, dtype=torch.int32)  # some dropped
+    plan = moegemm.route(ids, 6)
+    assert torch.equal(act.token_of_row(plan.grouped_row), plan.token_index)
+
+
 def test_scatter_quantize_rejects_bad_rows():
     x = torch.randn(4, 64)
     offsets = torch.tensor([0, 8], dtype=torch.int32)
