@@ -522,6 +522,39 @@ def layer_call(cfg: dict, x, ids, topk_weights, weights, fmt: str, fused: bool):
                                        fused=fused, backend="auto")
 
 
+@dataclass
+class GateUpStep:
+    """The gate/up step alone, on tokens routed and quantized once as moe_forward does."""
+
+    cfg: dict
+    fmt: str
+    w_gu: object
+    bias: torch.Tensor | None
+    plan: object
+    a: object  # the quantized, routed tokens (moegemm.gather_quantize)
+    layout: str
+    a_scale_offsets: torch.Tensor | None
+
+    @classmethod
+    def build(cls, cfg: dict, x, ids, topk_weights, weights, fmt: str) -> "GateUpStep":
+        w_gu, _ = weights.ours(fmt)
+        gu_bias, _ = weights.biases()
+        plan = moegemm.route(ids, cfg["experts"], topk_weights)
+        layout = w_gu.scale_layout if w_gu.scales is not None else "plain"
+        aso = plan.a_scale_offsets if layout == "swizzled" else None
+        a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
+                                    scale_layout=layout, num_scale_blocks=plan.scale_blocks_bound)
+        return cls(cfg, fmt, w_gu, gu_bias, plan, a, layout, aso)
+
+    def call(self, fused: bool):
+        """grouped_matmul_swiglu with the fused epilogue or the unfused chain."""
+        return lambda: moegemm.grouped_matmul_swiglu(
+            self.a.data, self.w_gu.data, self.a.scales, self.w_gu.scales, self.plan.a_offsets, self.plan.expert_ids,
+            fmt=self.fmt, out_fmt=self.fmt, activation=self.cfg["activation"], a_scale_offsets=self.a_scale_offsets,
+            bias=self.bias, scale_layout=self.layout, out_scale_layout=self.layout,
+            num_scale_blocks=self.plan.scale_blocks_bound, alpha=ALPHA, limit=LIMIT, fused=fused, backend="auto")
+
+
 def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer, copy_tbps: float, seed: int,
             device) -> Row:
     t_row = time.time()
@@ -531,8 +564,6 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
     w_gu, w_dn = weights.ours(fmt)
     row.weight_bytes_touched = round(row.experts_touched * weight_bytes_per_expert(w_gu, w_dn))
     row.read_time_us = row.weight_bytes_touched / (copy_tbps * 1e12) * 1e6
-    gu_bias, dn_bias = weights.biases()
-    activation = cfg["activation"]
     timed: dict = {}  # name -> Timed, timed in turns once all are prepared
     outs: dict = {}
 
@@ -559,22 +590,9 @@ def run_row(model: str, cfg: dict, fmt: str, tokens: int, weights, timer: Timer,
     if fmt in FUSED_FMTS:
         measure("ours_unfused", ours(False), keep_output=True)
         try:  # the gate/up step alone, on tokens routed and quantized once as moe_forward does
-            plan = moegemm.route(ids, cfg["experts"], topk_weights)
-            layout = w_gu.scale_layout if w_gu.scales is not None else "plain"
-            aso = plan.a_scale_offsets if layout == "swizzled" else None
-            bound = plan.scale_blocks_bound
-            a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, a_scale_offsets=aso,
-                                        scale_layout=layout, num_scale_blocks=bound)
-
-            def step(fused):
-                return lambda: moegemm.grouped_matmul_swiglu(
-                    a.data, w_gu.data, a.scales, w_gu.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
-                    activation=activation, a_scale_offsets=aso, bias=gu_bias, scale_layout=layout,
-                    out_scale_layout=layout, num_scale_blocks=bound, alpha=ALPHA, limit=LIMIT, fused=fused,
-                    backend="auto")
-
-            measure("gate_up_fused", step(True))
-            measure("gate_up_unfused", step(False))
+            gate_up = GateUpStep.build(cfg, x, ids, topk_weights, weights, fmt)
+            measure("gate_up_fused", gate_up.call(True))
+            measure("gate_up_unfused", gate_up.call(False))
         except Exception as exc:  # noqa: BLE001
             row.notes.append(f"gate_up inputs failed: {type(exc).__name__}: {str(exc)[:200]}")
 
