@@ -12,19 +12,20 @@ together (graph replay, L2 flushed, in shuffled turns by moe_layer.Timer):
     pass      swiglu_quantize(h) alone
     read      a kernel that only reads the gate/up weights and scales once (the fastest of a few
               launch shapes)
-    write_h   h.fill_(0): only writes h
+    write_h   fill_(0) of a tensor of h's shape and type: only writes that many bytes
 
-Both steps run the same product kernel; fusing only replaces its epilogue. So fusing can save
-at most the pass and the write of h, while no product, whatever its K loop, takes less than
+Both steps run the same product kernel's K loop (the fused one may get a shorter ring for its
+epilogue's scratch, which only slows it); fusing replaces the epilogue. So fusing can save at
+most the pass and the write of h, while no product, whatever its K loop, takes less than
 reading its weights once. Hence
 
     unfused / fused  <=  (read + write_h + pass) / read        (`ceiling` below)
 
-whatever the K loop: it assumes a product running at the weight-read time, a fused epilogue
-that costs nothing, and a write of h that is not hidden behind the reads, each in the fused
-step's favour. What it leaves out is an unfused product whose own epilogue costs more than
-writing h (measured: gpt-oss BF16 at 512 tokens, 1.037 against a ceiling of 1.030; see
-docs/perf-notes.md). The issue 5 target asks for unfused / fused >= 1.10.
+for any product time at or above the read time; a product at the read time, a fused epilogue
+that costs nothing and a write of h not hidden behind the reads reach it. What it leaves out is
+an unfused product whose own epilogue costs more than writing h (measured: gpt-oss BF16 at 512
+tokens, 1.037 against a ceiling of 1.030; see docs/perf-notes.md). The issue 5 target asks for
+unfused / fused >= 1.10.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def measure_row(m_index: int, model: str, fmt: str, tokens: int, timer: L.Timer)
                                        a_scale_offsets=step.a_scale_offsets, scale_layout=step.layout,
                                        num_scale_blocks=plan.scale_blocks_bound, alpha=L.ALPHA, limit=L.LIMIT)
 
+    h_like = torch.empty_like(h)  # (write_h must not zero the h that the pass reads)
     calls = {"fused": step.call(True), "unfused": step.call(False), "product": product, "pass": swiglu_pass,
-             "write_h": lambda: h.fill_(0)}
+             "write_h": lambda: h_like.fill_(0)}
     weight_tensors = [t for t in (w_gu.data, w_gu.scales) if t is not None]
     if touched != cfg["experts"]:  # (the read kernel reads every expert's weights)
         raise SystemExit(f"{model} at {tokens} tokens routes to {touched} of {cfg['experts']} experts; use more tokens")
