@@ -369,13 +369,13 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
     H100). Every row inside its slot gets the bytes and scales of gather_quantize with src_rows =
     the plan's token_index; rows outside their slot (dropped choices) are left unwritten."""
     f = _check_scatter_rows(x, grouped_row, row_slot, a_offsets, fmt)
-    f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
-    if f.global_scale and global_scale is None:
-        global_scale = _nvfp4_global_of(x)  # (over x, as gather_quantize's)
-    if not _kernel_usable(x.device):
+    if not _kernel_usable(x.device):  # (gather_quantize checks the rest and takes nvfp4's global over x)
         return gather_quantize(x, f.name, token_of_row(grouped_row), a_offsets=a_offsets,
                                a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
+    if f.global_scale and global_scale is None:
+        global_scale = _nvfp4_global_of(x)  # (over x, as gather_quantize's)
     module = _kernels(x.device.type != "cuda")
     return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
                    concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
