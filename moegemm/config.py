@@ -200,10 +200,6 @@ class Sm90Config:
                                  f"with block_k=64: {self}")
             if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
                 raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
-            if self.sub_steps > 1 and self.token_tile == 128:
-                # Wrong rows in the MoE layer's gate/up product (tests/test_moe.py, ~75 tokens an
-                # expert, H100), different ones each run; cause not found (docs/perf-notes.md).
-                raise ValueError(f"config: 128-token tiles of the MX kernel take one K step a stage: {self}")
             smem = self.smem_bytes(2, out_bytes, weight_bytes(fmt))
             if smem > SM90_SMEM_BYTES:
                 raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
@@ -412,9 +408,9 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
     # the run took ~0.7 us per stage whatever the bytes, fp4 or fp8, 16 or 128 tokens; two steps
     # were 1.2-1.3x faster in every format and regime, four steps of fp4 no better than two
     # (bench/results/mx-stages-*.json, H100).
-    # 128-token tiles keep one step a stage: with two, the layer's gate/up product at ~75 tokens
-    # an expert (tests/test_moe.py, 300 tokens) came out wrong on 400+ of 600 rows, differently
-    # each run (H100, not understood yet; one step, or 16/64-token tiles, gave none).
+    # 128-token tiles keep one step a stage (the ring is twice as deep). Their wrong rows with
+    # two steps were the accumulator read before the last wgmma retired (kernels/sm90_mx.py,
+    # _upcast_chain, fixed); two steps there have not been timed since.
     sub_steps = 2 if tokens < 128 else 1
     cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
                      consumer_regs=192, sub_steps=sub_steps)

@@ -19,6 +19,16 @@ from cases import FORMAT_LAYOUTS
 EPILOGUE_SIGNATURE = ("*u8", "*fp32", "*fp32", "*i32", "i32", "i32", "i32", "fp32", "fp32")
 PLAIN_EPILOGUE = (0, 0, False, False, 32, False)
 
+def wgmma_sass(compiled) -> str:
+    """The SASS of a wgmma kernel, checked: no instruction touches a register of a wgmma still
+    in flight (offline.wgmma_register_hazards; ptxas once moved an epilogue's accumulator reads
+    above the last wait, kernels/sm90_mx.py)."""
+    text = offline.sass(compiled)
+    hazards = offline.wgmma_register_hazards(text)
+    assert not hazards, f"registers of an in-flight wgmma touched: {hazards[:4]}"
+    return text
+
+
 POINTERS = {"a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "a_scale_offsets_ptr": "*i32",
             "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32"}
 
@@ -59,8 +69,9 @@ SM90_CASES = [
 ]
 
 
-def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None):
-    """kernels/sm90.py for cfg (bf16/fp32 out; the fused epilogue's output when given)."""
+def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True):
+    """kernels/sm90.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
+    the specialization with expert and row scales (a call without them compiles another)."""
     from moegemm.kernels import sm90
 
     dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
@@ -77,7 +88,8 @@ def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None):
     # (the last rounds' tiles claimed as programs free up: what the launcher picks whenever a
     # program may get two)
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=fmt == "fp8_block",
-                      HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
+                      HAS_EXPERT_SCALES=with_scales, HAS_ROW_SCALES=with_scales and epilogue is None,
+                      CONSUMER_REGS=cfg.consumer_regs,
                       EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=True)
     return offline.gluon_compile_for_sm90(sm90.grouped_matmul_sm90_kernel, signature, constexprs, {"num_warps": 4},
                                           aligned=("out_ptr", "N"))
@@ -87,7 +99,7 @@ def check_sm90_plain_kernel(fmt, cfg, out):
     from moegemm.config import SM90_SMEM_BYTES
 
     compiled = sm90_kernel_compiled(fmt, cfg, out)
-    ops = offline.opcode_counts(offline.sass(compiled))
+    ops = offline.opcode_counts(wgmma_sass(compiled))
     mma = "QGMMA" if fmt == "fp8_block" else "HGMMA"
     assert ops[mma] > 0, f"no {mma} in the SASS: {ops.most_common(12)}"
     assert ops["UTMALDG"] > 0 and (cfg.swap or ops["UTMASTG"] > 0), "TMA loads (and stores) expected"
@@ -124,7 +136,7 @@ def test_sm90_fused_epilogue_compiles_for_sm90(tokens_per_slot, epilogue):
 
     cfg = sm90_config(FORMATS["bf16"], 5760, 2880, tokens_per_slot, 2 if epilogue[1] == 0 else 1, fused=True)
     compiled = sm90_kernel_compiled("bf16", cfg, epilogue=epilogue)
-    ops = offline.opcode_counts(offline.sass(compiled))
+    ops = offline.opcode_counts(wgmma_sass(compiled))
     assert ops["HGMMA"] > 0
     assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(2, 2, fused=True) + 256)
     allowed = 32 if (cfg.block_n == 256 and not cfg.split_n and epilogue[1] != 0) else 0
@@ -159,14 +171,14 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
                    if not any("64x32x32" in t for t in loop)), "a wide loop waits for every wgmma"
 
 
-def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
+def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True):
     from moegemm.config import sm90_mx_config, weight_bytes, with_epilogue_scratch
     from moegemm.kernels import sm90_mx
 
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
     if cfg.fp8_mma:
-        return mxfp8_kernel_compiled(cfg, layout, epilogue, fmt)
+        return mxfp8_kernel_compiled(cfg, layout, epilogue, fmt, with_scales=with_scales)
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(f))
     fp4 = f.b.element.packed
@@ -179,13 +191,14 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None):
         **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
     }
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
-                      SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=epilogue is None,
+                      SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
+                      HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE)
     return offline.gluon_compile_for_sm90(sm90_mx.grouped_matmul_sm90_mx_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
 
-def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False):
+def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False, with_scales=True):
     """kernels/sm90_mxfp8.py (the configs sm90_mx_config picks with fp8_mma): mxfp8, or the
     e2m1 weights of mxfp4/w4a8 (packed bytes in the ring)."""
     from moegemm.config import weight_bytes, with_epilogue_scratch
@@ -229,8 +242,8 @@ def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=Fa
                                                                                        "T_SCALE_STRIDE")},
         "epi": EPILOGUE_SIGNATURE,
     }
-    constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=True,
-                      HAS_ROW_SCALES=epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
+    constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=with_scales,
+                      HAS_ROW_SCALES=with_scales and epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
                       EPI=epilogue or PLAIN_EPILOGUE, ACC_FACTOR=64.0 if fmt == "w4a8" else 1.0,
                       SPLIT_K=cfg.split_k, DYNAMIC=not cfg.split_k, CHUNK_WALK=cfg.chunk_walk,
                       SHORT_TAILS=cfg.short_tails)
@@ -252,7 +265,7 @@ def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
     from moegemm.config import SM90_SMEM_BYTES
 
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, layout)
-    sass = offline.sass(compiled)
+    sass = wgmma_sass(compiled)
     ops = offline.opcode_counts(sass)
     assert ops["HGMMA"] + ops["QGMMA"] > 0 and ops["UTMALDG"] > 0, \
         f"wgmma and TMA loads expected: {ops.most_common(12)}"
@@ -328,7 +341,7 @@ def test_e2m1_promotion_loop_issues_no_global_loads(fmt):
     # four consumer warpgroups' K loops takes one 128-K half of a stage, four wgmmas and 226
     # instructions at 8 tokens.
     for tokens_per_slot, most in ((2, 240), (8, 280)):
-        sass = offline.sass(mx_kernel_compiled(fmt, tokens_per_slot, "swizzled"))
+        sass = wgmma_sass(mx_kernel_compiled(fmt, tokens_per_slot, "swizzled"))
         loops = innermost_mma_loops(sass)
         assert len(loops) == 4, "one K loop a consumer warpgroup"
         for loop in loops:
@@ -389,7 +402,7 @@ def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue)
     from moegemm.config import SM90_SMEM_BYTES
 
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", epilogue)
-    sass = offline.sass(compiled)
+    sass = wgmma_sass(compiled)
     ops = offline.opcode_counts(sass)
     check_wgmma_pipelining(sass, fmt, tokens_per_slot)
     check_spills(sass, fmt, tokens_per_slot, fused=True)
@@ -404,7 +417,7 @@ def test_e2m1_split_k_half_tiles_compile(layout):
 
     cfg = sm90_mx_config(FORMATS["mxfp4"], 2880, 2880, 2)
     assert cfg.split_k
-    sass = offline.sass(mxfp8_kernel_compiled(cfg, layout, None, "mxfp4", half_tiles=True))
+    sass = wgmma_sass(mxfp8_kernel_compiled(cfg, layout, None, "mxfp4", half_tiles=True))
     assert offline.opcode_counts(sass)["UTMALDG"] == (6 if layout == "swizzled" else 5)
     for loop in innermost_mma_loops(sass):
         assert not [t for t in loop if re.search(r"\b(LDL|STL)\b", t)], "register spills in a K loop"
@@ -466,7 +479,7 @@ def test_mxfp8_wide_loops_use_no_scale_load_in_its_own_iteration():
     # loaded register into the loop-carried one in the loop's last 32 instructions, a stage after
     # the load, is allowed: ptxas issues the load before the previous word's decode frees its
     # register.
-    sass = offline.sass(mx_kernel_compiled("mxfp8", 128, "swizzled"))
+    sass = wgmma_sass(mx_kernel_compiled("mxfp8", 128, "swizzled"))
     loops = innermost_mma_loops(sass)
     assert loops
     for loop in loops:
@@ -513,3 +526,39 @@ def test_offline_compile_names_every_argument():
         offline.gluon_compile_for_sm90(kernel, given, {"SHORT_TAILS": False, "nope": 1}, {"num_warps": 4})
     with pytest.raises(ValueError, match="HAS_ROW_SCALES"):
         offline.compile_for_sm90(portable.kernel_module(False).grouped_matmul_kernel, {}, {}, {})
+
+
+# Every kernel family in the specialization of a call without expert and row scales (the other
+# tests compile the one with them; ptxas schedules the two differently): the decoding kernel's
+# 32- and 64-token tiles once read their accumulator before the last wgmma retired in this one
+# only (kernels/sm90_mx.py, _upcast_chain).
+UNSCALED_CASES = [("sm90", "bf16", 16), ("sm90", "fp8_block", 40), ("sm90", "bf16", 8192),
+                  ("mx", "mxfp4", 20), ("mx", "mxfp4", 40), ("mx", "nvfp4", 20), ("mx", "w4a8", 40),
+                  ("mx", "nvfp4", 8192), ("mx", "mxfp8", 8), ("mx", "mxfp8", 20), ("mx", "mxfp8", 130),
+                  ("mx", "mxfp4", 2), ("mx", "w4a8", 8)]
+
+
+@pytest.mark.parametrize("family,fmt,tokens_per_slot", UNSCALED_CASES)
+def test_unscaled_specialization_reads_no_accumulator_in_flight(family, fmt, tokens_per_slot):
+    if family == "sm90":
+        from moegemm.config import sm90_config
+
+        cfg = sm90_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, 2)
+        compiled = sm90_kernel_compiled(fmt, cfg, with_scales=False)
+    else:
+        compiled = mx_kernel_compiled(fmt, tokens_per_slot, "plain", with_scales=False)
+    wgmma_sass(compiled)
+
+
+def test_register_hazard_check_finds_an_early_accumulator_read():
+    # The check itself: a read of the accumulator between the last wgmma and its wait is
+    # found; after the wait it is not; a newer group left in flight keeps its registers busy.
+    body = ("/*0010*/ HGMMA.64x32x16.F32.BF16 R24, gdesc[UR36], R24, gsb0 ;\n"
+            "/*0020*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n"
+            "/*0030*/ HGMMA.64x32x16.F32.BF16 R24, gdesc[UR40], R24, gsb0 ;\n"
+            "/*0040*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n"
+            "/*0050*/ F2FP.BF16.F32.PACK_AB R40, R39, R38 ;\n"
+            "/*0060*/ WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"
+            "/*0070*/ F2FP.BF16.F32.PACK_AB R41, R37, R36 ;\n"
+            "/*0080*/ IMAD R56, R57, R58, RZ ;\n")
+    assert offline.wgmma_register_hazards(body) == [("0050", "F2FP.BF16.F32.PACK_AB R40, R39, R38")]

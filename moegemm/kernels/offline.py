@@ -59,6 +59,54 @@ def opcode_counts(sass_text: str) -> collections.Counter:
     return counts
 
 
+_GMMA = re.compile(r"\b[HQ]GMMA\.64x(\d+)x\d+\.F32\S*\s+R(\d+)\s*,(.*)")
+_WGMMA_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
+
+
+def _registers(instruction: str) -> set[int]:
+    """Registers an instruction reads or writes: 64-bit operands (R4.64 in an address, .64 or
+    WIDE opcodes) span two, .128 opcodes four."""
+    opcode = instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]
+    width = 4 if ".128" in opcode else 2 if ".64" in opcode or "WIDE" in opcode else 1
+    found = set()
+    for operand in re.sub(r"\[[^\]]*\]", "", instruction).split()[1:]:
+        for reg in re.findall(r"\bR(\d+)\b", operand):
+            found |= set(range(int(reg), int(reg) + width))
+    for reg, wide in re.findall(r"\bR(\d+)(\.64)?", "".join(re.findall(r"\[[^\]]*\]", instruction))):
+        found |= set(range(int(reg), int(reg) + (2 if wide else 1)))
+    return found
+
+
+def wgmma_register_hazards(sass_text: str) -> list[tuple[str, str]]:
+    """(address, instruction) of every instruction that reads or writes a register of a wgmma
+    still in flight, in the SASS's linear order: its accumulator (64 x N fp32: N / 2 registers
+    a thread from the destination on) or its register A operand. A group ends at the HGMMA /
+    QGMMA marked gsb0; WARPGROUP.DEPBAR.LE gsb0, n leaves the n newest groups in flight. Linear
+    order follows a loop's body into the code after it, which is where ptxas once scheduled an
+    epilogue's reads of the accumulator above the final wait (kernels/sm90_mx.py, _upcast_chain)."""
+    pending, open_group, found = [], set(), []
+    for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text):
+        mma = _GMMA.search(text)
+        if mma:
+            n, base = int(mma.group(1)), int(mma.group(2))
+            open_group |= set(range(base, base + n // 2))
+            for reg in re.findall(r"\bR(\d+)\b", mma.group(3).split("gdesc")[0]):
+                open_group |= set(range(int(reg), int(reg) + 4))
+            if re.search(r"\bgsb0\b", text):
+                pending.append(open_group)
+                open_group = set()
+            continue
+        wait = _WGMMA_WAIT.search(text)
+        if wait:
+            keep = int(wait.group(1), 16)
+            pending = pending[len(pending) - keep:] if keep else []
+            continue
+        in_flight = open_group.union(*pending)
+        if in_flight and _registers(text) & in_flight:
+            found.append((address, text.strip()))
+    return found
+
+
 def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict, aligned: tuple = ()):
     """Compile a @gluon.jit function for sm_90 (descriptor arguments: see tensordesc_signature).
     `aligned`: names of the pointer and integer arguments to compile as multiples of 16 (what the

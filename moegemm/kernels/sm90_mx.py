@@ -26,9 +26,10 @@ schedule and the masked epilogue are those of kernels/sm90.py.
 Steady state of one consumer (stage s = it % STAGES, steps j < SUB of it):
     wait ready[s]
     per step: load the scales of the next step; w = decode(weights[s] rows, step j) * scales
-              store w to operand buffer (step % 2); acc = wgmma(buffer, tokens[s, j]^T, acc)
-              wait until one wgmma is left in flight (the next decode overlaps it);
-              after step 0: arrive empty[s - 1]
+              store w to operand buffer j; acc = wgmma(buffer, tokens[s, j]^T, acc)
+              wait until one wgmma is left in flight (the stage's next decode overlaps it),
+              or, after the stage's last step, until none is (_upcast_chain says why)
+    arrive empty[s]
 """
 
 from __future__ import annotations
@@ -107,12 +108,18 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ready, empty, zero, scale_rows, row_ok
                   raw_layout: gl.constexpr, dec_layout: gl.constexpr):
     """acc = sum_k decode(W_k) * scales_k @ T_k^T over k_steps stages of SUB 64-wide steps.
 
-    Each step's decoded tile is stored to one of this warpgroup's two bf16 operand buffers and
-    the wgmma reads it from there, so the next step is decoded while this one's wgmma runs. (A
-    register operand cannot stay in flight: ptxas reuses its registers once the wgmma is
-    issued, though the wgmma reads them until its wait; that gave wrong results on 128-token
-    tiles, H100.) A ring stage is released when the wgmma of its last step retired, i.e.
-    after the first step of the next stage, or at the end of the tile."""
+    Each step's decoded tile is stored to one of this warpgroup's two bf16 operand buffers (step
+    j of a stage: buffer j) and the wgmma reads it from there, so a stage's next step is decoded
+    while the previous step's wgmma runs. (A register operand cannot stay in flight: ptxas
+    reuses its registers once the wgmma is issued, though the wgmma reads them until its wait.)
+
+    The last step of every stage waits for all its wgmmas, then releases the stage: no wgmma
+    is in flight across the loop's back edge. With one carried across it (a wait for all but
+    one), ptxas moved the epilogue's reads of the accumulator above the wait after the loop
+    (sm_90 SASS of the specialization without expert and row scales: F2FP of the accumulator
+    registers before WARPGROUP.DEPBAR.LE gsb0, 0x0), so the tile's output missed 1 to 3 of
+    the last step's four k16 wgmmas, differently each run (DeepSeek-V3 shapes at ~12 tokens an
+    expert: 6-12% off; offline.wgmma_register_hazards finds such reads in SASS)."""
     scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
     acc = zero
     scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE)
@@ -120,22 +127,19 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ready, empty, zero, scale_rows, row_ok
         stage = it % STAGES
         mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
         for j in gl.static_range(SUB):
-            step = kk * SUB + j
-            next_scales = _load_scales(scale_rows, row_ok, step + 1, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE)
+            next_scales = _load_scales(scale_rows, row_ok, kk * SUB + j + 1, NUM_KB, scale_layout, NKB, SWIZZLED,
+                                       NV_SCALE)
             raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
             w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)
-            # The buffer was last read by the wgmma two steps back, retired by the previous wait.
-            operand = a_bufs.index(WG * 2 + step % 2)
+            # The buffer was last read by the previous stage's wgmma of this step, retired there.
+            operand = a_bufs.index(WG * 2 + j % 2)
             operand.store(w)
             fence_async_shared()
             acc = warpgroup_mma(operand, t_bufs.index(stage * SUB + j).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            if j == 0:  # the previous stage's last wgmma retired
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk >= 1)
+            acc = warpgroup_mma_wait(0 if j == SUB - 1 else 1, deps=(acc, ))
             scales = next_scales
+        mbarrier.arrive(empty.index(stage), count=1)
         it += 1
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
     return acc, it
 
 
