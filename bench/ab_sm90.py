@@ -271,7 +271,8 @@ def _calls(inp, fmt, scale_offsets, step, bias):
                                            scale_layout=inp.scale_layout)}
     def swiglu(fused):
         return lambda: grouped_matmul_swiglu(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
-                                             fmt=fmt, out_fmt=fmt, activation="swiglu_oai", bias=bias,
+                                             fmt=fmt, gate_up_layout="interleaved", out_fmt=fmt,
+                                             activation="swiglu_oai", bias=bias,
                                              a_scale_offsets=scale_offsets, scale_layout=inp.scale_layout,
                                              fused=fused).data
     if step == "swiglu-fused":

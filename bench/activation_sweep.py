@@ -37,7 +37,7 @@ cases = {
     "dsv3-gather-mxfp8-e4m3form": (lambda: act.gather_kernel_tokens(x, "mxfp8", plan.token_index, TokenForm("e4m3"),
                                    plan.a_offsets), x.numel() * 2 + ids.numel() * 7168),
     "dsv3-gather-fp8block": (lambda: act.gather_quantize(x, "fp8_block", plan.token_index), x.numel() * 2 + ids.numel() * 7168),
-    "dsv3-swiglu-mxfp8": (lambda: act.swiglu_quantize(h, "mxfp8", a_offsets=plan.a_offsets, expert_ids=plan.expert_ids,
+    "dsv3-swiglu-mxfp8": (lambda: act.swiglu_quantize(h, "mxfp8", gate_up_layout="interleaved", a_offsets=plan.a_offsets, expert_ids=plan.expert_ids,
                           a_scale_offsets=plan.a_scale_offsets, scale_layout="swizzled", num_scale_blocks=bound),
                           h.numel() * 2 + h.numel() // 2),
     "dsv3-swiglu-fp8block-concat": (lambda: act.swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),

@@ -96,7 +96,8 @@ def measure_row(m_index: int, model: str, fmt: str, tokens: int, timer: L.Timer)
                                a_scale_offsets=step.a_scale_offsets, scale_layout=step.layout, out=h, backend="auto")
 
     def swiglu_pass():
-        return moegemm.swiglu_quantize(h, fmt, activation=cfg["activation"], bias=step.bias,
+        return moegemm.swiglu_quantize(h, fmt, gate_up_layout="interleaved", activation=cfg["activation"],
+                                       bias=step.bias,
                                        a_offsets=plan.a_offsets, expert_ids=plan.expert_ids,
                                        a_scale_offsets=step.a_scale_offsets, scale_layout=step.layout,
                                        num_scale_blocks=plan.scale_blocks_bound, alpha=L.ALPHA, limit=L.LIMIT)

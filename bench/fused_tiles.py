@@ -21,7 +21,8 @@ bias = torch.randn(len(sizes), n, device=dev)
 
 def call(fused):
     return lambda: grouped_matmul_swiglu(inp.a, inp.b, inp.a_scales, inp.b_scales, inp.a_offsets, inp.expert_ids,
-                                         fmt="bf16", out_fmt="bf16", activation="swiglu_oai", bias=bias,
+                                         fmt="bf16", gate_up_layout="interleaved", out_fmt="bf16",
+                                         activation="swiglu_oai", bias=bias,
                                          scale_layout=inp.scale_layout, fused=fused).data
 
 

@@ -97,6 +97,11 @@ TOL = {"bf16": 2e-2, "fp8_block": 0.1, "mxfp8": 0.1, "mxfp4": 0.3}
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU
 
 
+
+def gate_up_layout(fmt: str) -> str:
+    """The gate/up row order of the layer's weights (moegemm.MoE's): [gate; up] for fp8_block."""
+    return "concat" if fmt == "fp8_block" else "interleaved"
+
 def log(msg: str, start: float):
     print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
 
@@ -517,7 +522,8 @@ def layer_call(cfg: dict, x, ids, topk_weights, weights, fmt: str, fused: bool):
     """Our layer on the row's inputs: moe_forward with fmt's weights (and the model's biases)."""
     w_gu, w_dn = weights.ours(fmt)
     gu_bias, dn_bias = weights.biases()
-    return lambda: moegemm.moe_forward(x, ids, topk_weights, w_gu, w_dn, activation=cfg["activation"],
+    return lambda: moegemm.moe_forward(x, ids, topk_weights, w_gu, w_dn, gate_up_layout=gate_up_layout(fmt),
+                                       activation=cfg["activation"],
                                        gate_up_bias=gu_bias, down_bias=dn_bias, alpha=ALPHA, limit=LIMIT,
                                        fused=fused, backend="auto")
 
@@ -550,7 +556,8 @@ class GateUpStep:
         """grouped_matmul_swiglu with the fused epilogue or the unfused chain."""
         return lambda: moegemm.grouped_matmul_swiglu(
             self.a.data, self.w_gu.data, self.a.scales, self.w_gu.scales, self.plan.a_offsets, self.plan.expert_ids,
-            fmt=self.fmt, out_fmt=self.fmt, activation=self.cfg["activation"], a_scale_offsets=self.a_scale_offsets,
+            fmt=self.fmt, gate_up_layout=gate_up_layout(self.fmt), out_fmt=self.fmt,
+            activation=self.cfg["activation"], a_scale_offsets=self.a_scale_offsets,
             bias=self.bias, scale_layout=self.layout, out_scale_layout=self.layout,
             num_scale_blocks=self.plan.scale_blocks_bound, alpha=ALPHA, limit=LIMIT, fused=fused, backend="auto")
 

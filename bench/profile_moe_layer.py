@@ -20,7 +20,7 @@ from moegemm import activation as act  # noqa: E402
 from moegemm.config import MX_FORMATS  # noqa: E402
 from moegemm.kernels import portable  # noqa: E402
 from moegemm.validation import validate_grouped_matmul  # noqa: E402
-from moe_layer import MODELS, Fp8Weights, Mxfp4Weights, routing_inputs  # noqa: E402
+from moe_layer import MODELS, Fp8Weights, Mxfp4Weights, gate_up_layout, routing_inputs  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -64,7 +64,8 @@ def profile(model: str, fmt: str, weights, tokens: int) -> dict:
     else:
         def gate_up():
             return moegemm.grouped_matmul_swiglu(
-                a.data, w_gu.data, a.scales, w_gu.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
+                a.data, w_gu.data, a.scales, w_gu.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
+                gate_up_layout="interleaved", out_fmt=fmt,
                 activation=act_kind, a_scale_offsets=aso, bias=gu_bias, scale_layout=layout, out_scale_layout=layout,
                 num_scale_blocks=bound)
         steps["gate_up matmul + fused swiglu"] = bench(gate_up)
@@ -77,7 +78,8 @@ def profile(model: str, fmt: str, weights, tokens: int) -> dict:
     steps["unpermute (combine)"] = bench(lambda: moegemm.unpermute_tokens(c, plan, tw, out_dtype=x.dtype,
                                                                           expert_bias=dn_bias))
     steps["whole moe_forward (eager)"] = bench(lambda: moegemm.moe_forward(
-        x, ids, tw, w_gu, w_dn, activation=act_kind, gate_up_bias=gu_bias, down_bias=dn_bias))
+        x, ids, tw, w_gu, w_dn, gate_up_layout=gate_up_layout(fmt), activation=act_kind, gate_up_bias=gu_bias,
+        down_bias=dn_bias))
     return steps
 
 

@@ -31,7 +31,7 @@ for fmt, out_fmt, counts, ids in CASES:
     b = moegemm.quantize_weights(torch.randn(4, n, k, device=device) * 0.1, fmt, scale_layout=layout)
     scales = torch.ones(4, device=device) if b.global_scale is None else (b.global_scale * a.global_scale).float()
     expert_ids = torch.tensor(ids, dtype=torch.int32, device=device)
-    kw = dict(fmt=fmt, out_fmt=out_fmt, activation="swiglu_oai", expert_scales=scales,
+    kw = dict(fmt=fmt, out_fmt=out_fmt, gate_up_layout="interleaved", activation="swiglu_oai", expert_scales=scales,
               bias=torch.randn(4, n, device=device) * 0.1, scale_layout=layout,
               out_global_scale=torch.tensor(0.01, device=device) if out_fmt == "nvfp4" else None)
     fused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=True,
@@ -55,7 +55,8 @@ layer = moegemm.MoE(h, i, e, top_k, fmt="mxfp8", device=device).load_experts(
 x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
 topk_ids = torch.randint(-1, e + 2, (t, top_k), dtype=torch.int32, device=device)  # some dropped
 w_gate_up, w_down = layer.weights()
-y = moegemm.moe_forward(x, topk_ids, torch.rand(t, top_k, device=device), w_gate_up, w_down)
+y = moegemm.moe_forward(x, topk_ids, torch.rand(t, top_k, device=device), w_gate_up, w_down,
+                        gate_up_layout=layer.gate_up_layout)
 q = act.gather_quantize(x, "nvfp4", torch.randint(0, t, (50,), device=device))
 torch.cuda.synchronize()
 assert torch.isfinite(y).all()
@@ -67,7 +68,8 @@ layer = moegemm.MoE(h, i, e, top_k, fmt="fp8_block", device=device).load_experts
     gate=torch.randn(e, i, h, device=device) * 0.1, up=torch.randn(e, i, h, device=device) * 0.1,
     down=torch.randn(e, h, i, device=device) * 0.1)
 w_gate_up, w_down = layer.weights()
-y = moegemm.moe_forward(x, topk_ids, torch.rand(t, top_k, device=device), w_gate_up, w_down)
+y = moegemm.moe_forward(x, topk_ids, torch.rand(t, top_k, device=device), w_gate_up, w_down,
+                        gate_up_layout=layer.gate_up_layout)
 plan = moegemm.route(topk_ids, e)
 for fmt, layout in (("fp8_block", "plain"), ("bf16", "plain"), ("mxfp8", "swizzled"), ("mxfp4", "swizzled"),
                     ("nvfp4", "swizzled"), ("w4a8", "plain")):

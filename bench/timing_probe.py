@@ -25,7 +25,8 @@ x, ids, tw = ml.routing_inputs(cfg, 4096, 4096 * 7919, dev)
 fmt = sys.argv[2]
 w_gu, w_dn = w.ours(fmt)
 gu_b, dn_b = w.biases()
-ours = lambda: moegemm.moe_forward(x, ids, tw, w_gu, w_dn, activation="swiglu", fused=True, backend="auto")
+ours = lambda: moegemm.moe_forward(x, ids, tw, w_gu, w_dn, gate_up_layout=ml.gate_up_layout(fmt), activation="swiglu",
+                                   fused=True, backend="auto")
 base = ml.baseline_for(w, fmt, cfg, "fp8_rowwise")
 basef = lambda: base(x, ids, tw)
 def graph(fn):

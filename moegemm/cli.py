@@ -110,7 +110,8 @@ def _demo_layer(device: torch.device, backend: str):
     for name in FORMATS:
         layer = MoE(h, i, e, k, fmt=name, backend=backend, device=device).load_experts(gate=gate, up=up, down=down)
         w_gate_up, w_down = layer.weights()
-        run = lambda: moe_forward(x, ids, weights, w_gate_up, w_down, backend=backend)  # noqa: E731
+        run = lambda: moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
+                                  backend=backend)  # noqa: E731
         got = run().float()
         err = float((got - ref).norm() / ref.norm())
         ms = _time_call(run, device)

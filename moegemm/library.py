@@ -85,7 +85,7 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
                              expert_scales: torch.Tensor | None, bias: torch.Tensor | None, scale_layout: str,
                              out_scale_layout: str, num_scale_blocks: int | None,
                              out_global_scale: torch.Tensor | None, alpha: float, limit: float, fused: bool,
-                             backend: str, gate_up_layout: str = "interleaved"
+                             backend: str, gate_up_layout: str
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .ops import grouped_matmul_swiglu
 
@@ -100,7 +100,7 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
 @grouped_matmul_swiglu_op.register_fake
 def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales, bias,
       scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend,
-      gate_up_layout="interleaved"):
+      gate_up_layout):
     return _fake_a_operand(out_fmt, a.shape[0], b.shape[1] // 2, out_scale_layout == "swizzled", num_scale_blocks,
                            expert_ids.shape[0], a)
 

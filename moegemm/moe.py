@@ -1,6 +1,6 @@
 """The MoE layer: router -> routing -> gate/up product + SwiGLU -> down product -> combine.
 
-    y = moegemm.moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu")
+    y = moegemm.moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_layout="interleaved")
     layer = moegemm.MoE(hidden, width, experts, top_k, fmt="mxfp8"); layer.load_experts(...)
 
 Data flow of moe_forward (T tokens, k choices, H hidden, I expert width, E experts):
@@ -38,7 +38,7 @@ from .formats import get_format
 from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
 from .routing import route, row_experts, unpermute_tokens
 from .token_forms import KernelTokens, token_form
-from .validation import GroupedProblem
+from .validation import GroupedProblem, check_no_grad
 
 __all__ = ["MoE", "moe_forward", "ROUTERS"]
 
@@ -95,8 +95,8 @@ def moe_forward(
     w_gate_up: QuantizedTensor,
     w_down: QuantizedTensor,
     *,
+    gate_up_layout: str,
     activation: str = "swiglu",
-    gate_up_layout: str | None = None,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     gate_up_scales: torch.Tensor | None = None,
@@ -110,8 +110,10 @@ def moe_forward(
 ) -> torch.Tensor:
     """The routed experts of an MoE layer for tokens x [T, H] and router choices topk_ids [T, k].
 
-    w_gate_up: [E, 2I, H] weights of the format (gate/up rows interleaved, or concatenated for
-    fp8_block: `gate_up_layout` says which, default by format); w_down: [E, H, I]. Biases
+    w_gate_up: [E, 2I, H] weights of the format, w_down: [E, H, I]. gate_up_layout states the
+    order of w_gate_up's rows, never guessed: "interleaved" (2j = gate_j, 2j+1 = up_j, what
+    moegemm.interleave_gate_up makes; the fused epilogue's order) or "concat" ([gate; up], as
+    transformers' Qwen3 and DeepSeek checkpoints store them; MoE.gate_up_layout of a layer). Biases
     (gpt-oss): gate_up_bias [E, 2I] in w_gate_up's row order, down_bias [E, H]. Extra per-expert
     fp32 scales multiply each product. nvfp4: the token global scale defaults to amax(x)/2688,
     the intermediate's to a dynamic one (unfused) — pass `intermediate_global_scale` to fuse.
@@ -124,7 +126,7 @@ def moe_forward(
         return torch.ops.moegemm.moe_forward(
             x, topk_ids, topk_weights, w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data,
             w_down.scales, w_down.global_scale, w_gate_up.fmt, w_gate_up.scale_layout, activation,
-            gate_up_layout or _gate_up_layout(w_gate_up.fmt), gate_up_bias, down_bias, gate_up_scales, down_scales,
+            gate_up_layout, gate_up_bias, down_bias, gate_up_scales, down_scales,
             input_global_scale, intermediate_global_scale, float(alpha), float(limit), fused, backend)
     return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
                         gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
@@ -140,8 +142,10 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     from .ops import grouped_matmul, grouped_matmul_from_tokens, grouped_matmul_swiglu, swiglu_step_from_tokens
 
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    check_no_grad("moe_forward", x=x, topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                  gate_up_scales=gate_up_scales, down_scales=down_scales, w_gate_up=w_gate_up.data,
+                  w_down=w_down.data)
     fmt = w_gate_up.fmt
-    gate_up_layout = gate_up_layout or _gate_up_layout(fmt)
     act._check_activation(activation, gate_up_layout)
     if w_gate_up.scales is not None and (w_gate_up.scale_layout != w_down.scale_layout):
         raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
@@ -470,9 +474,14 @@ class MoE(torch.nn.Module):
                               topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [..., H] of any float dtype -> [..., H] of the same dtype (computed in the
+        layer's dtype, the router's)."""
+        if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states: expected a floating-point tensor, got "
+                            f"{getattr(hidden_states, 'dtype', type(hidden_states).__name__)}")
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}")
-        x = hidden_states.reshape(-1, self.hidden_size)
+        x = hidden_states.reshape(-1, self.hidden_size).to(self.router_weight.dtype)
         topk_ids, topk_weights = self.route_tokens(x)
         w_gate_up, w_down = self.weights()
         y = moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=self.activation,
@@ -482,4 +491,4 @@ class MoE(torch.nn.Module):
         if self.shared is not None:
             s = self.shared
             y = y + s["down"](F.silu(s["gate"](x)) * s["up"](x))
-        return y.reshape(hidden_states.shape)
+        return y.reshape(hidden_states.shape).to(hidden_states.dtype)

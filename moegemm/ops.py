@@ -17,7 +17,8 @@ import torch
 from . import reference
 from .formats import get_format
 from .kernels import portable, sm90, sm90_mx
-from .validation import GroupedProblem, validate_grouped_matmul, validate_weights
+from .quantize import QuantizedTensor
+from .validation import GroupedProblem, check_no_grad, operands_of, validate_grouped_matmul, validate_weights
 
 __all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usable", "resolve_backend"]
 
@@ -69,8 +70,8 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
 
 
 def grouped_matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | QuantizedTensor,
+    b: torch.Tensor | QuantizedTensor,
     a_scales: torch.Tensor | None,
     b_scales: torch.Tensor | None,
     a_offsets: torch.Tensor,
@@ -80,7 +81,7 @@ def grouped_matmul(
     a_scale_offsets: torch.Tensor | None = None,
     expert_scales: torch.Tensor | None = None,
     row_scales: torch.Tensor | None = None,
-    scale_layout: str = "plain",
+    scale_layout: str | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
@@ -93,20 +94,34 @@ def grouped_matmul(
         C[m, n] = bf16_rne( sum_kb (sum_{k in kb} dec(A[m,k]) dec(B[e,n,k])) * sfa(m,kb) * sfb(e,n,kb)
                             * expert_scales[e] * row_scales[m] )      for m in [s, t), n in [0, N)
 
-    a [M, K] (packed fp4: [M, K/2] uint8), b [E, N, K] (packed: [E, N, K/2]), a_offsets int32
-    [G+1], expert_ids int32 [G]. Scales in `scale_layout` ("plain" or "swizzled"; see
-    moegemm.layouts). Rows of `out` outside valid groups are left untouched; a fresh output
-    starts as zeros. Returns `out` ([M, N], out_dtype).
+    a, b: the QuantizedTensors of moegemm.quantize / quantize_weights (then a_scales and
+    b_scales are None: theirs are used; nvfp4's global scales are folded into expert_scales; the
+    a_offsets that a's swizzled scales were placed by must be the call's, checked where values
+    are checked: always on the CPU, on the GPU under MOEGEMM_DEBUG=1), or raw tensors: a [M, K]
+    (packed fp4: [M, K/2] uint8), b [E, N, K] (packed: [E, N, K/2]) with their scales, and then
+    the caller answers for what cannot be checked: nvfp4's global scales go in expert_scales,
+    and swizzled a_scales must have been made for this call's a_offsets. a_offsets int32
+    [G+1], expert_ids int32 [G]. Scales in `scale_layout` ("plain" or "swizzled", see
+    moegemm.layouts; None: the QuantizedTensor operands', else "plain"). Rows of `out` outside
+    valid groups are left untouched; a fresh output starts as zeros. Returns `out` ([M, N],
+    out_dtype). Inference only: backends other than "reference" refuse inputs that require
+    grad outside torch.no_grad().
     """
+    ops = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
+    a, b, a_scales, b_scales, scale_layout, expert_scales = (ops.a, ops.b, ops.a_scales, ops.b_scales,
+                                                            ops.scale_layout, ops.expert_scales)
     if torch.compiler.is_compiling() and out is None:  # traced as one opaque op (moegemm/library.py)
         return torch.ops.moegemm.grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, a_scale_offsets,
                                                 expert_scales, row_scales, scale_layout, out_dtype, backend)
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
         expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout, out=out,
-        out_dtype=out_dtype,
+        out_dtype=out_dtype, quantized_a_offsets=ops.quantized_a_offsets,
     )
     chosen = resolve_backend(backend, problem, a.device)
+    if chosen != "reference":  # (the reference is torch: autograd runs through it)
+        check_no_grad(f"backend {chosen!r} (use backend='reference' for gradients)", a=a, b=b, a_scales=a_scales,
+                      b_scales=b_scales, expert_scales=expert_scales, row_scales=row_scales)
     if out is None:
         out = torch.zeros(problem.m, problem.n, dtype=out_dtype, device=a.device)
     return _run(problem, chosen, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
@@ -132,20 +147,21 @@ def _run(problem: GroupedProblem, chosen: str, a, b, a_scales, b_scales, a_offse
 
 
 def grouped_matmul_swiglu(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | QuantizedTensor,
+    b: torch.Tensor | QuantizedTensor,
     a_scales: torch.Tensor | None,
     b_scales: torch.Tensor | None,
     a_offsets: torch.Tensor,
     expert_ids: torch.Tensor,
     *,
     fmt: str,
+    gate_up_layout: str,
     out_fmt: str = "bf16",
     activation: str = "swiglu",
     a_scale_offsets: torch.Tensor | None = None,
     expert_scales: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    scale_layout: str = "plain",
+    scale_layout: str | None = None,
     out_scale_layout: str | None = None,
     num_scale_blocks: int | None = None,
     out_global_scale: torch.Tensor | None = None,
@@ -153,12 +169,12 @@ def grouped_matmul_swiglu(
     limit: float = 7.0,
     fused: bool = True,
     backend: str = "auto",
-    gate_up_layout: str = "interleaved",
 ):
     """The gate/up product followed by SwiGLU and the quantization of its output:
 
-        h = grouped_matmul(a, b, ...)          [M, 2I]: columns 2j, 2j+1 = gate_j, up_j
-                                               (weights permuted by interleave_gate_up)
+        h = grouped_matmul(a, b, ...)          [M, 2I]: gate_up_layout="interleaved": columns
+                                               2j, 2j+1 = gate_j, up_j (interleave_gate_up);
+                                               "concat": [gate; up] (stated, never guessed)
         h = h * expert_scales[e] + bias[e]     the expert scale before the activation
         y = swiglu(h) or swiglu_oai(h)         [M, I]
         return quantize(y, out_fmt)            a QuantizedTensor, the down product's A operand
@@ -173,11 +189,16 @@ def grouped_matmul_swiglu(
     matmul's epilogue (the [M, 2I] product never reaches memory). Elsewhere, for fp8_block
     outputs, and for gate_up_layout="concat" (columns [gate; up], DeepSeek's FP8 order), it
     runs the unfused chain: the product to bf16, then activation.swiglu_quantize. Rows
-    outside valid groups hold unspecified data (and no scales in the swizzled layout).
+    outside valid groups hold unspecified data (and no scales in the swizzled layout). a, b,
+    a_scales, b_scales, expert_scales and scale_layout as in grouped_matmul (QuantizedTensor
+    operands or raw tensors).
     """
     from . import activation as act
 
     act._check_activation(activation, gate_up_layout)
+    ops = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
+    a, b, a_scales, b_scales, scale_layout, expert_scales = (ops.a, ops.b, ops.a_scales, ops.b_scales,
+                                                            ops.scale_layout, ops.expert_scales)
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
         out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
@@ -192,9 +213,11 @@ def grouped_matmul_swiglu(
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
         expert_scales=expert_scales, row_scales=None, scale_layout=scale_layout, out=None,
-        out_dtype=torch.bfloat16,
+        out_dtype=torch.bfloat16, quantized_a_offsets=ops.quantized_a_offsets,
     )
     chosen = resolve_backend(backend, problem, a.device)
+    check_no_grad("grouped_matmul_swiglu", a=a, b=b, a_scales=a_scales, b_scales=b_scales, expert_scales=expert_scales,
+                  bias=bias)
     if chosen == "sm90" and fused and gate_up_layout == "interleaved":
         from .kernels import sm90_epilogue
 
@@ -251,6 +274,7 @@ def swiglu_step_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem:
         return act.swiglu_kernel_tokens(h, out_fmt, out_form, activation=activation, gate_up_layout="interleaved",
                                         bias=bias, a_offsets=a_offsets, expert_ids=expert_ids, alpha=alpha,
                                         limit=limit)
-    return act.swiglu_quantize(h, out_fmt, activation=activation, bias=bias, a_offsets=a_offsets,
+    return act.swiglu_quantize(h, out_fmt, gate_up_layout="interleaved", activation=activation, bias=bias,
+                               a_offsets=a_offsets,
                                expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=out_scale_layout,
                                num_scale_blocks=num_scale_blocks, alpha=alpha, limit=limit)

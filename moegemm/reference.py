@@ -1,9 +1,9 @@
 """The fp32 (or fp64) oracle of the grouped matmul: SPEC section 1, written plainly.
 
 Tests and benchmarks compare every backend against this one function. It decodes both
-operands with the bit-exact codecs (dequantize_operand), then runs one matmul per valid
-group. It reads offsets on the host and loops over groups in Python: it is an oracle, not a
-fast path.
+operands with the bit-exact codecs (dequantize_operand; the weights one expert at a time, so
+an fp64 oracle of a large layer fits in memory), then runs one matmul per valid group. It
+reads offsets on the host and loops over groups in Python: it is an oracle, not a fast path.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ import torch
 
 from .quantize import dequantize_operand
 
-__all__ = ["grouped_matmul"]
+__all__ = ["grouped_matmul", "expert_weights"]
+
+
+def expert_weights(b: torch.Tensor, b_scales: torch.Tensor | None, fmt: str, e: int, *, scale_layout: str = "plain",
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expert e's decoded weights [N, K] (block scales applied; a global scale is the caller's)."""
+    return dequantize_operand(b[e:e + 1], None if b_scales is None else b_scales[e:e + 1], fmt, "b",
+                              scale_layout=scale_layout, dtype=dtype)[0]
 
 
 def grouped_matmul(
@@ -45,16 +52,17 @@ def grouped_matmul(
         a, a_scales, fmt, "a", scale_layout=scale_layout, a_offsets=a_offsets,
         a_scale_offsets=a_scale_offsets, dtype=compute_dtype,
     )
-    b_values = dequantize_operand(b, b_scales, fmt, "b", scale_layout=scale_layout, dtype=compute_dtype)
-    n = b_values.shape[1]
+    n = b.shape[1]
     if out is None:
         out = torch.zeros(m, n, dtype=out_dtype, device=a.device)
-    offsets = a_offsets.tolist()
-    for g, e in enumerate(expert_ids.tolist()):
+    offsets, ids = a_offsets.tolist(), expert_ids.tolist()
+    slots = [(e, g) for g, e in enumerate(ids) if e >= 0 and offsets[g + 1] > offsets[g]]
+    decoded_expert, w = None, None
+    for e, g in sorted(slots):  # (one expert decoded at a time)
         s, t = offsets[g], offsets[g + 1]
-        if e < 0 or t <= s:
-            continue
-        acc = a_values[s:t] @ b_values[e].T
+        if e != decoded_expert:
+            decoded_expert, w = e, expert_weights(b, b_scales, fmt, e, scale_layout=scale_layout, dtype=compute_dtype)
+        acc = a_values[s:t] @ w.T
         if expert_scales is not None:
             acc = acc * expert_scales[e].to(compute_dtype)
         if row_scales is not None:

@@ -18,8 +18,9 @@ import torch
 
 from . import layouts
 from .formats import Format, get_format
+from .quantize import QuantizedTensor
 
-__all__ = ["GroupedProblem", "validate_grouped_matmul", "debug_mode"]
+__all__ = ["GroupedProblem", "Operands", "operands_of", "validate_grouped_matmul", "check_no_grad", "debug_mode"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -45,6 +46,72 @@ class GroupedProblem:
     @property
     def num_k_scales(self) -> int:
         return math.ceil(self.k / self.fmt.scale_vec) if self.fmt.scaled else 0
+
+
+@dataclass(frozen=True)
+class Operands:
+    """A call's operands as tensors: what operands_of made of QuantizedTensor arguments."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_scales: torch.Tensor | None
+    b_scales: torch.Tensor | None
+    scale_layout: str
+    expert_scales: torch.Tensor | None
+    quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales were placed by
+
+
+def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -> Operands:
+    """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
+    scales are used, so a_scales / b_scales must then be None; their format and scale layout must
+    be the call's (scale_layout None: theirs, else "plain"); nvfp4's global scales are folded into
+    expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged."""
+    layouts_seen = {}
+    global_scale = None
+    quantized_a_offsets = None
+    for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
+                                                   ("b", b, "b_scales", b_scales, "b")):
+        if not isinstance(q, QuantizedTensor):
+            continue
+        if q.operand != operand:
+            made_by = "moegemm.quantize" if operand == "a" else "moegemm.quantize_weights"
+            raise ValueError(f"{name}: expected the QuantizedTensor of {made_by}, got one of operand {q.operand!r}")
+        if scales is not None:
+            raise ValueError(f"{scales_name}: expected None when {name} is a QuantizedTensor (its own scales are "
+                             f"used), got a {type(scales).__name__}")
+        if q.fmt != get_format(fmt).name:
+            raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
+        layouts_seen[name] = q.scale_layout if q.scales is not None else None
+        if q.global_scale is not None:
+            global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
+        if operand == "a" and q.scale_layout == "swizzled":
+            quantized_a_offsets = q.a_offsets
+    for name, layout in layouts_seen.items():
+        if layout is not None and scale_layout is not None and layout != scale_layout:
+            raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
+        scale_layout = scale_layout or layout
+    scale_layout = scale_layout or "plain"
+    if isinstance(a, QuantizedTensor):
+        a, a_scales = a.data, a.scales
+    if isinstance(b, QuantizedTensor):
+        b, b_scales = b.data, b.scales
+    if global_scale is not None:
+        _tensor(b, "b")
+        ones = torch.ones(b.shape[0], dtype=torch.float32, device=b.device)
+        expert_scales = (ones if expert_scales is None else expert_scales) * global_scale
+    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets)
+
+
+def check_no_grad(without_backward: str, **tensors):
+    """ValueError for inputs that require grad where the computation (`without_backward`, e.g.
+    "backend 'sm90'") has no backward: its output would silently drop the gradient. Calls
+    under torch.no_grad() / inference_mode() pass."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, but {without_backward} has no backward (the output would drop "
+                             f"the gradient); call it under torch.no_grad() or torch.inference_mode()")
 
 
 def _tensor(x, name: str) -> torch.Tensor:
@@ -87,9 +154,11 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 
 def validate_grouped_matmul(
     a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
-    row_scales, scale_layout, out, out_dtype,
+    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None,
 ) -> GroupedProblem:
-    """Raise TypeError/ValueError naming the first bad argument; return the problem sizes."""
+    """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
+    quantized_a_offsets: the a_offsets swizzled A scales were quantized for (a QuantizedTensor
+    operand's), which must be the call's."""
     f = get_format(fmt)
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -136,8 +205,18 @@ def validate_grouped_matmul(
     if out is not None:
         _check(out, "out", (out_dtype,), device, (m, n), "[M, N]")
 
+    if quantized_a_offsets is not None:
+        _check(quantized_a_offsets, "a_offsets", (torch.int32,), device, (g + 1,),
+               "the group offsets a's swizzled scales were quantized for have another length")
     if device.type == "cpu" or debug_mode():
         _validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets)
+        if quantized_a_offsets is not None:
+            placed, given = quantized_a_offsets.cpu(), a_offsets.cpu()
+            if not torch.equal(placed, given):
+                g = int(torch.nonzero(placed != given)[0])
+                raise ValueError(f"a_offsets: a's swizzled scales were placed for other group offsets "
+                                 f"(moegemm.quantize(..., a_offsets=...) had a_offsets[{g}]={int(placed[g])}, the "
+                                 f"call gives {int(given[g])})")
     return problem
 
 

@@ -18,6 +18,7 @@ class TokenPattern:
     start: int = 0  # a_offsets[0]
     tail: int = 0  # rows after a_offsets[G] that belong to no group
     why: str = ""
+    experts: int | None = None  # E (default: one more than the groups and the ids need)
 
     @property
     def expert_ids(self) -> tuple[int, ...]:
@@ -25,7 +26,9 @@ class TokenPattern:
 
     @property
     def num_experts(self) -> int:
-        """E >= number of groups, plus one expert no slot names."""
+        """E >= number of groups, plus one expert no slot names (or `experts`)."""
+        if self.experts is not None:
+            return self.experts
         ids = self.expert_ids
         return max([len(ids)] + [i + 1 for i in ids]) + 1
 
@@ -173,28 +176,27 @@ def make_problem(fmt: str, layout: str, pattern: TokenPattern, n: int, k: int, d
 
 
 def reference_and_bound(p: Problem):
-    """fp64 oracle, and sum |a*b| * |scales| per element (the scale of the accumulation error)."""
-    ref64 = moegemm.reference.grouped_matmul(
-        *p.args(), **p.kwargs(), out_dtype=torch.float32, compute_dtype=torch.float64
-    ).double()
-    a_abs = moegemm.dequantize(p.a, torch.float64).abs()
-    w_abs = moegemm.dequantize(p.w, torch.float64).abs()
-    if p.a.global_scale is not None:  # dequantize() included the globals; the call has them in expert_scales
-        a_abs = a_abs / p.a.global_scale.double()
-        w_abs = w_abs / p.w.global_scale.double().reshape(-1, 1, 1)
-    bound = torch.zeros(p.m, p.n, dtype=torch.float64, device=ref64.device)
-    offsets = p.a_offsets.tolist()
-    for g, e in enumerate(p.expert_ids.tolist()):
-        s, t = offsets[g], offsets[g + 1]
-        if e < 0 or t <= s:
-            continue
-        acc = a_abs[s:t] @ w_abs[e].T
-        if p.expert_scales is not None:
-            acc = acc * p.expert_scales[e].double()
-        if p.row_scales is not None:
-            acc = acc * p.row_scales[s:t, None].double().abs()
-        bound[s:t] = acc
-    return ref64, bound
+    """fp64 oracle (moegemm.reference in fp64: exact products and sums of the decoded operands),
+    and sum |a*b| * |scales| per element (the scale of the accumulation error). Rows outside
+    valid groups are zero in both."""
+    ref = torch.zeros(p.m, p.n, dtype=torch.float64, device=p.a.data.device)
+    moegemm.reference.grouped_matmul(*p.args(), **p.kwargs(), out=ref, compute_dtype=torch.float64)
+    a_abs = moegemm.dequantize_operand(p.a.data, p.a.scales, p.a.fmt, "a", scale_layout=p.a.scale_layout,
+                                       a_offsets=p.a.a_offsets, dtype=torch.float64).abs()
+    bound = torch.zeros_like(ref)
+    offsets, ids = p.a_offsets.tolist(), p.expert_ids.tolist()
+    for e in sorted({e for e in ids if e >= 0}):
+        w_abs = moegemm.reference.expert_weights(p.w.data, p.w.scales, p.fmt, e, scale_layout=p.w.scale_layout,
+                                                 dtype=torch.float64).abs()
+        for g in (g for g, eg in enumerate(ids) if eg == e and offsets[g + 1] > offsets[g]):
+            s, t = offsets[g], offsets[g + 1]
+            mag = a_abs[s:t] @ w_abs.T
+            if p.expert_scales is not None:
+                mag = mag * p.expert_scales[e].double().abs()
+            if p.row_scales is not None:
+                mag = mag * p.row_scales[s:t, None].double().abs()
+            bound[s:t] = mag
+    return ref, bound
 
 
 def poison_like(m: int, n: int, dtype, device) -> torch.Tensor:

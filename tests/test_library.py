@@ -71,7 +71,8 @@ def test_public_functions_compile_fullgraph():
         a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout="swizzled",
                                     num_scale_blocks=plan.scale_blocks_bound)
         mid = moegemm.grouped_matmul_swiglu(a.data, w1.data, a.scales, w1.scales, plan.a_offsets, plan.expert_ids,
-                                            fmt=fmt, out_fmt=fmt, scale_layout="swizzled",
+                                            fmt=fmt, gate_up_layout="interleaved", out_fmt=fmt,
+                                            scale_layout="swizzled",
                                             num_scale_blocks=plan.scale_blocks_bound, backend="triton")
         c = moegemm.grouped_matmul(mid.data, w2.data, mid.scales, w2.scales, plan.a_offsets, plan.expert_ids,
                                    fmt=fmt, scale_layout="swizzled", backend="triton")

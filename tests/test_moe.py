@@ -93,7 +93,8 @@ def check_pair_words_match_pairs(fmt, device):
     offsets = torch.tensor([0, 10, 25, 33], dtype=torch.int32, device=device)
     ids = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
     for bias in (None, torch.randn(3, 128, generator=gen).to(device)):
-        kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=offsets, expert_ids=ids, scale_layout="swizzled")
+        kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=offsets, expert_ids=ids, scale_layout="swizzled",
+                      gate_up_layout="interleaved")
         q, r = (act.swiglu_quantize(x, fmt, **kwargs) for x in (h, strided))
         assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))  # (bits: NaN is kept)
         assert (q.scales is None) == (r.scales is None)
@@ -123,7 +124,8 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     ids = torch.tensor([2, -1, 0], dtype=torch.int32)
     bias = torch.randn(3, 128)
     layout = "plain" if fmt == "fp8_block" else "swizzled"
-    q = act.swiglu_quantize(h, fmt, activation="swiglu_oai", bias=bias, a_offsets=offsets, expert_ids=ids,
+    q = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", activation="swiglu_oai", bias=bias,
+                            a_offsets=offsets, expert_ids=ids,
                             scale_layout=layout, global_scale=1.0 if fmt == "nvfp4" else None)
     hb = h.clone()
     hb[0:10] += bias[2]
@@ -293,8 +295,8 @@ def test_swiglu_quantize_nvfp4_default_global_ignores_rows_outside_slots():
     clean[33:] = 0
     h[12], h[30 + 5] = float("inf"), float("nan")  # a skipped slot's row, a row past the last group
     h[37, :64] = 1e30
-    q = act.swiglu_quantize(h, "nvfp4", a_offsets=offsets, expert_ids=ids)
-    want = act.swiglu_quantize(clean, "nvfp4", a_offsets=offsets, expert_ids=ids)
+    q = act.swiglu_quantize(h, "nvfp4", gate_up_layout="interleaved", a_offsets=offsets, expert_ids=ids)
+    want = act.swiglu_quantize(clean, "nvfp4", gate_up_layout="interleaved", a_offsets=offsets, expert_ids=ids)
     assert torch.isfinite(q.global_scale) and bool(q.global_scale > 0)
     assert torch.equal(q.global_scale, want.global_scale)
     valid = torch.zeros(40, dtype=torch.bool)
@@ -370,7 +372,8 @@ def test_moe_forward_matches_reference_cpu(fmt):
     ids[1, 0] = -1  # a dropped choice
     weights = torch.rand(t, k)
     w_gate_up, w_down = layer.weights()
-    y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="reference")
+    y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
+                            backend="reference")
     assert y.shape == (t, h) and y.dtype == torch.bfloat16
     assert _rel_err(y, reference_layer(x, ids, weights, *dequantized_experts(layer))) < MOE_TOL[fmt]
 
@@ -446,12 +449,14 @@ def test_moe_bad_inputs_name_the_argument():
         layer(torch.randn(3, 32))
     w_gate_up, w_down = layer.weights()
     with pytest.raises(ValueError, match="topk_ids"):
-        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(2, 2, dtype=torch.int32), None, w_gate_up, w_down)
+        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(2, 2, dtype=torch.int32), None, w_gate_up, w_down,
+                            gate_up_layout="interleaved")
     with pytest.raises(TypeError, match="w_down"):
-        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int32), None, w_gate_up, w_down.data)
+        moegemm.moe_forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int32), None, w_gate_up, w_down.data,
+                            gate_up_layout="interleaved")
     with pytest.raises(ValueError, match="activation"):
         moegemm.moe_forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int32), None, w_gate_up, w_down,
-                            activation="gelu")
+                            gate_up_layout="interleaved", activation="gelu")
 
 
 def test_moe_forward_fake_gives_the_output_shape():
@@ -559,7 +564,8 @@ def test_fused_swiglu_epilogue_matches_unfused(fmt, out_fmt, case):
     scales = torch.rand(e, device="cuda") + 0.5
     activation = "swiglu_oai" if case % 2 else "swiglu"
     nvfp4_global = torch.tensor([0.01], device="cuda") if out_fmt == "nvfp4" else None
-    kw = dict(fmt=fmt, out_fmt=out_fmt, activation=activation, expert_scales=scales, bias=bias, scale_layout=layout,
+    kw = dict(fmt=fmt, out_fmt=out_fmt, gate_up_layout="interleaved", activation=activation, expert_scales=scales,
+              bias=bias, scale_layout=layout,
               a_scale_offsets=None, out_global_scale=nvfp4_global)
     if b.global_scale is not None:
         kw["expert_scales"] = scales * b.global_scale * a.global_scale
@@ -612,7 +618,8 @@ def test_moe_forward_sm90_matches_reference(fmt, tokens):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)]).to(torch.int32).cuda()
     weights = torch.rand(tokens, k, device="cuda")
     w_gate_up, w_down = layer.weights()
-    y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, backend="sm90" if fmt != "fp8_block" else "auto")
+    y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
+                            backend="sm90" if fmt != "fp8_block" else "auto")
     want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), *(w.cpu() for w in dequantized_experts(layer)))
     assert _rel_err(y.cpu(), want) < MOE_TOL[fmt]
 
@@ -627,7 +634,8 @@ def test_cuda_graph_decode_step_replays_with_new_routing(fmt):
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(t, k, dtype=torch.int32, device="cuda")
     weights = torch.rand(t, k, device="cuda")
-    run = lambda: moegemm.moe_forward(x, ids, weights, w_gate_up, w_down)  # noqa: E731
+    run = lambda: moegemm.moe_forward(x, ids, weights, w_gate_up, w_down,  # noqa: E731
+                                      gate_up_layout=layer.gate_up_layout)
     for _ in range(2):
         run()  # compile and warm up outside the capture
     torch.cuda.synchronize()

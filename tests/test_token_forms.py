@@ -129,7 +129,7 @@ def check_swiglu(fmt, form, device):
     kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=a_offsets, expert_ids=expert_ids, alpha=1.702,
                   limit=7.0)
     got = act.swiglu_kernel_tokens(h, fmt, form, gate_up_layout="interleaved", **kwargs)
-    q = act.swiglu_quantize(h, fmt, **kwargs)
+    q = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", **kwargs)
     _assert_same(got, fmt, form, q, a_offsets, expert_ids, e)
 
 

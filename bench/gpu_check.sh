@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU checks of a change, one mode a device call (each fits its 10 minutes on one H100):
+#   bash bench/gpu_check.sh tests      the GPU test suite, 8 pytest workers (pytest-xdist)
+#   bash bench/gpu_check.sh fuzz       bench/fuzz.py: >= 500 random problems, twice each
+#   bash bench/gpu_check.sh sanitize   bench/sanitize.py: memcheck, racecheck, synccheck
+# Logs and result files go to $OUT (default gpu-out).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+mode=${1:-tests}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/nvidia-smi-$mode.txt" 2>&1
+case "$mode" in
+  tests)
+    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n 8 tests > "$OUT/gpu-tests.log" 2>&1
+    grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -5
+    grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -30 ;;
+  fuzz)
+    timeout ${T_FUZZ:-560} python3 bench/fuzz.py --out "$OUT" ${FUZZ_ARGS:-} > "$OUT/fuzz.log" 2>&1
+    echo "fuzz rc=$?"; grep -v "^ *\[" "$OUT/fuzz.log" | tail -40 ;;
+  sanitize)
+    timeout ${T_SANITIZE:-570} python3 bench/sanitize.py --out "$OUT/sanitize" ${SANITIZE_ARGS:-} > "$OUT/sanitize.log" 2>&1
+    echo "sanitize rc=$?"; tail -30 "$OUT/sanitize.log"
+    mv "$OUT"/sanitize/sanitize-*.json "$OUT"/ 2>/dev/null
+    tar czf "$OUT/sanitize-logs.tgz" -C "$OUT" sanitize && rm -r "$OUT/sanitize" ;;
+esac

@@ -1,0 +1,326 @@
+"""compute-sanitizer (memcheck, racecheck, synccheck) on every kernel family, one command:
+
+    python bench/sanitize.py --out DIR          # every (tool, workload), logs and sanitize-<gpu>.json in DIR
+    python bench/sanitize.py --workload NAME    # one workload, what compute-sanitizer runs
+
+Workloads (each at a shape with several tiles per program: more tiles than 2 x the SMs; each
+result also checked against the fp64 reference, so the sanitized path is the right one):
+    sm90            fp8_block and bf16 (kernels/sm90.py): normal, split-n and swapped tiles
+    mx-decoding     the bf16-decoding block-format kernel (kernels/sm90_mx.py): mxfp4, nvfp4,
+                    w4a8, mxfp8 on 32-, 64- and 128-token tiles, unscaled and scaled calls
+    mxfp8-promotion kernels/sm90_mxfp8.py with mxfp8: 16- and 32-token tiles (slot walk from
+                    chunks), wide 64- and 128-token tiles with tails and short tails
+    e2m1-split-k    the same kernel with e2m1 weights (mxfp4, w4a8): split-K 8- and 16-token
+                    tiles, and half tiles (N % 128 <= 64)
+    fused-swiglu    the fused SwiGLU epilogue of every family, each output format
+    routing         routing, gather/scatter quantization, SwiGLU quantization, unpermute,
+                    moe_forward (Triton kernels)
+    adversarial     (memcheck only) offsets past M and decreasing, expert ids >= E and < -1,
+                    on every kernel family: nothing may be read or written out of bounds
+
+racecheck and Triton's warp specialization: a warp-specialized kernel starts its worker warps
+by a word in shared memory that the default warpgroup writes before `barrier.sync 1` (all warps)
+and the workers read after it. racecheck reports those accesses as potential RAW hazards (it
+does not order them by that named barrier); Triton attributes that code to the kernel's `def`
+line. Hazards whose every access lies on such a line are counted apart as "dispatch"; every
+other hazard is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+WORKLOADS = ("sm90", "mx-decoding", "mxfp8-promotion", "e2m1-split-k", "fused-swiglu", "routing", "adversarial")
+
+
+# ---- workloads ------------------------------------------------------------------------------
+
+def _groups(count, lo, hi, seed, experts=8, skip=True):
+    """count slots of lo..hi tokens (seeded), ids repeating over `experts`, a few skipped."""
+    import torch
+
+    from cases import TokenPattern
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(lo, hi + 1, (count,), generator=gen).tolist()
+    ids = [(-1 if skip and g % 7 == 3 else g % experts) for g in range(count)]
+    return TokenPattern(f"{count}x{lo}-{hi}", tuple(tokens), tuple(ids), start=3, tail=5, experts=experts)
+
+
+def _check(fmt, layout, pattern, n, k, config=None, with_scales=True, out_dtype=None):
+    """One call on the sm90 backend (config forced when given), checked against the reference."""
+    import torch
+
+    import moegemm
+    from moegemm.config import override_config
+
+    from cases import check_output, make_problem, poison_like, tolerance
+
+    out_dtype = out_dtype or torch.bfloat16
+    p = make_problem(fmt, layout, pattern, n, k, "cuda", with_scales=with_scales)
+    poisoned = poison_like(p.m, n, out_dtype, "cuda")
+    out = poisoned.clone()
+    if config is None:
+        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
+    else:
+        with override_config(config):
+            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
+    torch.cuda.synchronize()
+    check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+    print(f"ok {fmt} {layout} {pattern.name} N={n} K={k} {config or 'default config'}", flush=True)
+
+
+def workload_sm90():
+    from moegemm.config import Sm90Config
+
+    big = _groups(8, 300, 500, 1)  # ~25 token tiles x 16 weight tiles of 128
+    small = _groups(64, 1, 30, 2)
+    for fmt, bk in (("fp8_block", 128), ("bf16", 64)):
+        _check(fmt, "plain", big, 2048, 256, Sm90Config(block_n=128, block_k=bk, stages=4, group_m=4))
+        _check(fmt, "plain", big, 2048, 256, Sm90Config(block_n=256, block_k=bk, stages=3, group_m=2))
+        _check(fmt, "plain", big, 2048, 256, Sm90Config(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True))
+        _check(fmt, "plain", small, 1024, 256, Sm90Config(block_n=32, block_k=bk, stages=6, group_m=1, swap=True))
+        _check(fmt, "plain", small, 1024, 256, with_scales=False)
+
+
+def workload_mx_decoding():
+    from moegemm.config import Sm90Config
+
+    for tokens, (lo, hi) in ((32, (10, 30)), (64, (30, 60)), (128, (60, 200))):
+        cfg = Sm90Config(block_n=tokens, block_k=64, stages=3, group_m=1 if tokens < 128 else 4, swap=True,
+                         consumer_regs=192, sub_steps=2 if tokens < 128 else 1)
+        pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
+        for fmt in ("mxfp4", "nvfp4", "w4a8", "mxfp8"):
+            _check(fmt, "swizzled" if fmt != "w4a8" else "plain", pattern, 1024, 256, cfg,
+                   with_scales=fmt == "nvfp4" or tokens == 64)
+
+
+def workload_mxfp8_promotion():
+    from moegemm.config import sm90_mx_config
+    from moegemm.formats import FORMATS
+
+    for tokens_per_slot, (lo, hi) in ((12, (1, 20)), (20, (8, 30)), (40, (30, 60)), (150, (120, 180)),
+                                      (1000, (500, 1500))):
+        cfg = sm90_mx_config(FORMATS["mxfp8"], 1024, 256, tokens_per_slot)
+        groups = 64 if tokens_per_slot < 100 else 24 if tokens_per_slot < 500 else 6
+        for layout in ("plain", "swizzled"):
+            _check("mxfp8", layout, _groups(groups, lo, hi, tokens_per_slot), 1024, 256, cfg,
+                   with_scales=layout == "plain")
+
+
+def workload_e2m1_split_k():
+    from moegemm.config import sm90_mx_config
+    from moegemm.formats import FORMATS
+
+    for fmt in ("mxfp4", "w4a8"):
+        for tokens_per_slot, (lo, hi) in ((2, (1, 4)), (8, (4, 14))):
+            cfg = sm90_mx_config(FORMATS[fmt], 1024, 512, tokens_per_slot)
+            assert cfg.split_k, cfg
+            for layout in ("plain", "swizzled"):
+                _check(fmt, layout, _groups(96, lo, hi, tokens_per_slot), 1024, 512, cfg, with_scales=layout == "plain")
+        half = sm90_mx_config(FORMATS[fmt], 1088, 480, 2)  # N % 128 = 64: the producer's half tiles
+        _check(fmt, "swizzled", _groups(96, 1, 4, 5), 1088, 480, half)
+
+
+def workload_fused_swiglu():
+    import torch
+
+    import moegemm
+
+    from cases import make_problem
+
+    cases = [("bf16", "mxfp8", _groups(64, 1, 30, 11)), ("bf16", "nvfp4", _groups(6, 300, 600, 12)),
+             ("mxfp8", "bf16", _groups(64, 1, 30, 13)), ("mxfp8", "mxfp8", _groups(24, 120, 180, 14)),
+             ("mxfp4", "mxfp4", _groups(96, 1, 4, 15)), ("mxfp4", "mxfp8", _groups(64, 10, 30, 16)),
+             ("nvfp4", "nvfp4", _groups(24, 60, 200, 17)), ("w4a8", "mxfp8", _groups(96, 4, 14, 18))]
+    for fmt, out_fmt, pattern in cases:
+        layout = "swizzled" if fmt != "bf16" else "plain"
+        p = make_problem(fmt, layout, pattern, 1024, 256, "cuda")
+        kw = dict(fmt=fmt, gate_up_layout="interleaved", out_fmt=out_fmt, activation="swiglu_oai",
+                  expert_scales=p.expert_scales, bias=torch.randn(pattern.experts, 1024, device="cuda") * 0.1,
+                  scale_layout=layout, out_global_scale=torch.tensor(0.01, device="cuda") if out_fmt == "nvfp4" else None,
+                  backend="sm90")
+        fused = moegemm.grouped_matmul_swiglu(*p.args()[:6], fused=True, **kw)
+        unfused = moegemm.grouped_matmul_swiglu(*p.args()[:6], fused=False, **kw)
+        valid = p.valid_rows().to("cuda")
+        got, want = moegemm.dequantize(fused)[valid], moegemm.dequantize(unfused)[valid]
+        err = float((got - want).norm() / want.norm())
+        assert err < 0.2, f"fused {fmt} -> {out_fmt}: {err:.3e} from the unfused chain"
+        print(f"ok fused {fmt} -> {out_fmt} {pattern.name}: {err:.2e} from the unfused chain", flush=True)
+
+
+def workload_routing():
+    import torch
+
+    import moegemm
+    from moegemm import activation as act
+
+    torch.manual_seed(0)
+    h, i, e, top_k, t = 256, 128, 16, 4, 300
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(-1, e + 2, (t, top_k), dtype=torch.int32, device="cuda")  # dropped choices too
+    plan = moegemm.route(ids, e, torch.rand(t, top_k, device="cuda"))
+    for fmt in ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8"):
+        layout = "swizzled" if fmt not in ("bf16", "fp8_block", "w4a8") else "plain"
+        act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), a_offsets=plan.a_offsets,
+                             scale_layout=layout, num_scale_blocks=plan.scale_blocks_bound)
+        act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=layout,
+                            num_scale_blocks=plan.scale_blocks_bound)
+        h2 = torch.randn(plan.num_grouped_rows, 2 * i, device="cuda")
+        act.swiglu_quantize(h2, fmt, gate_up_layout="concat" if fmt == "fp8_block" else "interleaved",
+                            a_offsets=plan.a_offsets, expert_ids=plan.expert_ids, scale_layout=layout,
+                            num_scale_blocks=plan.scale_blocks_bound)
+    moegemm.unpermute_tokens(torch.randn(plan.num_grouped_rows, h, device="cuda"), plan)
+    for fmt in ("mxfp8", "fp8_block", "mxfp4"):
+        layer = moegemm.MoE(h, i, e, top_k, fmt=fmt, device="cuda").load_experts(
+            gate=torch.randn(e, i, h, device="cuda") * 0.1, up=torch.randn(e, i, h, device="cuda") * 0.1,
+            down=torch.randn(e, h, i, device="cuda") * 0.1)
+        w_gate_up, w_down = layer.weights()
+        y = moegemm.moe_forward(x, ids, torch.rand(t, top_k, device="cuda"), w_gate_up, w_down,
+                                gate_up_layout=layer.gate_up_layout)
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(y).all())
+        print(f"ok routing, quantizers and moe_forward {fmt}", flush=True)
+
+
+def workload_adversarial():
+    """Bad offsets and ids reach the kernels unchecked (value checks run only on the CPU and under
+    MOEGEMM_DEBUG=1): they must still read and write nothing out of bounds."""
+    import torch
+
+    import moegemm
+    from moegemm.config import Sm90Config, override_config, sm90_mx_config
+    from moegemm.formats import FORMATS
+
+    assert os.environ.get("MOEGEMM_DEBUG", "0") in ("", "0")
+    m, n, k, e = 300, 1024, 256, 4
+    offsets = {"past M": [0, 100, 250, 400, 900], "decreasing": [0, 200, 120, 300, 180],
+               "negative": [-50, 10, 40, 60, 70]}
+    ids = {"ids >= E": [0, 7, 1, 99], "ids < -1": [-5, 2, -1000, 3], "mixed": [3, -2, 8, 0]}
+    configs = [("fp8_block", None), ("bf16", Sm90Config(block_n=32, block_k=64, stages=6, group_m=1, swap=True)),
+               ("mxfp4", None), ("nvfp4", Sm90Config(block_n=32, block_k=64, stages=3, group_m=1, swap=True,
+                                                    consumer_regs=192, sub_steps=2)),
+               ("mxfp8", sm90_mx_config(FORMATS["mxfp8"], n, k, 150)), ("mxfp4", sm90_mx_config(FORMATS["mxfp4"], n, k, 2))]
+    for fmt, cfg in configs:
+        layout = "plain"
+        qa = moegemm.quantize(torch.randn(m, k, device="cuda"), fmt, scale_layout=layout)
+        qw = moegemm.quantize_weights(torch.randn(e, n, k, device="cuda"), fmt, scale_layout=layout)
+        for (oname, off), (iname, eid) in zip(offsets.items(), ids.items()):
+            a_offsets = torch.tensor(off, dtype=torch.int32, device="cuda")
+            expert_ids = torch.tensor(eid, dtype=torch.int32, device="cuda")
+            for backend in ("sm90", "triton"):
+                out = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+                args = (qa.data, qw.data, qa.scales, qw.scales, a_offsets, expert_ids)
+                if cfg is not None and backend == "sm90":
+                    with override_config(cfg):
+                        moegemm.grouped_matmul(*args, fmt=fmt, scale_layout=layout, out=out, backend=backend)
+                else:
+                    moegemm.grouped_matmul(*args, fmt=fmt, scale_layout=layout, out=out, backend=backend)
+            torch.cuda.synchronize()
+            print(f"ok adversarial {fmt} {oname} / {iname} ({cfg or 'default config'})", flush=True)
+
+
+# ---- the runner ------------------------------------------------------------------------------
+
+def _kernel_def_lines() -> set[str]:
+    """'file.py:line' of every Gluon kernel's def: where Triton puts its warp-specialization code."""
+    lines = set()
+    for path in (ROOT / "moegemm" / "kernels").glob("*.py"):
+        for number, text in enumerate(path.read_text().splitlines(), 1):
+            if re.match(r"def \w+_kernel\(", text):
+                lines.add(f"{path.name}:{number}")
+    return lines
+
+
+def parse(tool: str, log: str) -> dict:
+    """Errors in a compute-sanitizer log; racecheck's split into dispatch-word hazards and others."""
+    summary = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (?:errors|hazards displayed \((\d+) errors)", log)
+    if summary is None:
+        return dict(errors=None, note="no summary (the run did not finish)")
+    if tool != "racecheck":
+        return dict(errors=int(summary.group(2)))
+    total = int(summary.group(3))
+    dispatch_lines = _kernel_def_lines()
+    blocks = re.split(r"\n(?==========\s+(?:Error|Warning):)", log)
+    dispatch, other, examples = 0, 0, []
+    for block in blocks:
+        if not re.match(r"=========\s+(?:Error|Warning):", block):
+            continue
+        places = re.findall(r"\b(\w+\.py:\d+)", block)
+        count = int(m.group(1)) if (m := re.search(r"\[(\d+) hazards?\]", block)) else 1
+        if places and all(p in dispatch_lines for p in places):
+            dispatch += count
+        else:
+            other += count
+            examples.append(block[:600])
+    return dict(errors=other, dispatch_hazards=dispatch, reported=total, other_examples=examples[:5])
+
+
+def sanitize(tool: str, workload: str, out: Path, timeout: float) -> dict:
+    log_path = out / f"{tool}-{workload}.log"
+    cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "2000"]
+    if tool == "racecheck":
+        cmd += ["--racecheck-report", "analysis"]
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--workload", workload]
+    t0 = time.time()
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        log, rc = run.stdout + run.stderr, run.returncode
+    except subprocess.TimeoutExpired as exc:
+        log, rc = (exc.stdout or b"").decode(errors="replace") + "\n[timed out]", None
+    log_path.write_text(log)
+    result = dict(tool=tool, workload=workload, rc=rc, seconds=round(time.time() - t0, 1), **parse(tool, log))
+    result["workload_ok"] = rc == 0 and "Traceback" not in log
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=WORKLOADS)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--jobs", type=int, default=6, help="sanitizer runs at once (the GPU is shared)")
+    parser.add_argument("--timeout", type=float, default=420.0)
+    args = parser.parse_args()
+    if args.workload:
+        globals()["workload_" + args.workload.replace("-", "_")]()
+        return
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = [(tool, w) for w in args.workloads.split(",") for tool in args.tools.split(",")
+            if not (w == "adversarial" and tool != "memcheck")]
+    for w in args.workloads.split(","):  # compile everything once, outside the sanitizer
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--workload", w], cwd=ROOT, check=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda r: sanitize(*r, args.out, args.timeout), runs))
+    gpu = torch.cuda.get_device_name(0)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    record = dict(script="bench/sanitize.py", commit=commit, gpu=gpu, results=results,
+                  errors=sum(r["errors"] or 0 for r in results) + sum(r["errors"] is None for r in results),
+                  all_workloads_ok=all(r["workload_ok"] for r in results))
+    (args.out / f"sanitize-{gpu.replace(' ', '-')}.json").write_text(json.dumps(record, indent=1))
+    print(f"{'tool':<10} {'workload':<16} {'errors':>7} {'dispatch':>9} {'seconds':>8}  ok")
+    for r in results:
+        print(f"{r['tool']:<10} {r['workload']:<16} {str(r['errors']):>7} {str(r.get('dispatch_hazards', '-')):>9} "
+              f"{r['seconds']:>8}  {r['workload_ok']}")
+    print("total errors", record["errors"], "workloads ok", record["all_workloads_ok"])
+    sys.exit(0 if record["errors"] == 0 and record["all_workloads_ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
