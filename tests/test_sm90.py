@@ -437,7 +437,8 @@ def test_sm90_fused_tile_claims_match_round_robin(fmt, out_fmt):
 def small_groups(num_groups: int, seed: int, experts: int = 16) -> TokenPattern:
     """num_groups slots of 1..30 tokens (seeded), experts repeating over `experts` ids."""
     tokens = torch.randint(1, 31, (num_groups,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return TokenPattern(f"small-{num_groups}", tuple(tokens), tuple(g % experts for g in range(num_groups)))
+    return TokenPattern(f"small-{num_groups}", tuple(tokens), tuple(g % experts for g in range(num_groups)),
+                        experts=experts)
 
 
 @pytest.mark.parametrize("with_scales", [False, True], ids=["unscaled", "scaled"])
