@@ -189,6 +189,9 @@ def _worker(args):
 
 
 def _git_commit() -> str:
+    """MOEGEMM_COMMIT where a copy of the tree has no git history of its own, else HEAD."""
+    if os.environ.get("MOEGEMM_COMMIT"):
+        return os.environ["MOEGEMM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()

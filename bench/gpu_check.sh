@@ -3,7 +3,8 @@
 #   bash bench/gpu_check.sh tests      the GPU test suite, 8 pytest workers (pytest-xdist)
 #   bash bench/gpu_check.sh fuzz       bench/fuzz.py: >= 500 random problems, twice each
 #   bash bench/gpu_check.sh sanitize   bench/sanitize.py: memcheck, racecheck, synccheck
-# Logs and result files go to $OUT (default gpu-out).
+# Logs and result files go to $OUT (default gpu-out). MOEGEMM_COMMIT names the commit of the tree
+# in the result files where the copy that runs has no git history of its own.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
