@@ -46,7 +46,7 @@ def test_matmul_ops(fmt):
                            layout, torch.bfloat16, "triton"), test_utils=checks)
     torch.library.opcheck(torch.ops.moegemm.grouped_matmul_swiglu,
                           (a.data, b.data, a.scales, b.scales, plan.a_offsets, plan.expert_ids, fmt, fmt, "swiglu",
-                           None, None, None, layout, layout, None, None, 1.702, 7.0, True, "triton"),
+                           None, None, None, layout, layout, None, None, 1.702, 7.0, True, "triton", "interleaved"),
                           test_utils=checks)
 
 

@@ -74,6 +74,16 @@ def _to_bf16_rne(x):
 
 
 @triton.jit
+def _silu(gate, alpha):
+    """gate * sigmoid(alpha * gate) as gate / (1 + exp(-alpha * gate)), with no exp overflowing
+    (88.72 < ln(fp32 max)): past it the quotient was gate / inf, -0 for a finite gate and NaN
+    for -inf, and is that still."""
+    t = -alpha * gate
+    overflowed = tl.where(t < float("inf"), -0.0, float("nan"))
+    return tl.where(t > 88.72, overflowed, gate / (1.0 + tl.exp(tl.minimum(t, 88.72))))
+
+
+@triton.jit
 def _encode_e4m3(x):
     """fp32 -> e4m3fn bits (int32): round to nearest even, saturating to +-448, NaN -> 0x7F."""
     bits = x.to(tl.int32, bitcast=True)
@@ -83,7 +93,8 @@ def _encode_e4m3(x):
     mbits = bits & 0x7FFFFFFF
     normal = ((mbits + 0x7FFFF + ((mbits >> 20) & 1)) >> 20) - (120 << 3)
     # Subnormals (|x| < 2^-6): man * 2^-9, man rounded to nearest even by the 2^23 trick.
-    sub = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    # (from the subnormal lanes only: an inf or NaN would not convert to int32)
+    sub = ((tl.where(mag < 0.015625, mag, 0.0) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
     code = tl.where(mag < 0.015625, sub, normal)
     code = tl.minimum(code, 0x7E)
     code = tl.where(x != x, 0x7F, code)
@@ -212,11 +223,11 @@ def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, 
                                 other=0.0).to(tl.float32)
             gate, up = tl.split(both)
         if ACT == ACT_SWIGLU:
-            y = gate / (1.0 + tl.exp(-gate)) * up
+            y = _silu(gate, 1.0) * up
         else:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-            y = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+            y = _silu(gate, alpha) * (up + 1.0)
         y = tl.where(mask, y, 0.0)
     return y
 
@@ -292,13 +303,13 @@ def activation_quantize_kernel(
         if OUT == OUT_FP8_BLOCK:
             scale = tl.math.div_rn(amax, 448.0)
             denom = scale[:, :, None]
-            scaled = tl.where(denom > 0, tl.math.div_rn(y, denom), 0.0)
+            scaled = tl.where(denom > 0, tl.math.div_rn(y, tl.where(denom > 0, denom, 1.0)), 0.0)
             stored = scale
         elif OUT == OUT_E2M1_E4M3:
             g = tl.load(global_ptr)
             stored = _encode_e4m3(tl.math.div_rn(amax, g * 6.0))
             denom = (_decode_e4m3(stored) * g)[:, :, None]
-            scaled = tl.where(denom > 0, tl.math.div_rn(y, denom), 0.0)
+            scaled = tl.where(denom > 0, tl.math.div_rn(y, tl.where(denom > 0, denom, 1.0)), 0.0)
         else:
             e = _e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y * _pow2(-e)[:, :, None]
