@@ -79,22 +79,9 @@ def _check(fmt, layout, pattern, n, k, config=None, with_scales=True, out_dtype=
     """One call on the sm90 backend (config forced when given), checked against the reference."""
     import torch
 
-    import moegemm
-    from moegemm.config import override_config
+    from cases import run_sm90
 
-    from cases import check_output, make_problem, poison_like, tolerance
-
-    out_dtype = out_dtype or torch.bfloat16
-    p = make_problem(fmt, layout, pattern, n, k, "cuda", with_scales=with_scales)
-    poisoned = poison_like(p.m, n, out_dtype, "cuda")
-    out = poisoned.clone()
-    if config is None:
-        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
-    else:
-        with override_config(config):
-            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
-    torch.cuda.synchronize()
-    check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+    run_sm90(fmt, pattern, n, k, out_dtype or torch.bfloat16, with_scales, config, layout)
     print(f"ok {fmt} {layout} {pattern.name} N={n} K={k} {config or 'default config'}", flush=True)
 
 
@@ -172,7 +159,8 @@ def workload_fused_swiglu():
         p = make_problem(fmt, layout, pattern, 1024, 256, "cuda")
         kw = dict(fmt=fmt, gate_up_layout="interleaved", out_fmt=out_fmt, activation="swiglu_oai",
                   expert_scales=p.expert_scales, bias=torch.randn(pattern.experts, 1024, device="cuda") * 0.1,
-                  scale_layout=layout, out_global_scale=torch.tensor(0.01, device="cuda") if out_fmt == "nvfp4" else None,
+                  scale_layout=layout,
+                  out_global_scale=torch.tensor(0.01, device="cuda") if out_fmt == "nvfp4" else None,
                   backend="sm90")
         fused = moegemm.grouped_matmul_swiglu(*p.args()[:6], fused=True, **kw)
         unfused = moegemm.grouped_matmul_swiglu(*p.args()[:6], fused=False, **kw)
@@ -234,7 +222,8 @@ def workload_adversarial():
     configs = [("fp8_block", None), ("bf16", Sm90Config(block_n=32, block_k=64, stages=6, group_m=1, swap=True)),
                ("mxfp4", None), ("nvfp4", Sm90Config(block_n=32, block_k=64, stages=3, group_m=1, swap=True,
                                                     consumer_regs=192, sub_steps=2)),
-               ("mxfp8", sm90_mx_config(FORMATS["mxfp8"], n, k, 150)), ("mxfp4", sm90_mx_config(FORMATS["mxfp4"], n, k, 2))]
+               ("mxfp8", sm90_mx_config(FORMATS["mxfp8"], n, k, 150)),
+               ("mxfp4", sm90_mx_config(FORMATS["mxfp4"], n, k, 2))]
     for fmt, cfg in configs:
         layout = "plain"
         qa = moegemm.quantize(torch.randn(m, k, device="cuda"), fmt, scale_layout=layout)

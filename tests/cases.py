@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import moegemm
+from moegemm.config import override_config
 from moegemm.formats import FORMATS
 
 
@@ -233,6 +234,20 @@ def check_output(p: Problem, out: torch.Tensor, poisoned: torch.Tensor, tol: Tol
         normalized = float((got - ref).norm()) / norm_ref
         limit_n = tol.normalized_bf16 if out.dtype == torch.bfloat16 else tol.normalized_fp32
         assert normalized <= limit_n, f"normalized error {normalized:.3e} > {limit_n:.1e}"
+
+
+def run_sm90(fmt: str, pattern: TokenPattern, n: int, k: int, out_dtype=torch.bfloat16, with_scales: bool = True,
+             config=None, layout: str = "plain"):
+    """One call on the sm90 backend (config forced when given) into a poisoned output, checked."""
+    p = make_problem(fmt, layout, pattern, n, k, "cuda", with_scales=with_scales)
+    poisoned = poison_like(p.m, n, out_dtype, "cuda")
+    out = poisoned.clone()
+    if config is None:
+        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
+    else:
+        with override_config(config):
+            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
+    check_output(p, out, poisoned, tolerance(fmt, "sm90"))
 
 
 def dequantized_experts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import moegemm
 from moegemm.config import Sm90Config, override_config
 from moegemm.formats import FORMATS
 
-from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, tolerance
+from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, run_sm90, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -31,18 +31,6 @@ def forced_config(fmt: str, arrangement: str) -> Sm90Config:
         "split_n": Sm90Config(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True),
         "swapped": Sm90Config(block_n=32, block_k=bk, stages=6, group_m=1, swap=True),
     }[arrangement]
-
-
-def run_sm90(fmt, pattern, n, k, out_dtype=torch.bfloat16, with_scales=True, config=None, layout="plain"):
-    p = make_problem(fmt, layout, pattern, n, k, "cuda", with_scales=with_scales)
-    poisoned = poison_like(p.m, n, out_dtype, "cuda")
-    out = poisoned.clone()
-    if config is None:
-        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
-    else:
-        with override_config(config):
-            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend="sm90")
-    check_output(p, out, poisoned, tolerance(fmt, "sm90"))
 
 
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
