@@ -107,16 +107,16 @@ def grouped_matmul(
     out_dtype). Inference only: backends other than "reference" refuse inputs that require
     grad outside torch.no_grad().
     """
-    ops = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
-    a, b, a_scales, b_scales, scale_layout, expert_scales = (ops.a, ops.b, ops.a_scales, ops.b_scales,
-                                                            ops.scale_layout, ops.expert_scales)
+    operands = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
+    a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
+    scale_layout, expert_scales = operands.scale_layout, operands.expert_scales
     if torch.compiler.is_compiling() and out is None:  # traced as one opaque op (moegemm/library.py)
         return torch.ops.moegemm.grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, a_scale_offsets,
                                                 expert_scales, row_scales, scale_layout, out_dtype, backend)
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
         expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout, out=out,
-        out_dtype=out_dtype, quantized_a_offsets=ops.quantized_a_offsets,
+        out_dtype=out_dtype, quantized_a_offsets=operands.quantized_a_offsets,
     )
     chosen = resolve_backend(backend, problem, a.device)
     if chosen != "reference":  # (the reference is torch: autograd runs through it)
@@ -205,9 +205,9 @@ def grouped_matmul_swiglu(
     from . import activation as act
 
     act._check_activation(activation, gate_up_layout)
-    ops = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
-    a, b, a_scales, b_scales, scale_layout, expert_scales = (ops.a, ops.b, ops.a_scales, ops.b_scales,
-                                                            ops.scale_layout, ops.expert_scales)
+    operands = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
+    a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
+    scale_layout, expert_scales = operands.scale_layout, operands.expert_scales
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
         out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
@@ -222,7 +222,7 @@ def grouped_matmul_swiglu(
     problem = validate_grouped_matmul(
         a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
         expert_scales=expert_scales, row_scales=None, scale_layout=scale_layout, out=None,
-        out_dtype=torch.bfloat16, quantized_a_offsets=ops.quantized_a_offsets,
+        out_dtype=torch.bfloat16, quantized_a_offsets=operands.quantized_a_offsets,
     )
     chosen = resolve_backend(backend, problem, a.device)
     check_no_grad("grouped_matmul_swiglu", a=a, b=b, a_scales=a_scales, b_scales=b_scales, expert_scales=expert_scales,

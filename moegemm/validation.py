@@ -95,10 +95,12 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
         a, a_scales = a.data, a.scales
     if isinstance(b, QuantizedTensor):
         b, b_scales = b.data, b.scales
-    if global_scale is not None:
-        _tensor(b, "b")
-        ones = torch.ones(b.shape[0], dtype=torch.float32, device=b.device)
-        expert_scales = (ones if expert_scales is None else expert_scales) * global_scale
+    if global_scale is not None and isinstance(b, torch.Tensor) and b.dim() == 3:  # (else validation names b)
+        experts = b.shape[0]
+        if expert_scales is None:
+            expert_scales = torch.ones(experts, dtype=torch.float32, device=b.device) * global_scale
+        elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
+            expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
     return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets)
 
 

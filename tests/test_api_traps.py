@@ -174,3 +174,12 @@ def test_moe_layer_refuses_inputs_that_require_grad():
         layer(x)
     with torch.no_grad():
         assert layer(x).shape == (3, 64)
+
+
+def test_nvfp4_expert_scales_of_another_shape_are_named():
+    a_offsets = torch.tensor([0, 8, 20], dtype=torch.int32)
+    qa = moegemm.quantize(torch.randn(20, 64), "nvfp4", a_offsets=a_offsets)
+    qw = moegemm.quantize_weights(torch.randn(2, 16, 64), "nvfp4")
+    with pytest.raises(ValueError, match="^expert_scales:"):
+        moegemm.grouped_matmul(qa, qw, None, None, a_offsets, torch.tensor([0, 1], dtype=torch.int32), fmt="nvfp4",
+                               expert_scales=torch.ones(3))
