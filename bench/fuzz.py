@@ -167,7 +167,6 @@ def reproducer(record: dict, backend: str) -> str:
 
 def _worker(args):
     worker, workers, base, count, deadline, sm_count = args
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     records = []
     for index in range(worker, count, workers):
         if time.time() > deadline:

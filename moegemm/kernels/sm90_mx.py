@@ -131,7 +131,8 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ready, empty, zero, scale_rows, row_ok
                                        NV_SCALE)
             raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
             w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)
-            # The buffer was last read by the previous stage's wgmma of this step, retired there.
+            # The buffer was last read by the wgmma two steps back (in this stage or the one
+            # before), retired by a wait since.
             operand = a_bufs.index(WG * 2 + j % 2)
             operand.store(w)
             fence_async_shared()
