@@ -9,7 +9,11 @@ activations and the output once each, the percent of the measured ceilings (copy
 dense GEMM of the same input type at 8192^3), and ratios to torch's grouped kernels
 (`torch._scaled_grouped_mm`, FP8 rowwise; `torch._grouped_mm`, BF16) on the same groups, and to
 DeepGEMM (`deep_gemm.m_grouped_fp8_gemm_nt_contiguous`, 128-row padded groups) when it imports.
-Group sizes are drawn +-30% around the nominal count and nudged off multiples of 128.
+Quoted figures of another library (peer_figure, vs_peer) come from bench/data/peers.json when
+that file is present (a source checkout, or MOEGEMM_PEERS naming one); an installed package
+without it leaves those columns empty. Group sizes are drawn +-30% around the nominal count and
+nudged off multiples of 128. The result files name the command and the git commit of the tree
+that made them (MOEGEMM_COMMIT overrides it, for a copy of the tree without its history).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import platform
 import random
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,11 +33,11 @@ from pathlib import Path
 import torch
 
 from . import __version__, layouts
-from .config import MX_FORMATS
 from .formats import FORMATS
 from .ops import grouped_matmul
 
-BLOCK_FORMATS = MX_FORMATS  # the formats whose scales sit in 32- or 16-wide K blocks
+# the formats whose scales sit in 32- or 16-wide K blocks (the swizzled layout is theirs)
+BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable)
 
 # (N, K) of real expert projections.
 MODEL_SHAPES = {
@@ -45,18 +51,11 @@ MODEL_SHAPES = {
     "gptoss-down": (2880, 2880),
     "qwen3-tp8-up": (192, 4096),  # Qwen3 at TP8
 }
-# The shapes and DeepGEMM 2.6.1 figures of the fp8_block issue (valid-token TFLOP/s; TB/s for decode).
+# The shapes of the fp8_block targets (the peer figures for them: bench/data/peers.json).
 TARGET_SHAPES = {"t-6144x7168": (6144, 7168), "t-7168x3072": (7168, 3072), "t-4096x4096": (4096, 4096),
                  "t-4096x2048": (4096, 2048)}
-DEEPGEMM_ISSUE_FIGURES = {
-    ("t-6144x7168", 4, 8192): 1260, ("t-7168x3072", 4, 8192): 1248, ("t-4096x4096", 4, 8192): 1202,
-    ("t-4096x2048", 4, 8192): 1206, ("t-6144x7168", 8, 4096): 1345, ("t-7168x3072", 8, 4096): 1241,
-    ("t-4096x4096", 8, 4096): 1185, ("t-4096x2048", 8, 4096): 1154, ("t-6144x7168", 32, 256): 869,
-    ("t-7168x3072", 32, 256): 827, ("t-4096x4096", 32, 256): 793, ("t-4096x2048", 32, 256): 756,
-    ("t-6144x7168", 64, 128): 522, ("t-7168x3072", 64, 128): 520, ("t-4096x4096", 64, 128): 500,
-    ("t-4096x2048", 64, 128): 503,
-    ("dsv3-up", 256, 16): 2.71, ("dsv3-down", 256, 16): 2.73, ("dsv3-up", 32, 32): 2.76, ("dsv3-down", 32, 32): 2.57,
-}
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_FILE = ROOT / "bench" / "data" / "peers.json"  # present in a source checkout only
 PREFILL = [(4, 8192), (8, 4096), (32, 256), (64, 128)]
 DECODE = [(256, 16), (32, 32)]
 
@@ -82,6 +81,40 @@ def group_sizes(groups: int, nominal: int, seed: int) -> list[int]:
     return sizes
 
 
+def load_peers(path: str | Path | None = None) -> dict:
+    """Quoted peer figures: {"peer", "source", "gpu", "format", "unit", "figures": {(shape, groups,
+    nominal): value}} from `path`, else MOEGEMM_PEERS, else bench/data/peers.json beside the
+    package; {} when none of them exists (an installed package: the peer columns stay empty)."""
+    path = path or os.environ.get("MOEGEMM_PEERS") or PEERS_FILE
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    figures = {(r["shape"], int(r["groups"]), int(r["nominal"])): float(r["value"]) for r in data["rows"]}
+    return {**{k: v for k, v in data.items() if k != "rows"}, "figures": figures, "file": str(path)}
+
+
+def provenance(script: str, root: str | Path = ROOT) -> dict:
+    """What made a result file: the script (or command), the git commit of the tree at `root` and
+    whether that tree had uncommitted changes. MOEGEMM_COMMIT overrides the commit (a copy of the
+    tree on another machine may carry a stale or no git history); dirty is then unknown (None)."""
+    commit = os.environ.get("MOEGEMM_COMMIT")
+    if commit:
+        return {"script": script, "commit": commit, "dirty": None}
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"script": script, "commit": "unknown", "dirty": None}
+        status = git("status", "--porcelain", "--untracked-files=no")
+        return {"script": script, "commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"script": script, "commit": "unknown", "dirty": None}
+
+
 @dataclass
 class Row:
     fmt: str
@@ -102,8 +135,8 @@ class Row:
     vs_torch: float = math.nan
     deepgemm_ms: float = math.nan
     vs_deepgemm: float = math.nan
-    issue_deepgemm: float = math.nan
-    vs_issue_deepgemm: float = math.nan
+    peer_figure: float = math.nan  # the quoted peer's figure (TFLOP/s; decode rows TB/s), if any
+    vs_peer: float = math.nan  # ours over it, in the same unit
     vs_fp8_block: float = math.nan  # our fp8_block time on the same shape / ours (block formats)
     notes: list = field(default_factory=list)
 
@@ -260,13 +293,17 @@ def _deepgemm_runner(inp: Inputs):
     return lambda: fn((a, sa), (inp.b, inp.b_scales), out, m_indices)
 
 
-def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progress: bool = True) -> list[Row]:
+def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progress: bool = True,
+        peers: dict | None = None) -> list[Row]:
     device = torch.device("cuda")
     rows = rows or default_rows()
+    peers = load_peers() if peers is None else peers
     ceilings = measure_ceilings(device)
-    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    env = {**provenance("python -m moegemm bench (moegemm/benchmark.py)"),
+           "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "moegemm": __version__, "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), **{k: round(v, 3) for k, v in ceilings.items()}}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), **{k: round(v, 3) for k, v in ceilings.items()},
+           "peer": {k: v for k, v in peers.items() if k != "figures"} or None}
     print(f"# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | copy {ceilings['copy_tbps']:.2f} TB/s"
           f" | dense bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s | dense fp8 {ceilings['fp8_rowwise_tflops']:.0f} TFLOP/s",
           flush=True)
@@ -290,8 +327,9 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
         row.pct_copy_bw = 100 * row.gbps / 1e3 / ceilings["copy_tbps"]
         dense = ceilings["fp8_rowwise_tflops" if fmt == "fp8_block" else "bf16_tflops"]
         row.pct_dense = 100 * row.tflops / dense
-        # Block formats compare with BF16 torch._grouped_mm on the same groups (the issue's
-        # baseline): the bf16 row of the same shape measured it already, else it is timed here.
+        # Block formats compare with BF16 torch._grouped_mm on the same groups (PyTorch has no
+        # grouped product of these formats on Hopper): the bf16 row of the same shape measured
+        # it already, else it is timed here.
         key = (shape, groups, nominal)
         try:
             if fmt in BLOCK_FORMATS and key in bf16_torch:
@@ -319,11 +357,11 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
                 row.vs_deepgemm = row.deepgemm_ms / row.ms
             except Exception as exc:
                 row.notes.append(f"deep_gemm failed: {type(exc).__name__}: {str(exc)[:120]}")
-        issue = DEEPGEMM_ISSUE_FIGURES.get((shape, groups, nominal)) if fmt == "fp8_block" else None
-        if issue is not None:
-            row.issue_deepgemm = issue
+        figure = peers.get("figures", {}).get((shape, groups, nominal)) if fmt == peers.get("format") else None
+        if figure is not None:
+            row.peer_figure = figure
             ours_figure = row.gbps / 1e3 if nominal <= 32 else row.tflops  # decode figures are TB/s
-            row.vs_issue_deepgemm = ours_figure / issue
+            row.vs_peer = ours_figure / figure
         results.append(row)
         del inp
         if progress:
@@ -334,24 +372,26 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
                   end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
-    print_table(results)
+    print_table(results, peer=peers.get("peer"))
     write_results(results, env, Path(out_dir), tag)
     return results
 
 
-def print_table(results: list[Row]):
+def print_table(results: list[Row], peer: str | None = None):
+    """The rows as a text table; the peer columns only when peer figures were loaded."""
     print("ms: kernel (graph replay); eager: one Python call; xtorch, xDG: speedup over them (kernel time;"
-          " block formats: over BF16 torch._grouped_mm); issueDG: the issue's DeepGEMM figure (TFLOP/s, decode"
-          " TB/s), xissue: ours over it; xfp8b: over our fp8_block on the same shape")
+          " block formats: over BF16 torch._grouped_mm); xfp8b: over our fp8_block on the same shape"
+          + (f"; peer: {peer}'s quoted figure (TFLOP/s, decode TB/s), xpeer: ours over it" if peer else ""))
     head = (f"{'fmt':<9} {'shape':<15} {'N':>5} {'K':>5} {'groups':>9} {'ms':>8} {'eager':>7} {'TFLOP/s':>8} "
-            f"{'GB/s':>7} {'%bw':>5} {'%dense':>6} {'torch ms':>8} {'xtorch':>6} {'xDG':>5} {'issueDG':>7} {'xissue':>6}"
-            f" {'xfp8b':>5}")
+            f"{'GB/s':>7} {'%bw':>5} {'%dense':>6} {'torch ms':>8} {'xtorch':>6} {'xDG':>5}"
+            + (f" {'peer':>7} {'xpeer':>6}" if peer else "") + f" {'xfp8b':>5}")
     print(head)
     for r in results:
         print(f"{r.fmt:<9} {r.shape:<15} {r.n:>5} {r.k:>5} {f'{r.groups}x{r.nominal}':>9} {r.ms:>8.3f} "
               f"{r.eager_ms:>7.3f} {r.tflops:>8.1f} {r.gbps:>7.0f} {r.pct_copy_bw:>5.1f} {r.pct_dense:>6.1f} "
-              f"{r.torch_ms:>8.3f} {r.vs_torch:>6.2f} {r.vs_deepgemm:>5.2f} {r.issue_deepgemm:>7.2f} "
-              f"{r.vs_issue_deepgemm:>6.2f} {r.vs_fp8_block:>5.2f}" + (f"  {'; '.join(r.notes)}" if r.notes else ""))
+              f"{r.torch_ms:>8.3f} {r.vs_torch:>6.2f} {r.vs_deepgemm:>5.2f}"
+              + (f" {r.peer_figure:>7.2f} {r.vs_peer:>6.2f}" if peer else "")
+              + f" {r.vs_fp8_block:>5.2f}" + (f"  {'; '.join(r.notes)}" if r.notes else ""))
 
 
 def write_results(results: list[Row], env: dict, out_dir: Path, tag: str):

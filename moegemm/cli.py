@@ -164,7 +164,11 @@ def bench(args) -> int:
     rows = benchmark.default_rows(tuple(args.formats.split(",")))
     if args.only:
         rows = [r for r in rows if any(word in f"{r[0]} {r[1]} {r[2]}x{r[3]}" for word in args.only.split(","))]
-    benchmark.run(rows, out_dir=args.out, tag=args.tag)
+    peers = {} if args.peers == "none" else benchmark.load_peers(args.peers or None)
+    if args.peers not in ("", "none") and not peers:
+        print(f"bench: no peer figures at {args.peers}")
+        return 2
+    benchmark.run(rows, out_dir=args.out, tag=args.tag, peers=peers)
     return 0
 
 
@@ -180,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--only", default="", help="comma-separated substrings of 'fmt shape GxT' to keep")
     p_bench.add_argument("--out", default="bench/results")
     p_bench.add_argument("--tag", default="")
+    p_bench.add_argument("--peers", default="", help="JSON of quoted peer figures (default: bench/data/peers.json "
+                         "of a source checkout, or $MOEGEMM_PEERS, when present; 'none': no peer columns)")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
