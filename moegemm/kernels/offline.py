@@ -7,6 +7,7 @@ so the machine code of every kernel variant can be checked on a CPU-only machine
 from __future__ import annotations
 
 import collections
+import os
 import re
 import subprocess
 import tempfile
@@ -40,7 +41,21 @@ def _full_signature(jit_fn, signature: dict, constexprs: dict) -> dict:
 def compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: dict):
     """Compile a @triton.jit function for sm_90; returns triton's CompiledKernel."""
     sig = _full_signature(jit_fn, signature, constexprs)
-    return triton.compile(ASTSource(jit_fn, sig, constexprs), target=SM90, options=options)
+    return _dumped(triton.compile(ASTSource(jit_fn, sig, constexprs), target=SM90, options=options))
+
+
+def _dumped(compiled):
+    """With MOEGEMM_SASS_DUMP=DIR, also write the compile's SASS to DIR, one file per pytest case
+    (bench/ab.py's `sass` plan compares two revisions' dumps instruction by instruction)."""
+    folder = os.environ.get("MOEGEMM_SASS_DUMP")
+    if folder:
+        case = os.environ.get("PYTEST_CURRENT_TEST", "unnamed").split(" (")[0]
+        name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", case)
+        path = Path(folder) / f"{name}.sass"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # a case that compiles several kernels appends them in order
+            f.write(sass(compiled))
+    return compiled
 
 
 def sass(compiled) -> str:
@@ -115,7 +130,7 @@ def gluon_compile_for_sm90(jit_fn, signature: dict, constexprs: dict, options: d
 
     sig = _full_signature(jit_fn, signature, constexprs)
     attrs = {(jit_fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(GluonASTSource(jit_fn, sig, constexprs, attrs), target=SM90, options=options)
+    return _dumped(triton.compile(GluonASTSource(jit_fn, sig, constexprs, attrs), target=SM90, options=options))
 
 
 def tensordesc_signature(dtype_name: str, block: list[int], layout=None) -> str:
