@@ -1,7 +1,10 @@
 """Measure each GPU backend's error against the fp64 reference (the numbers behind the
 tolerance table in tests/cases.py), on large groups (prefill kernels) and on groups of ~10
-tokens (decode kernels: sm90 runs mxfp8 there on fp8 tensor cores, kernels/sm90_mxfp8.py).
-Writes bench/results/accuracy-<gpu>.json."""
+tokens (decode kernels: sm90 runs mxfp8 there on fp8 tensor cores, kernels/sm90/mxfp8.py).
+
+    python bench/accuracy.py [DIR]     writes DIR/accuracy-<gpu>.json (default bench/results), with
+                                       this script and the commit of the tree (MOEGEMM_COMMIT overrides)
+"""
 
 import json
 import sys
@@ -13,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import moegemm  # noqa: E402
+from moegemm.benchmark import provenance  # noqa: E402
 
 from cases import TOKEN_PATTERNS, TokenPattern, make_problem, reference_and_bound  # noqa: E402
 
@@ -42,4 +46,5 @@ for backend, fmts in (("triton", list(moegemm.FORMATS)), ("sm90", list(moegemm.F
 out_dir.mkdir(parents=True, exist_ok=True)
 name = torch.cuda.get_device_name().replace(" ", "-")
 (out_dir / f"accuracy-{name}.json").write_text(json.dumps(
-    {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, indent=1))
+    {**provenance("bench/accuracy.py"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+     "rows": results}, indent=1))

@@ -25,10 +25,8 @@ import argparse
 import json
 import math
 import multiprocessing
-import os
 import platform
 import random
-import subprocess
 import sys
 import time
 import traceback
@@ -187,17 +185,6 @@ def _worker(args):
     return records
 
 
-def _git_commit() -> str:
-    """MOEGEMM_COMMIT where a copy of the tree has no git history of its own, else HEAD."""
-    if os.environ.get("MOEGEMM_COMMIT"):
-        return os.environ["MOEGEMM_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 (a copy without git history)
-        return "unknown"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--problems", type=int, default=560)
@@ -210,6 +197,8 @@ def main():
     args = parser.parse_args()
 
     import torch
+
+    from moegemm.benchmark import provenance
 
     props = torch.cuda.get_device_properties(0)
     if args.replay is not None:
@@ -229,7 +218,7 @@ def main():
     runs = [(r, b, res) for r in records for b, res in r["results"].items()]
     failures = [dict(reproducer=reproducer(r, b), note=res["note"]) for r, b, res in runs if not res["ok"]]
     summary = dict(
-        script="bench/fuzz.py", commit=_git_commit(), gpu=props.name, sms=props.multi_processor_count,
+        **provenance("bench/fuzz.py"), gpu=props.name, sms=props.multi_processor_count,
         torch=torch.__version__, python=platform.python_version(), base_seed=args.seed,
         seconds=round(time.time() - t0, 1), problems=len(records), runs=len(runs), failures=len(failures),
         large_problems=sum(r["large"] for r in records),

@@ -3,16 +3,23 @@
 #   bash bench/gpu_check.sh tests      the GPU test suite, 8 pytest workers (pytest-xdist)
 #   bash bench/gpu_check.sh fuzz       bench/fuzz.py: >= 500 random problems, twice each
 #   bash bench/gpu_check.sh sanitize   bench/sanitize.py: memcheck, racecheck, synccheck
-# Logs and result files go to $OUT (default gpu-out). MOEGEMM_COMMIT names the commit of the tree
-# in the result files where the copy that runs has no git history of its own.
+# Logs and result files go to $OUT (default gpu-out); each names this script and the commit of the
+# tree. MOEGEMM_COMMIT names that commit where the copy that runs has a stale or no git history.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 mode=${1:-tests}
+commit=${MOEGEMM_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+if [ -z "${MOEGEMM_COMMIT:-}" ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  commit="$commit (with uncommitted changes)"
+fi
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/nvidia-smi-$mode.txt" 2>&1
 case "$mode" in
   tests)
-    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n 8 tests > "$OUT/gpu-tests.log" 2>&1
+    echo "# bash bench/gpu_check.sh tests (python3 -m pytest -q -m gpu -n 8 tests), one $gpu, commit $commit" \
+      > "$OUT/gpu-tests.log"
+    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n 8 tests >> "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -5
     grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -30 ;;
   fuzz)

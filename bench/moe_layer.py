@@ -46,7 +46,8 @@ one. A failed check marks the row (check = "FAIL ..."), is printed, and makes th
 2 after the results are written. A row that raises records the error in `notes` and the run
 goes on. Rows not started by --budget seconds are skipped (recorded as such).
 
-Writes DIR/moe-layer-<GPU name, spaces as ->.json (rows + env) and .csv.
+Writes DIR/moe-layer-<GPU name, spaces as ->.json (rows + env: the script, the git commit of the
+tree and whether it had uncommitted changes; MOEGEMM_COMMIT overrides the commit) and .csv.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# moegemm from MOEGEMM_TREE (bench/ab.py's two-revision runs: another revision's tree), else this one
+sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve().parents[1]))
 
 import moegemm
 from moegemm import layouts
@@ -325,7 +327,7 @@ class Timer:
     wall-clock call each.
 
     Under a sustained load the H100 runs at its power cap, its SM clock moving between ~1.4 and
-    1.98 GHz within a second (docs/perf-notes.md, sixteenth session). Timing each call in its
+    1.98 GHz within a second (docs/perf-notes.md, "Timing"; bench/ab.py power-cap). Timing each call in its
     own burst (do_bench) gave each a different power state: the same graph measured 5.3 to 6.4
     ms, and a call that always ran after another (in fixed turns) kept that one's bias. A
     sample of every call in each round, in a new random order every round, gives each call the
@@ -677,7 +679,7 @@ def free_device(device):
 def gpu_limits() -> str:
     """The GPU's power limit and top SM clock (nvidia-smi; "" without it): under a sustained load
     such as a row's rounds of turns the H100 runs at its power cap, at SM clocks down to ~1.4 GHz
-    from 1.98 (throttle reason SW power cap: docs/perf-notes.md, sixteenth session)."""
+    from 1.98 (throttle reason SW power cap: docs/perf-notes.md, "Timing")."""
     import subprocess
 
     try:
@@ -691,7 +693,10 @@ def run(models: dict, tokens, fmts_per_model, device, out_dir: Path, budget_s: f
         quick: bool) -> list[Row]:
     start = time.time()
     timer = Timer(device)
-    env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else tag_name,
+    from moegemm.benchmark import provenance
+
+    env = {**provenance("bench/moe_layer.py"),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else tag_name,
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            "moegemm": moegemm.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick, "tokens": list(tokens)}

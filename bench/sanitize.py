@@ -5,10 +5,10 @@
 
 Workloads (each at a shape with several tiles per program: more tiles than 2 x the SMs; each
 result also checked against the fp64 reference, so the sanitized path is the right one):
-    sm90            fp8_block and bf16 (kernels/sm90.py): normal, split-n and swapped tiles
-    mx-decoding     the bf16-decoding block-format kernel (kernels/sm90_mx.py): mxfp4, nvfp4,
+    sm90            fp8_block and bf16 (kernels/sm90/dense.py): normal, split-n and swapped tiles
+    mx-decoding     the bf16-decoding block-format kernel (kernels/sm90/decode.py): mxfp4, nvfp4,
                     w4a8, mxfp8 on 32-, 64- and 128-token tiles, unscaled and scaled calls
-    mxfp8-promotion kernels/sm90_mxfp8.py with mxfp8: 16- and 32-token tiles (slot walk from
+    mxfp8-promotion kernels/sm90/mxfp8.py: 16- and 32-token tiles (slot walk from
                     chunks), wide 64- and 128-token tiles with tails and short tails
     e2m1-split-k    the same kernel with e2m1 weights (mxfp4, w4a8): split-K 8- and 16-token
                     tiles, and half tiles (N % 128 <= 64)
@@ -27,9 +27,9 @@ hazard only when every access it names lies on that handoff's lines:
                (and ends) the worker warps before `barrier.sync 1` of all warps, the workers read
                it after theirs (code Triton attributes to the Gluon kernel function itself, whose
                own statements touch no shared data: they allocate it and call the partitions)
-    tile-id    kernels/sm90.py _publish_tile / _receive_tile: the producer's next tile, written
+    tile-id    kernels/sm90/pipeline.py _publish_tile / _receive_tile: the producer's next tile, written
                by the producer warp, read by the consumer warpgroups (id_ready / id_free)
-    split-k    kernels/sm90_mxfp8.py _reduce_split_k: one K half's partial sums, written by a
+    split-k    kernels/sm90/e2m1.py _reduce_split_k: one K half's partial sums, written by a
                warpgroup, read by the other (red_ready / red_free)
 Every other hazard in a moegemm kernel is an error (hazards inside PyTorch's own kernels, which
 carry no Python line, are listed apart). racecheck runs a lighter set of calls (RACECHECK_CALLS) than
@@ -245,17 +245,20 @@ def workload_adversarial():
 
 # ---- the runner ------------------------------------------------------------------------------
 
-HANDOFFS = {  # name: (file, pattern of its lines)
-    "tile-id": ("sm90.py", r"tile_ids\.index\(slot\)\.(store|load)\("),
-    "split-k": ("sm90_mxfp8.py", r"\bbuf\.(store\(acc\)|load\(acc_layout\))"),
+HANDOFFS = {  # name: (the files that may hold it, pattern of its lines)
+    "tile-id": (("pipeline.py", "sm90.py"), r"tile_ids\.index\(slot\)\.(store|load)\("),
+    "split-k": (("e2m1.py", "mxfp8.py", "sm90_mxfp8.py"), r"\bbuf\.(store\(acc\)|load\(acc_layout\))"),
 }
+# the sm90 kernels' sources: the kernels/sm90/ package, or single files kernels/sm90*.py
+KERNEL_SOURCES = ("sm90/*.py", "sm90*.py")
 
 
 def _handoff_lines() -> dict[str, set[str]]:
     """'file.py:line' of each handoff's accesses (module docstring); "dispatch": every line of
     the Gluon kernel functions (from `def ..._kernel(` to the next top-level statement)."""
     found = {"dispatch": set(), **{name: set() for name in HANDOFFS}}
-    for path in (ROOT / "moegemm" / "kernels").glob("sm90*.py"):
+    kernels = ROOT / "moegemm" / "kernels"
+    for path in sorted({p for pattern in KERNEL_SOURCES for p in kernels.glob(pattern) if p.is_file()}):
         inside = False
         for number, text in enumerate(path.read_text().splitlines(), 1):
             if re.match(r"def \w+_kernel\(", text):
@@ -265,7 +268,7 @@ def _handoff_lines() -> dict[str, set[str]]:
             if inside:
                 found["dispatch"].add(f"{path.name}:{number}")
         for name, (pattern_file, pattern) in HANDOFFS.items():
-            if path.name == pattern_file:
+            if path.name in pattern_file:
                 for number, text in enumerate(path.read_text().splitlines(), 1):
                     if re.search(pattern, text):
                         found[name].add(f"{path.name}:{number}")
@@ -342,9 +345,9 @@ def main():
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda r: sanitize(*r, args.out, args.timeout), runs))
     gpu = torch.cuda.get_device_name(0)
-    commit = os.environ.get("MOEGEMM_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                                                                capture_output=True, text=True).stdout.strip()
-    record = dict(script="bench/sanitize.py", commit=commit, gpu=gpu, results=results,
+    from moegemm.benchmark import provenance
+
+    record = dict(**provenance("bench/sanitize.py"), gpu=gpu, results=results,
                   errors=sum(r["errors"] or 0 for r in results) + sum(r["errors"] is None for r in results),
                   all_workloads_ok=all(r["workload_ok"] for r in results))
     (args.out / f"sanitize-{gpu.replace(' ', '-')}.json").write_text(json.dumps(record, indent=1))
