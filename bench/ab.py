@@ -227,6 +227,17 @@ def mxfp8_kernel_variants(fmt, n, k, sizes):
     return {"promotion": base, "decoding": c.deepest_ring(decoding, 2, 2, c.weight_bytes(FORMATS[fmt]))}
 
 
+def stage_step_variants(fmt, n, k, sizes):
+    """The decoding kernel's ring stage carrying 1, 2 or 4 block_k-wide K steps (the default: 2
+    below 128-token tiles, 1 on them), the ring as deep as shared memory allows."""
+    from moegemm.formats import FORMATS
+
+    c = _config()
+    base = default_config(fmt, n, k, sizes)
+    return {f"steps-{s}": c.deepest_ring(replace(base, sub_steps=s, stages=2), 2, 2, c.weight_bytes(FORMATS[fmt]))
+            for s in (1, 2, 4)}
+
+
 CLAIM_ROUNDS = (0, 2, 4, 8, 16, 1000)
 
 
@@ -363,6 +374,12 @@ KERNEL_PLANS = {
         ("mxfp4", "gptoss-up", _poisson(128, 8, 16), walk_variants),
         ("mxfp4", "gptoss-up", _fixed([1] * 4 + [0] * 124), walk_variants),
         ("mxfp4", "gptoss-down", _fixed([0] * 60 + [1] * 4 + [0] * 64), walk_variants),
+    ]),
+    "stage-steps": ("the decoding kernel's stages of 1, 2 or 4 K steps (bytes of a weight row a stage)", [
+        ("nvfp4", "gptoss-up", _fixed([16] * 128), stage_step_variants),
+        ("mxfp4", "gptoss-up", _poisson(128, 16, 17), stage_step_variants),
+        ("nvfp4", "gptoss-down", _fixed([2] * 128), stage_step_variants),
+        ("nvfp4", "gptoss-up", _poisson(128, 128, 7), stage_step_variants),
     ]),
     "ring-depth": ("the ring as deep as shared memory allows, or shallower, decode and prefill", [
         ("fp8_block", "dsv3-up", _poisson(256, 16, 21), ring_variants),
