@@ -5,11 +5,15 @@ import bisect
 import math
 import struct
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from moegemm import codecs
+from moegemm import activation, codecs
+from moegemm.kernels import portable, tl_source
 
 
 def f32(x: float) -> float:
@@ -171,3 +175,89 @@ def test_e8m0_round_up_rule(max_finite):
 def test_e8m0_non_finite_amax_is_nan_scale():
     got = codecs.encode_e8m0(torch.tensor([float("nan"), float("inf")]), 448.0)
     assert got.tolist() == [255, 255]
+
+
+# ---- the kernels' codecs (kernels/_codecs_tl.py), run by Triton's CPU interpreter ----------
+
+TL_CODECS = Path(tl_source.__file__).with_name("_codecs_tl.py")
+needs_interpreter = pytest.mark.skipif(not tl_source.interpreter_usable(),
+                                       reason="Triton's CPU interpreter needs numpy < 2.4")
+_tl_codecs = None  # (a module global: the interpreter resolves names in globals only)
+
+with triton.knobs.runtime.scope():
+    triton.knobs.runtime.interpret = True
+
+    @triton.jit
+    def _tl_codec_kernel(x_ptr, out_ptr, CODEC: tl.constexpr, N: tl.constexpr):
+        x = tl.load(x_ptr + tl.arange(0, N))
+        if CODEC == "decode_e2m1":
+            y = _tl_codecs.decode_e2m1(x)
+        elif CODEC == "decode_e4m3":
+            y = _tl_codecs.decode_e4m3(x, True)
+        elif CODEC == "decode_e4m3_no_nan":
+            y = _tl_codecs.decode_e4m3(x, False)
+        elif CODEC == "decode_e8m0":
+            y = _tl_codecs.decode_e8m0(x)
+        elif CODEC == "encode_e4m3":
+            y = _tl_codecs.encode_e4m3(x)
+        elif CODEC == "encode_e2m1":
+            y = _tl_codecs.encode_e2m1(x)
+        else:
+            y = _tl_codecs.to_bf16_rne(x)
+        tl.store(out_ptr + tl.arange(0, N), y)
+
+
+def tl_codec(codec: str, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """_codecs_tl.<codec> of each element of x (1-D, a power of two long), interpreted."""
+    global _tl_codecs
+    _tl_codecs = tl_source.load(TL_CODECS, True)
+    out = torch.empty(x.numel(), dtype=out_dtype)
+    _tl_codec_kernel[(1, )](x, out, codec, x.numel())
+    return out
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bit for bit, NaNs anywhere equal to NaNs."""
+    nan = torch.isnan(want)
+    as_int = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    return torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan].view(as_int), want[~nan].view(as_int))
+
+
+@needs_interpreter
+def test_kernel_decoders_match_on_every_code():
+    """Bit for bit but the negative-zero codes, which decode to +0: Triton's -x is 0 - x."""
+    nibbles, every_byte = torch.arange(16, dtype=torch.int32), torch.arange(256, dtype=torch.int32)
+    want = codecs.decode_e2m1(nibbles.to(torch.uint8))
+    assert same_bits(tl_codec("decode_e2m1", nibbles, torch.float32), torch.where(want == 0, 0.0, want))
+    want = codecs.decode_e4m3(every_byte.to(torch.uint8))
+    want = torch.where(want == 0, 0.0, want)
+    assert same_bits(tl_codec("decode_e4m3", every_byte, torch.float32), want)
+    without_nan = want.clone()
+    without_nan[[0x7F, 0xFF]] = torch.tensor([480.0, -480.0])
+    assert same_bits(tl_codec("decode_e4m3_no_nan", every_byte, torch.float32), without_nan)
+    assert same_bits(tl_codec("decode_e8m0", every_byte.to(torch.uint8), torch.float32),
+                     codecs.decode_e8m0(every_byte.to(torch.uint8)))
+
+
+@needs_interpreter
+def test_kernel_encoders_match():
+    values = sorted(set(e2m1_probe_values()) | {e4m3_value(c) for c in range(0x7F)} | {448.0, 464.0, 480.0, 1e-40})
+    xs = torch.tensor(values + [-v for v in values] + [0.0, float("nan"), -float("inf")], dtype=torch.float32)
+    xs = torch.cat([xs, torch.randn(1024 - xs.numel()) * torch.exp2(torch.randint(-20, 20, (1024 - xs.numel(), )))])
+    finite = ~torch.isnan(xs)
+    got = tl_codec("encode_e4m3", xs, torch.int32)
+    assert torch.equal(got[finite], codecs.encode_e4m3(xs[finite]).view(torch.uint8).int())
+    assert bool((got[~finite] & 0x7F == 0x7F).all())
+    got = tl_codec("encode_e2m1", xs, torch.int32)
+    assert torch.equal(got[finite], codecs.encode_e2m1(xs[finite]).int())
+    assert same_bits(tl_codec("to_bf16_rne", xs, torch.bfloat16), xs.to(torch.bfloat16))
+
+
+def test_each_kernel_file_calls_the_codecs_of_its_mode():
+    compiled, interpreted = (tl_source.load(TL_CODECS, mode) for mode in (False, True))
+    assert compiled is not interpreted
+    assert portable.kernel_module(False).codecs is compiled and portable.kernel_module(True).codecs is interpreted
+    assert activation._kernels(False).codecs is compiled and activation._kernels(True).codecs is interpreted
+    assert activation._kernels(True)._portable is portable.kernel_module(True)
+    with pytest.raises(RuntimeError, match="tl_source.load"):
+        tl_source.interpreted()  # (a mode belongs to a file being loaded)

@@ -9,7 +9,7 @@ import moegemm
 from moegemm import layouts
 from moegemm.formats import FORMATS
 from moegemm.kernels import portable
-from moegemm.ops import interpreter_usable
+from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.token_forms import kb_major_column
 from moegemm.validation import validate_grouped_matmul
 
@@ -17,6 +17,15 @@ from cases import TOKEN_PATTERNS, make_problem
 
 BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 PATTERNS = [TOKEN_PATTERNS[i] for i in (1, 6, 8, 12, 13)]
+
+# Every check runs under the interpreter on the CPU and compiled on a GPU.
+on_devices = pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="interpreted",
+                 marks=pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")),
+    pytest.param("cuda", id="compiled", marks=pytest.mark.gpu),
+])
+on_patterns = pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
+on_layouts = pytest.mark.parametrize("layout", ["plain", "swizzled"])
 
 
 def check_dequantize_rows(fmt, layout, pattern, device):
@@ -31,20 +40,12 @@ def check_dequantize_rows(fmt, layout, pattern, device):
     assert bool(valid.any()) or not FORMATS[fmt].scaled
 
 
-@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
-@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
-@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@on_patterns
+@on_layouts
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_dequantize_rows_interpreted(fmt, layout, pattern):
-    check_dequantize_rows(fmt, layout, pattern, "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
-@pytest.mark.parametrize("layout", ["plain", "swizzled"])
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_dequantize_rows_compiled(fmt, layout, pattern):
-    check_dequantize_rows(fmt, layout, pattern, "cuda")
+@on_devices
+def test_dequantize_rows(device, fmt, layout, pattern):
+    check_dequantize_rows(fmt, layout, pattern, device)
 
 
 def check_decode_row_scales(layout, pattern, device):
@@ -101,18 +102,11 @@ def test_kb_major_column_orders_16s_as_the_accumulator():
     assert [kb_major_column(r, 5, 2) for r in range(3)] == [16, 17, 18]  # 4 * ceil(5 / 4) + 4 * 2
 
 
-@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
-@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
-@pytest.mark.parametrize("layout", ["plain", "swizzled"])
-def test_decode_row_scales_interpreted(layout, pattern):
-    check_decode_row_scales(layout, pattern, "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
-@pytest.mark.parametrize("layout", ["plain", "swizzled"])
-def test_decode_row_scales_compiled(layout, pattern):
-    check_decode_row_scales(layout, pattern, "cuda")
+@on_patterns
+@on_layouts
+@on_devices
+def test_decode_row_scales(device, layout, pattern):
+    check_decode_row_scales(layout, pattern, device)
 
 
 def check_e2m1_to_e4m3(device):
@@ -140,14 +134,9 @@ def check_e2m1_to_e4m3(device):
         portable.even_odd_k(want[:, :12])
 
 
-@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
-def test_e2m1_to_e4m3_interpreted():
-    check_e2m1_to_e4m3("cpu")
-
-
-@pytest.mark.gpu
-def test_e2m1_to_e4m3_compiled():
-    check_e2m1_to_e4m3("cuda")
+@on_devices
+def test_e2m1_to_e4m3(device):
+    check_e2m1_to_e4m3(device)
 
 
 def check_token_prepass(layout, pattern, device):
@@ -173,15 +162,8 @@ def check_token_prepass(layout, pattern, device):
     assert torch.equal(scales[:, written].nan_to_num(7.0), want_scales[:, written].nan_to_num(7.0))
 
 
-@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
-@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
-@pytest.mark.parametrize("layout", ["plain", "swizzled"])
-def test_token_prepass_interpreted(layout, pattern):
-    check_token_prepass(layout, pattern, "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pattern", PATTERNS, ids=[p.name for p in PATTERNS])
-@pytest.mark.parametrize("layout", ["plain", "swizzled"])
-def test_token_prepass_compiled(layout, pattern):
-    check_token_prepass(layout, pattern, "cuda")
+@on_patterns
+@on_layouts
+@on_devices
+def test_token_prepass(device, layout, pattern):
+    check_token_prepass(layout, pattern, device)

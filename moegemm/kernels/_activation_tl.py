@@ -8,23 +8,23 @@ One kernel serves three steps of an MoE layer:
     requantize          its output quantized into the A operand of the down product
 
 Like _portable_tl.py this file is executed twice (compiled and interpreted), so it calls no
-@triton.jit function of Triton's standard library (tl.max, tl.sigmoid, ...), only builtins
-and the helpers below. Every encoder works on integer bits, so the interpreter and the GPU
-produce the same bytes as moegemm.quantize (SPEC section 2), which the tests check bit for bit.
+@triton.jit function of Triton's standard library (tl.max, tl.sigmoid, ...), only builtins,
+the helpers below and those of the files it loads beside it for the same mode: the codecs of
+_codecs_tl.py, which work on integer bits, so that the interpreter and the GPU produce the
+same bytes as moegemm.quantize (SPEC section 2; the tests check them bit for bit), and
+_portable_tl.py's kb_major_column.
 
 Program (i, j) takes rows [i*BLOCK_M, (i+1)*BLOCK_M) and output columns
 [j*CHUNK, (j+1)*CHUNK), CHUNK = NB scale blocks of VEC columns.
 """
-
-from pathlib import Path
 
 import triton
 import triton.language as tl
 
 from moegemm.kernels import tl_source
 
-# The portable kernels' file, built for the same target as this one (kb_major_column).
-_portable = tl_source.load(Path(__file__).with_name("_portable_tl.py"), triton.knobs.runtime.interpret)
+codecs = tl_source.load_beside(__file__, "_codecs_tl.py")
+_portable = tl_source.load_beside(__file__, "_portable_tl.py")  # (kb_major_column)
 
 ACT_NONE = tl.constexpr(0)
 ACT_SWIGLU = tl.constexpr(1)  # silu(gate) * up
@@ -45,17 +45,6 @@ FORM_BF16 = tl.constexpr(2)  # the dequantized values in bf16, no scales
 
 
 @triton.jit
-def _f32_from_bits(bits):
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as fp32 for integer e in [-127, 127] (2^-127 is a subnormal)."""
-    return _f32_from_bits(tl.where(e >= -126, (e + 127) << 23, 0x00400000))
-
-
-@triton.jit
 def _max_abs(a, b):
     return tl.maximum(a, b)
 
@@ -66,101 +55,13 @@ def _add(a, b):
 
 
 @triton.jit
-def _to_bf16_rne(x):
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _silu(gate, alpha):
     """gate * sigmoid(alpha * gate) as gate / (1 + exp(-alpha * gate)), with no exp overflowing
-    (88.72 < ln(fp32 max)): past it the quotient was gate / inf, -0 for a finite gate and NaN
-    for -inf, and is that still."""
+    (88.72 < ln(fp32 max)): past it the result is gate / inf's, -0 for a finite gate and NaN
+    for -inf."""
     t = -alpha * gate
     overflowed = tl.where(t < float("inf"), -0.0, float("nan"))
     return tl.where(t > 88.72, overflowed, gate / (1.0 + tl.exp(tl.minimum(t, 88.72))))
-
-
-@triton.jit
-def _encode_e4m3(x):
-    """fp32 -> e4m3fn bits (int32): round to nearest even, saturating to +-448, NaN -> 0x7F."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = tl.abs(x)
-    # Normal range: keep 3 mantissa bits of the fp32 pattern, rounding the 20 dropped bits.
-    mbits = bits & 0x7FFFFFFF
-    normal = ((mbits + 0x7FFFF + ((mbits >> 20) & 1)) >> 20) - (120 << 3)
-    # Subnormals (|x| < 2^-6): man * 2^-9, man rounded to nearest even by the 2^23 trick.
-    # (from the subnormal lanes only: an inf or NaN would not convert to int32)
-    sub = ((tl.where(mag < 0.015625, mag, 0.0) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(mag < 0.015625, sub, normal)
-    code = tl.minimum(code, 0x7E)
-    code = tl.where(x != x, 0x7F, code)
-    return code | sign
-
-
-@triton.jit
-def _decode_e4m3(code):
-    mag = code & 0x7F
-    exp = mag >> 3
-    man = mag & 7
-    normal = _f32_from_bits(((exp + 120) << 23) | (man << 20))
-    val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
-    return tl.where(code >= 0x80, -val, val)
-
-
-@triton.jit
-def _decode_e2m1(code):
-    """e2m1 code (int32, 0..15) -> fp32."""
-    mag = code & 7
-    exp = mag >> 1
-    man = mag & 1
-    normal = _f32_from_bits(((exp + 126) << 23) | (man << 22))
-    val = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -val, val)
-
-
-@triton.jit
-def _e2m1_code_to_e4m3(code, EXP: tl.constexpr):
-    """The e4m3 byte of an e2m1 value times 2^EXP (0 <= EXP <= 6: exact, below 448): magnitude
-    codes 0..7 -> 0, then 0.5 * 2^EXP (0x30 + 8 * EXP), then 4 more a code."""
-    mag = code & 7
-    base = 0x30 + 8 * EXP
-    byte = tl.where(mag == 0, 0, tl.where(mag == 1, base, base + 4 * mag))
-    return byte | ((code & 8) << 4)
-
-
-@triton.jit
-def _encode_e2m1(x):
-    """fp32 -> e2m1 code (int32 0..15): nearest, ties to the even code, saturating at 6."""
-    mag = tl.abs(x)
-    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-            + (mag > 5.0).to(tl.int32))
-    return code | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
-
-
-@triton.jit
-def _e8m0_exponent(amax, MAX_FINITE: tl.constexpr):
-    """The smallest e with 2^e * MAX_FINITE >= amax, clamped to [-127, 127], from amax's bits.
-
-    MAX_FINITE = mf * 2^F with mf = 1.75, F = 8 (448) or mf = 1.5, F = 2 (6). For amax = m * 2^E
-    (m in [1, 2)), m / mf is in (1/2, 2/mf): e = E - F, plus one where m > mf (mantissa bits
-    above mf's). Subnormal and zero amax land below -127 (clamped); inf and NaN give 127, as the
-    rounded quotient of the first version did (the callers store the NaN scale 255 for both). Integer
-    operations only: the quotient's division and two corrections took ~30 instructions a value
-    in the fused epilogue (kernels/sm90_epilogue.py, its twin).
-    """
-    bits = amax.to(tl.int32, bitcast=True)
-    field = (bits >> 23) & 0xFF
-    if MAX_FINITE == 448.0:
-        e = field - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    else:
-        tl.static_assert(MAX_FINITE == 6.0, "e8m0 exponents for e4m3 (448) or e2m1 (6)")
-        e = field - 129 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
-    return tl.where(field == 255, 127, tl.maximum(tl.minimum(e, 127), -127))
 
 
 @triton.jit
@@ -203,10 +104,10 @@ def _load_activated(x_ptr, src_rows, row_mask, cols, col_mask, X_STRIDE, K_OUT, 
                 up += tl.load(bias_row + cols + K_OUT, mask=bias_mask, other=0.0).to(tl.float32)
         elif PAIR_WORDS:
             # One 32-bit word a pair, so the loads vectorize as the concatenated layout's do (the
-            # [.., 2] pieces below ran 2.3x slower than concat); bf16 -> fp32 is a 16-bit shift.
+            # [.., 2] pieces below run 2.3x slower than concat); bf16 -> fp32 is a 16-bit shift.
             words = tl.load(base + cols, mask=mask, other=0)
-            gate = _f32_from_bits(words << 16)
-            up = _f32_from_bits(words & -65536)  # (0xFFFF0000)
+            gate = codecs.f32_from_bits(words << 16)
+            up = codecs.f32_from_bits(words & -65536)  # (0xFFFF0000)
             if HAS_BIAS:
                 pair = 2 * cols[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
                 bias_gate, bias_up = tl.split(tl.load(bias_row[:, :, :, None] + pair, mask=bias_mask[:, :, :, None],
@@ -307,12 +208,12 @@ def activation_quantize_kernel(
             stored = scale
         elif OUT == OUT_E2M1_E4M3:
             g = tl.load(global_ptr)
-            stored = _encode_e4m3(tl.math.div_rn(amax, g * 6.0))
-            denom = (_decode_e4m3(stored) * g)[:, :, None]
+            stored = codecs.encode_e4m3(tl.math.div_rn(amax, g * 6.0))
+            denom = (codecs.decode_e4m3(stored, False) * g)[:, :, None]
             scaled = tl.where(denom > 0, tl.math.div_rn(y, tl.where(denom > 0, denom, 1.0)), 0.0)
         else:
-            e = _e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
-            scaled = y * _pow2(-e)[:, :, None]
+            e = codecs.e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
+            scaled = y * codecs.pow2(-e)[:, :, None]
             stored = tl.where(amax < float("inf"), e + 127, 255)  # inf or NaN amax -> the NaN scale
         if FORM != FORM_OPERAND:
             values, scale = _kernel_token_values(scaled, stored, OUT, FORM, EXP)
@@ -344,7 +245,7 @@ def activation_quantize_kernel(
                 if FORM == FORM_E4M3:
                     # The scale bytes row-major (kb_major_scales_kernel moves them into the kernel's
                     # K-block-major fp32 form): a token's grouped rows lie in random slots, so
-                    # K-block-major stores from here were one 4-byte write a sector.
+                    # K-block-major stores from here would be one 4-byte write a sector.
                     kb = pid_c * NB + blk[None, :]  # [1, NB]
                     tl.store(scale_bytes_ptr + dest.to(tl.int64)[:, None] * NUM_KB + kb, stored.to(tl.uint8),
                              mask=dest_in_slot[:, None] & (kb < NUM_KB))
@@ -368,12 +269,13 @@ def _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, s
     rows3 = rows[:, None, None]
     out_mask3 = row_ok[:, None, None] & col_mask3
     if OUT == OUT_BF16:
-        tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, _to_bf16_rne(scaled), mask=out_mask3)
+        tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, codecs.to_bf16_rne(scaled), mask=out_mask3)
     else:
         if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
-            tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, _encode_e4m3(scaled).to(tl.uint8), mask=out_mask3)
+            tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, codecs.encode_e4m3(scaled).to(tl.uint8),
+                     mask=out_mask3)
         else:
-            codes = tl.reshape(_encode_e2m1(scaled), [scaled.shape[0], NB, VEC // 2, 2])
+            codes = tl.reshape(codecs.encode_e2m1(scaled), [scaled.shape[0], NB, VEC // 2, 2])
             low, high = tl.split(codes)
             packed = (low | (high << 4)).to(tl.uint8)
             half = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
@@ -400,25 +302,26 @@ def _kernel_token_values(scaled, stored, OUT: tl.constexpr, FORM: tl.constexpr, 
     """What activation_quantize_kernel's FORM_E4M3 and FORM_BF16 store (its docstring), from
     the [BLOCK_M, NB, VEC] block `scaled` of values divided by their block's 2^e and `stored`
     = e + 127 (255 for a NaN block): (the e4m3 bytes, or the bf16 values; the fp32 scales)."""
-    scale = _portable._decode_e8m0(stored)  # [BLOCK_M, NB] fp32: 2^e, NaN for 255
+    scale = codecs.decode_e8m0(stored)  # [BLOCK_M, NB] fp32: 2^e, NaN for 255
     if OUT == OUT_E4M3_E8M0:
-        codes = _encode_e4m3(scaled)
+        codes = codecs.encode_e4m3(scaled)
     else:
-        codes = _encode_e2m1(scaled)
+        codes = codecs.encode_e2m1(scaled)
     if FORM == FORM_BF16:
         if OUT == OUT_E4M3_E8M0:
             # As the hardware decodes e4m3fn (portable.dequantize_rows on the GPU): the sign set by
-            # bits, so 0x80 is -0 (a compiled negation of +0 gave +0), and 0x7F / 0xFF are NaN (a
+            # bits, so 0x80 is -0 (a compiled negation of +0 gives +0), and 0x7F / 0xFF are NaN (a
             # NaN element of a block whose amax ignored it: the GPU's maximum drops NaN).
             mag = codes & 0x7F
-            values = _f32_from_bits(_decode_e4m3(mag).to(tl.int32, bitcast=True) | ((codes & 0x80) << 24))
-            values = tl.where(mag == 0x7F, _f32_from_bits(0x7FC00000 + 0 * codes), values)
+            magnitude = codecs.decode_e4m3(mag, False)
+            values = codecs.f32_from_bits(magnitude.to(tl.int32, bitcast=True) | ((codes & 0x80) << 24))
+            values = tl.where(mag == 0x7F, codecs.f32_from_bits(0x7FC00000 + 0 * codes), values)
         else:
-            values = _decode_e2m1(codes)
-        return _to_bf16_rne(values * scale[:, :, None]), scale
+            values = codecs.decode_e2m1(codes)
+        return codecs.to_bf16_rne(values * scale[:, :, None]), scale
     else:
         if OUT == OUT_E2M1_E8M0:
-            codes = _e2m1_code_to_e4m3(codes, EXP)
+            codes = codecs.e2m1_code_to_e4m3(codes, EXP)
         return codes.to(tl.uint8), scale
 
 
@@ -466,6 +369,6 @@ def kb_major_scales_kernel(scale_bytes_ptr, row_slot_ptr, a_offsets_ptr, out_sca
     inside = (start <= rows) & (rows < end)
     column = _portable.kb_major_column(rows - start, start, slot, COLUMN_BLOCK)
     mask = inside[:, None] & (kb[None, :] < NUM_KB)
-    scale = _portable._decode_e8m0(tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :],
-                                           mask=mask, other=0))
+    scale = codecs.decode_e8m0(tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :],
+                                       mask=mask, other=0))
     tl.store(out_scale_ptr + kb.to(tl.int64)[None, :] * M_PAD + column[:, None], scale, mask=mask)

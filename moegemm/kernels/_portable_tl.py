@@ -4,7 +4,8 @@ Triton interpreter on the CPU.
 This file is executed twice by kernels/portable.py, once with the interpreter knob off and
 once with it on, so CPU tensors never need TRITON_INTERPRET=1 set by the user. For that to
 work it must not call Triton's standard library (tl.zeros, tl.cdiv, tl.interleave, tl.sum ...):
-those are @triton.jit functions bound to whichever mode Triton was imported in.
+those are @triton.jit functions bound to whichever mode Triton was imported in. Its element and
+scale codecs are _codecs_tl.py's, loaded for the same mode (tl_source.load_beside).
 
 Schedule (persistent): every program walks the group slots in order, keeps a running count of
 the tiles before the current slot, and takes the tiles t of each slot with t % nprog == pid.
@@ -21,6 +22,10 @@ scales (promotion; a step never straddles a 128-wide scale block), as SPEC secti
 import triton
 import triton.language as tl
 
+from moegemm.kernels import tl_source
+
+codecs = tl_source.load_beside(__file__, "_codecs_tl.py")
+
 # Element kinds (formats.ElementFormat) and scale kinds, as kernel constexprs.
 ELEM_BF16 = tl.constexpr(0)
 ELEM_E4M3 = tl.constexpr(1)
@@ -32,11 +37,6 @@ SCALE_E4M3 = tl.constexpr(3)
 
 
 @triton.jit
-def _f32_from_bits(bits):
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _decode_e4m3(byte, BY_BITS: tl.constexpr):
     """uint8 e4m3fn bits -> fp32 (0x7F/0xFF are NaN; subnormals are man * 2^-9).
 
@@ -45,47 +45,7 @@ def _decode_e4m3(byte, BY_BITS: tl.constexpr):
     """
     if not BY_BITS:
         return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    b = byte.to(tl.int32)
-    mag = b & 0x7F
-    exp = mag >> 3
-    man = mag & 7
-    normal = _f32_from_bits(((exp + 120) << 23) | (man << 20))
-    val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
-    val = tl.where(mag == 0x7F, _f32_from_bits(tl.full(val.shape, 0x7FC00000, tl.int32)), val)
-    return tl.where(b >= 0x80, -val, val)
-
-
-@triton.jit
-def _decode_e2m1(nibble):
-    """e2m1 code (int32, 0..15) -> fp32."""
-    mag = nibble & 7
-    exp = mag >> 1
-    man = mag & 1
-    normal = _f32_from_bits(((exp + 126) << 23) | (man << 22))
-    val = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
-    return tl.where((nibble & 8) != 0, -val, val)
-
-
-@triton.jit
-def _decode_e8m0(byte):
-    """uint8 e8m0 -> fp32 2^(b-127); 0 -> 2^-127 (an fp32 subnormal), 0xFF -> NaN."""
-    b = byte.to(tl.int32)
-    bits = tl.where(b == 0, 0x00400000, b << 23)
-    bits = tl.where(b == 255, 0x7FC00000, bits)
-    return _f32_from_bits(bits)
-
-
-@triton.jit
-def _to_bf16_rne(x):
-    """fp32 -> bf16, round to nearest even, in integer arithmetic.
-
-    The interpreter's fp32->bf16 cast truncates; doing it by hand gives one rounding on both
-    the GPU and the CPU. NaN stays a quiet NaN; overflow rounds to inf as the hardware does.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return codecs.decode_e4m3(byte.to(tl.int32), True)
 
 
 @triton.jit
@@ -100,8 +60,8 @@ def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.co
         cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = row_mask[:, None] & (cols[None, :] < half_k)
         packed = tl.load(ptr + rows[:, None] * half_k + cols[None, :], mask=mask, other=0).to(tl.int32)
-        low = _decode_e2m1(packed & 15)  # element 2i
-        high = _decode_e2m1(packed >> 4)  # element 2i + 1
+        low = codecs.decode_e2m1(packed & 15)  # element 2i
+        high = codecs.decode_e2m1(packed >> 4)  # element 2i + 1
         return tl.join(low, high).reshape(BLOCK_R, BLOCK_K)
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -133,7 +93,7 @@ def _apply_block_scales(x, scale_ptr, scale_rows, row_mask, k0, NUM_KB, KB4,
     raw = tl.load(scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED), mask=mask,
                   other=0)
     if SCALE == SCALE_E8M0:
-        s = _decode_e8m0(raw)
+        s = codecs.decode_e8m0(raw)
     else:
         s = _decode_e4m3(raw, INTERPRETED)
     x = x.reshape(BLOCK_R, BLOCK_K // VEC, VEC) * s[:, :, None]
@@ -223,7 +183,7 @@ def grouped_matmul_kernel(
             out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
             out_mask = row_mask[:, None] & col_mask[None, :]
             if out_ptr.dtype.element_ty == tl.bfloat16:
-                tl.store(out_ptrs, _to_bf16_rne(acc), mask=out_mask)
+                tl.store(out_ptrs, codecs.to_bf16_rne(acc), mask=out_mask)
             else:
                 tl.store(out_ptrs, acc, mask=out_mask)
         tile_base += group_tiles
@@ -247,6 +207,18 @@ def _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZ
 
 
 @triton.jit
+def _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M: tl.constexpr):
+    """Rows [r0, r0 + BLOCK_M) of a slot ending at `end`, as int64, and which exist; their A-scale
+    rows (_slot_rows' offset added) and which of those exist."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    rows = rows.to(tl.int64)
+    scale_rows = rows + scale_row_base
+    scale_mask = row_mask & (scale_rows >= 0) & (scale_rows < NUM_SCALE_ROWS)
+    return rows, row_mask, scale_rows, scale_mask
+
+
+@triton.jit
 def dequantize_rows_kernel(
     a_ptr, a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
     M, K, E, G, NUM_KB, KB4, NUM_SCALE_ROWS,
@@ -264,17 +236,13 @@ def dequantize_rows_kernel(
     parts = tl.num_programs(1)
     s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end
-        rows = rows.to(tl.int64)
-        scale_rows = rows + scale_row_base
-        scale_mask = row_mask & (scale_rows >= 0) & (scale_rows < NUM_SCALE_ROWS)
+        rows, row_mask, scale_rows, scale_mask = _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M)
         for k0 in range(0, K, BLOCK_K):
             x = _load_operand(a_ptr, rows, row_mask, k0, K, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED)
             x = _apply_block_scales(x, a_scale_ptr, scale_rows, scale_mask, k0, NUM_KB, KB4, SCALE, SWIZZLED, VEC,
                                     BLOCK_M, BLOCK_K, INTERPRETED)
             cols = k0 + tl.arange(0, BLOCK_K)
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], _to_bf16_rne(x),
+            tl.store(out_ptr + rows[:, None] * K + cols[None, :], codecs.to_bf16_rne(x),
                      mask=row_mask[:, None] & (cols[None, :] < K))
 
 
@@ -303,11 +271,7 @@ def _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offse
     """decode_row_scales_kernel's work for slot g, part `part` of `parts`."""
     s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end
-        rows = rows.to(tl.int64)
-        scale_rows = rows + scale_row_base
-        scale_mask = row_mask & (scale_rows >= 0) & (scale_rows < NUM_SCALE_ROWS)
+        rows, row_mask, scale_rows, scale_mask = _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M)
         if ALIGN_GROUPS:
             out_rows = kb_major_column(rows - s, s, g, ALIGN_GROUPS)
         else:
@@ -316,7 +280,7 @@ def _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offse
             kb = kb0 + tl.arange(0, BLOCK_KB)
             raw = tl.load(a_scale_ptr + _scale_offsets(scale_rows[:, None], kb[None, :], NUM_KB, KB4, SWIZZLED),
                           mask=scale_mask[:, None] & (kb[None, :] < NUM_KB), other=0)
-            tl.store(out_ptr + out_rows[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, _decode_e8m0(raw),
+            tl.store(out_ptr + out_rows[:, None] * ROW_STRIDE + kb[None, :] * KB_STRIDE, codecs.decode_e8m0(raw),
                      mask=row_mask[:, None] & (kb[None, :] < COLUMNS))
 
 
@@ -328,14 +292,6 @@ def kb_major_column(r, s, g, BLOCK: tl.constexpr):
     if BLOCK == 16:
         r = (r & ~15) | ((r & 6) << 1) | ((r & 8) >> 2) | (r & 1)
     return base + r
-
-
-@triton.jit
-def _e2m1_code_to_e4m3(nibble, EXP: tl.constexpr):
-    mag = nibble & 7
-    base = 0x30 + 8 * EXP  # the code of 0.5 * 2^EXP (0 <= EXP <= 6: normal, below 448)
-    byte = tl.where(mag == 0, 0, tl.where(mag == 1, base, base + 4 * mag))
-    return byte | ((nibble & 8) << 4)
 
 
 @triton.jit
@@ -374,8 +330,8 @@ def _e2m1_to_e4m3_block(src_ptr, out_ptr, NUM_BYTES, block, EXP: tl.constexpr, E
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < NUM_BYTES
     packed = tl.load(src_ptr + offsets, mask=mask, other=0).to(tl.int32)
-    low = _e2m1_code_to_e4m3(packed & 15, EXP)
-    high = _e2m1_code_to_e4m3(packed >> 4, EXP)
+    low = codecs.e2m1_code_to_e4m3(packed & 15, EXP)
+    high = codecs.e2m1_code_to_e4m3(packed >> 4, EXP)
     if EVEN_ODD:
         low_offsets = 2 * offsets - offsets % 4
         high_offsets = low_offsets + 4

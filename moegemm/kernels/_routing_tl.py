@@ -19,6 +19,8 @@ only builtins (tl.reduce, tl.associative_scan, tl.histogram, tl.gather) and the 
 import triton
 import triton.language as tl
 
+from moegemm.kernels import tl_source
+
 
 @triton.jit
 def _add(a, b):
@@ -28,7 +30,7 @@ def _add(a, b):
 # The combine function of every sum and prefix sum. The interpreter runs a custom one element by
 # element in Python; it recognizes the standard library's own and runs numpy instead (it never
 # calls it, so the rule above holds).
-_SUM = tl.standard._sum_combine if triton.knobs.runtime.interpret else _add
+_SUM = tl.standard._sum_combine if tl_source.interpreted() else _add
 
 
 @triton.jit
@@ -118,7 +120,7 @@ def routing_combine_kernel(y_ptr, grouped_row_ptr, valid_ptr, weights_ptr, exper
     (row = grouped_row[t, j], e its expert), accumulated in fp32 in choice order. A dropped
     choice's row is never read, so garbage (NaN) there cannot leak. The choices are unrolled
     (K constexpr), so their loads are in flight together: at decode the kernel is a chain of
-    dependent loads (row index, then the row), four of them one after the other took 6.8 us
+    dependent loads (row index, then the row), four of them one after the other take 6.8 us
     (gpt-oss, 64 tokens, H100)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)

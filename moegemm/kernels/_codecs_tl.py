@@ -1,0 +1,137 @@
+"""Element and scale codecs of the portable Triton (tl) kernels: e2m1, e4m3 and e8m0 from and to
+fp32, and fp32 -> bf16, all on integer bits.
+
+_portable_tl.py and _activation_tl.py call these. A @triton.jit function calls only functions
+built for its own mode (compiled or interpreted), so they load this file with
+tl_source.load_beside, which builds it for the mode they are being built for; and like them it
+calls no @triton.jit function of Triton's standard library, only builtins. Integer bits give the
+interpreter and the GPU the same results, the bytes of moegemm.codecs (SPEC section 2).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def f32_from_bits(bits):
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32 for integer e in [-127, 127] (2^-127 is a subnormal)."""
+    return f32_from_bits(tl.where(e >= -126, (e + 127) << 23, 0x00400000))
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, in integer arithmetic.
+
+    The interpreter's fp32->bf16 cast truncates; doing it by hand gives one rounding on both
+    the GPU and the CPU. NaN stays a quiet NaN; overflow rounds to inf as the hardware does.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _decode_magnitude(mag, MAN_BITS: tl.constexpr, EXP_OFFSET: tl.constexpr, SUBNORMAL_UNIT: tl.constexpr,
+                      NAN_CODE: tl.constexpr):
+    """The fp32 value of a float magnitude code (int32): exponent field exp = mag >> MAN_BITS,
+    mantissa man; normal numbers 2^(exp + EXP_OFFSET - 127) * (1 + man / 2^MAN_BITS) built as fp32
+    bits, subnormals (exp = 0) man * SUBNORMAL_UNIT; mag == NAN_CODE is NaN (0: no NaN code)."""
+    exp = mag >> MAN_BITS
+    man = mag & ((1 << MAN_BITS) - 1)
+    normal = f32_from_bits(((exp + EXP_OFFSET) << 23) | (man << (23 - MAN_BITS)))
+    val = tl.where(exp == 0, man.to(tl.float32) * SUBNORMAL_UNIT, normal)
+    if NAN_CODE:
+        val = tl.where(mag == NAN_CODE, f32_from_bits(tl.full(val.shape, 0x7FC00000, tl.int32)), val)
+    return val
+
+
+# The two decoders test the sign bit in different forms, equal on their codes: the other form
+# in either changes the sm_90 code of the kernels that call it.
+
+
+@triton.jit
+def decode_e2m1(code):
+    """e2m1 code (int32, 0..15) -> fp32."""
+    val = _decode_magnitude(code & 7, 1, 126, 0.5, 0)
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def decode_e4m3(code, NAN: tl.constexpr):
+    """e4m3fn bits (int32, 0..255) -> fp32; subnormals are man * 2^-9. NAN: 0x7F and 0xFF are
+    NaN, as in e4m3fn; without, they read as +-480 (their bits as a normal number)."""
+    val = _decode_magnitude(code & 0x7F, 3, 120, 0.001953125, 0x7F if NAN else 0)
+    return tl.where(code >= 0x80, -val, val)
+
+
+@triton.jit
+def decode_e8m0(byte):
+    """uint8 e8m0 -> fp32 2^(b-127); 0 -> 2^-127 (an fp32 subnormal), 0xFF -> NaN."""
+    b = byte.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return f32_from_bits(bits)
+
+
+@triton.jit
+def encode_e4m3(x):
+    """fp32 -> e4m3fn bits (int32): round to nearest even, saturating to +-448, NaN -> 0x7F."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = tl.abs(x)
+    # Normal range: keep 3 mantissa bits of the fp32 pattern, rounding the 20 dropped bits.
+    mbits = bits & 0x7FFFFFFF
+    normal = ((mbits + 0x7FFFF + ((mbits >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormals (|x| < 2^-6): man * 2^-9, man rounded to nearest even by the 2^23 trick.
+    # (from the subnormal lanes only: an inf or NaN would not convert to int32)
+    sub = ((tl.where(mag < 0.015625, mag, 0.0) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag < 0.015625, sub, normal)
+    code = tl.minimum(code, 0x7E)
+    code = tl.where(x != x, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
+def encode_e2m1(x):
+    """fp32 -> e2m1 code (int32 0..15): nearest, ties to the even code, saturating at 6."""
+    mag = tl.abs(x)
+    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+            + (mag > 5.0).to(tl.int32))
+    return code | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def e2m1_code_to_e4m3(code, EXP: tl.constexpr):
+    """The e4m3 byte of an e2m1 value times 2^EXP (0 <= EXP <= 6: exact, below 448): magnitude
+    codes 0..7 -> 0, then 0.5 * 2^EXP (0x30 + 8 * EXP), then 4 more a code."""
+    mag = code & 7
+    base = 0x30 + 8 * EXP
+    byte = tl.where(mag == 0, 0, tl.where(mag == 1, base, base + 4 * mag))
+    return byte | ((code & 8) << 4)
+
+
+@triton.jit
+def e8m0_exponent(amax, MAX_FINITE: tl.constexpr):
+    """The smallest e with 2^e * MAX_FINITE >= amax, clamped to [-127, 127], from amax's bits.
+
+    MAX_FINITE = mf * 2^F with mf = 1.75, F = 8 (448) or mf = 1.5, F = 2 (6). For amax = m * 2^E
+    (m in [1, 2)), m / mf is in (1/2, 2/mf): e = E - F, plus one where m > mf (mantissa bits
+    above mf's). Subnormal and zero amax land below -127 (clamped); inf and NaN give 127 (the
+    callers store the NaN scale 255 for both). Integer operations only: a quotient's division
+    and two corrections cost ~30 instructions a value in the fused epilogue (its Gluon twin).
+    """
+    bits = amax.to(tl.int32, bitcast=True)
+    field = (bits >> 23) & 0xFF
+    if MAX_FINITE == 448.0:
+        e = field - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    else:
+        tl.static_assert(MAX_FINITE == 6.0, "e8m0 exponents for e4m3 (448) or e2m1 (6)")
+        e = field - 129 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
+    return tl.where(field == 255, 127, tl.maximum(tl.minimum(e, 127), -127))
