@@ -97,9 +97,7 @@ def _kernels(interpret: bool):
 
 
 def _kernel_usable(device: torch.device) -> bool:
-    from .ops import interpreter_usable  # ops imports this module's neighbours; import late
-
-    return device.type == "cuda" or (device.type == "cpu" and interpreter_usable())
+    return device.type == "cuda" or (device.type == "cpu" and tl_source.interpreter_usable())
 
 
 def _out_code(fmt_name: str, module) -> tuple[int, int, int]:

@@ -105,12 +105,12 @@ def _use_triton(backend: str, device: torch.device) -> bool:
         return False
     if backend == "auto":
         return device.type == "cuda"
-    from .ops import interpreter_usable  # lazily: ops imports the kernel packages
+    from .kernels.tl_source import interpreter_note, interpreter_usable  # lazily, as the kernels below
 
     if device.type == "cuda" or (device.type == "cpu" and interpreter_usable()):
         return True
     raise ValueError(f"backend: 'triton' cannot run tensors on {device}"
-                     + (" (Triton's CPU interpreter needs numpy < 2.4)" if device.type == "cpu" else ""))
+                     + interpreter_note(device))
 
 
 def route(

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import moegemm
-from moegemm.ops import interpreter_usable
+from moegemm.kernels.tl_source import interpreter_usable
 
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
 

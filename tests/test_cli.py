@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from moegemm.ops import interpreter_usable
+from moegemm.kernels.tl_source import interpreter_usable
 
 
 def run(*args):

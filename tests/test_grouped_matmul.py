@@ -10,7 +10,8 @@ import torch
 
 import moegemm
 from moegemm.config import PortableConfig, override_config
-from moegemm.ops import interpreter_usable, resolve_backend
+from moegemm.kernels.tl_source import interpreter_usable
+from moegemm.ops import resolve_backend
 from moegemm.validation import validate_grouped_matmul
 
 from cases import FORMAT_LAYOUTS, TOKEN_PATTERNS, check_output, make_problem, poison_like, tolerance

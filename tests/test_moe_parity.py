@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moegemm
-from moegemm.ops import interpreter_usable
+from moegemm.kernels.tl_source import interpreter_usable
 
 from cases import dequantized_experts
 

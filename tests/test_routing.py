@@ -8,6 +8,7 @@ import torch
 import moegemm
 from moegemm import routing
 from moegemm.kernels import routing as routing_kernels
+from moegemm.kernels import tl_source
 
 
 def random_topk(t, k, e, drop=0.0):
@@ -105,7 +106,8 @@ def test_routing_captures_in_a_cuda_graph():
 
 
 # --- Triton routing kernels (kernels/_routing_tl.py) against the PyTorch reference ------------
-needs_interpreter = pytest.mark.skipif(not moegemm.ops.interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
+needs_interpreter = pytest.mark.skipif(not tl_source.interpreter_usable(),
+                                       reason="Triton's CPU interpreter needs numpy < 2.4")
 
 PLAN_FIELDS = ("token_index", "grouped_row", "valid", "a_offsets", "expert_ids", "a_scale_offsets", "expert_of_row")
 
@@ -235,6 +237,26 @@ def test_routing_backend_and_bias_bad_input():
         moegemm.unpermute_tokens(y, plan, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="^topk_weights"):
         moegemm.unpermute_tokens(y, plan, torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("call", ["route", "unpermute_tokens", "grouped_matmul"])
+def test_triton_on_the_cpu_without_the_interpreter_names_the_cpu_extra(monkeypatch, call):
+    """Where numpy is too new for Triton's CPU interpreter, asking for the Triton kernels on CPU
+    tensors fails naming the fix: moegemm's cpu extra, which pins numpy < 2.4."""
+    monkeypatch.setattr(tl_source, "interpreter_usable", lambda: False)
+    monkeypatch.setattr(moegemm.ops, "interpreter_usable", lambda: False)  # (ops' name for it)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^backend: 'triton' cannot run tensors on cpu") as caught:
+        if call == "route":
+            moegemm.route(ids, 4, backend="triton")
+        elif call == "unpermute_tokens":
+            moegemm.unpermute_tokens(torch.ones(8, 6), moegemm.route(ids, 4), backend="triton")
+        else:
+            moegemm.grouped_matmul(torch.ones(4, 32, dtype=torch.bfloat16), torch.ones(2, 16, 32, dtype=torch.bfloat16),
+                                   None, None, torch.tensor([0, 2, 4], dtype=torch.int32),
+                                   torch.tensor([0, 1], dtype=torch.int32), fmt="bf16", backend="triton")
+    assert str(caught.value).endswith(' (Triton\'s CPU interpreter needs numpy < 2.4: pip install "moegemm[cpu]")')
+    assert tl_source.interpreter_note("cuda") == ""
 
 
 ROUTING_SIGNATURES = {

@@ -10,7 +10,7 @@ import moegemm
 from moegemm import activation as act
 from moegemm.formats import get_format
 from moegemm.kernels import portable
-from moegemm.ops import interpreter_usable
+from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.token_forms import TokenForm, kb_major_column, kb_major_columns, token_form
 from moegemm.validation import GroupedProblem
 
