@@ -1,7 +1,7 @@
 """Kernel configurations: frozen data from a pure function of (format, shape, device).
 
 MOEGEMM_PRINT_CONFIG=1 prints each choice once. Tests may force a choice with
-`override_config(cfg)` (per config type).
+`override_config(cfg)` (per config function: portable, dense sm90, block-format sm90).
 """
 
 from __future__ import annotations
@@ -13,7 +13,17 @@ from dataclasses import dataclass, replace
 
 from .formats import FORMATS, Format
 
-__all__ = ["PortableConfig", "Sm90Config", "portable_config", "sm90_config", "sm90_mx_config", "override_config"]
+__all__ = [
+    "DecodeConfig",
+    "DenseConfig",
+    "E2m1Config",
+    "Mxfp8Config",
+    "PortableConfig",
+    "override_config",
+    "portable_config",
+    "sm90_config",
+    "sm90_mx_config",
+]
 
 
 @dataclass(frozen=True)
@@ -39,13 +49,33 @@ class PortableConfig:
             raise ValueError(f"config: block_k={self.block_k} must be a multiple of the scale block {fmt.scale_vec}")
 
 
+SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
+MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # the block formats (kernels/sm90: decode, mxfp8, e2m1)
+_RING_BARRIERS = 2 * 8  # a stage's ready and empty mbarriers
+_SCHEDULE = 128  # the tile-id words and their barriers, with room to spare
+
+
+def weight_bytes(fmt: Format) -> float:
+    """Bytes a weight element takes in the ring (packed fp4: 1/2)."""
+    return fmt.b.element.bits / 8
+
+
+def _check_smem(cfg, fmt: Format, out_bytes: int, fused: bool):
+    smem = cfg.smem_bytes(fmt, out_bytes, fused)
+    if smem > SM90_SMEM_BYTES:
+        raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}: {cfg}")
+
+
 @dataclass(frozen=True)
-class Sm90Config:
-    """Tile shape and pipeline depth of the sm90 Gluon kernel (two consumer warpgroups).
+class DenseConfig:
+    """kernels/sm90/dense.py (bf16, fp8_block), two consumer warpgroups on a tile of
 
     normal   (default)   128 tokens x block_n weights; warpgroups split the tokens
     split_n              64 tokens x 2*block_n weights; warpgroups split the weights
     swap                 block_n tokens x 128 weights; weights are the wgmma M side (decode)
+
+    The last claim_rounds * programs tiles of a call are claimed from a counter as programs free
+    up, the rest dealt round-robin (kernels/sm90/pipeline.py, schedule); 0: round-robin throughout.
     """
 
     block_n: int
@@ -55,35 +85,7 @@ class Sm90Config:
     swap: bool = False
     split_n: bool = False
     consumer_regs: int = 232
-    sub_steps: int = 1  # MX kernel: block_k-wide steps per ring stage (weight rows in wider TMA boxes)
-    # fp8 wgmma per 32-wide K block and fp32 promotion (kernels/sm90_mxfp8.py): mxfp8, and the
-    # e2m1 weights of mxfp4/w4a8 decoded to e4m3 (two 128-wide token tiles a stage: sub_steps=2)
-    fp8_mma: bool = False
-    # e2m1 weights on fp8_mma: four consumer warpgroups, a pair for each 128-K half of a stage
-    # (rows split as before), their two partial sums added at the tile's end through shared
-    # memory: twice the warps to hide each stage's chain of waits (kernels/sm90_mxfp8.py)
-    split_k: bool = False
-    # Wide mxfp8 fp8_mma tiles: a slot's last token tile also takes up to tail_tokens more
-    # tokens, on a second accumulator of the same warpgroups (kernels/sm90_mxfp8.py), instead of
-    # a nearly empty tile of its own that streams the weight block again
-    tail_tokens: int = 0
-    # ... and a tail of up to tail_tokens // 2 tokens runs on an accumulator of half the width
-    # (a third K loop in the kernel), not on the full tail's
-    short_tails: bool = False
-    # The last claim_rounds * programs tiles of a call are claimed from a counter as programs
-    # free up, the rest dealt round-robin (kernels/sm90.py, schedule); 0: round-robin throughout
-    # (always for split-K). Two rounds measured best of 0/2/4/8/16/all on DeepSeek-V3's mxfp8
-    # products (0.99x, 0.986x the time of 0) and gpt-oss's bf16 fused gate/up step (0.992x);
-    # fp8_block keeps 0 (_sm90_config). bench/results/schedule-*.json, H100.
     claim_rounds: int = 2
-    # Narrow fp8_mma tiles: the consumers walk the slots from chunks of 31 loaded at once
-    # (kernels/sm90_mxfp8.py, sm90._slot_chunk) instead of three loads a slot
-    chunk_walk: bool = False
-
-    @property
-    def stage_k(self) -> int:
-        """K elements a ring stage carries (the MX kernel's stage holds sub_steps K steps)."""
-        return self.block_k * self.sub_steps
 
     @property
     def token_tile(self) -> int:
@@ -94,166 +96,231 @@ class Sm90Config:
         return 128 if self.swap else (2 * self.block_n if self.split_n else self.block_n)
 
     @property
-    def wide_promotion(self) -> bool:
-        """fp8_mma tiles of 64 or 128 tokens: their token scales travel through the ring
-        (kernels/sm90_mxfp8.py)."""
-        return self.fp8_mma and self.token_tile > 32
-
-    def swap_store_scratch(self, out_bytes: int) -> int:
-        """Shared memory of the wide mxfp8 tiles' plain epilogue, which converts each warpgroup's
-        [64, tokens] bf16 output for 16-byte stores (fp32 outputs keep the 2-byte stores that
-        need none): Triton does it in pieces through a 4 KB buffer (sm_90 compile: the kernels'
-        shared memory grew by 4112 bytes at 64 and 128 tokens), so room for two warpgroups'
-        [64, 32] pieces is reserved."""
-        return 2 * 64 * 32 * out_bytes
+    def stage_k(self) -> int:
+        return self.block_k
 
     def epilogue_n(self, promote: bool) -> int:
         """Columns of one accumulator: fp8_block computes a normal 256-wide tile as two halves."""
         return 128 if promote and not self.swap and not self.split_n and self.block_n > 128 else self.block_n
 
     def fused_scratch(self) -> int:
-        """Shared memory of the fused SwiGLU epilogue's layout conversions (kernels/sm90_epilogue.py),
-        which runs instead of the plain epilogue and needs none of its buffers. Swapped tiles
-        convert each warpgroup's fp32 accumulator [64, tokens] that may run it; the wide mxfp8
-        tiles only the activation's [tokens, 32] output (their row pairs meet by shuffles; sm_90
-        compile at 128 tokens, two warpgroups, mxfp8 out: 32 KB). Normal tiles only their
-        [64, W/2] output, which Triton converts in pieces (sm_90 compile: 8 KB for both
-        warpgroups at 64 x 256 and 128 x 256 tiles, bf16 or quantized out): twice that is kept."""
-        if self.swap:
-            per_token = 32 * 4 if self.wide_promotion else 64 * 4
-            return (4 if self.split_k else 2) * self.token_tile * per_token
-        return 2 * 8192
+        """Shared memory of the fused SwiGLU epilogue's layout conversions (kernels/sm90/swiglu.py),
+        which runs instead of the plain epilogue and needs none of its buffers: swapped tiles
+        convert each warpgroup's fp32 accumulator [64, tokens]; normal tiles only their [64, W/2]
+        output, which Triton converts in pieces (sm_90 compile: 8 KB for both warpgroups at
+        64 x 256 and 128 x 256 tiles, bf16 or quantized out): twice that is kept."""
+        return 2 * self.token_tile * 64 * 4 if self.swap else 2 * 8192
 
-    def smem_bytes(self, element_bytes: int, out_bytes: int, weight_bytes: float | None = None,
-                   fused: bool = False) -> int:
-        """Shared memory of the ring and epilogue; `weight_bytes` per weight element when the
-        weights stay compressed in the ring (MX/NV formats: 1 or 1/2), else `element_bytes`.
-        `fused`: the kernel runs the fused SwiGLU epilogue (fused_scratch) instead of the plain one."""
-        # The MX kernel decodes the weights into two bf16 [64, block_k] buffers per warpgroup;
-        # the promotion kernel its e2m1 weights into two e4m3 [64, 128] buffers.
-        if weight_bytes is None or (self.fp8_mma and weight_bytes == 1):
-            operands = 0
-        elif self.fp8_mma:
-            operands = 2 * 2 * 64 * self.block_k
-        else:
-            operands = 2 * 2 * 64 * self.block_k * 2
-        weight_bytes = element_bytes if weight_bytes is None else weight_bytes
-        stage = int((self.token_tile * element_bytes + self.weight_tile * weight_bytes) * self.stage_k)
-        if self.wide_promotion:  # the tokens' fp32 scales of the stage's four K blocks
-            stage += 4 * 4 * self.token_tile
-        elif self.fp8_mma and weight_bytes == 0.5:  # e2m1 weights: eight K blocks' token scales
-            stage += 8 * 4 * self.token_tile + self.weight_tile * 8  # and weight scales (two atoms)
-        if self.tail_tokens:  # the tail's tokens and scales
-            stage += int(self.tail_tokens * element_bytes * self.stage_k) + 4 * 4 * self.tail_tokens
+    def smem_bytes(self, fmt: Format, out_bytes: int = 2, fused: bool = False) -> int:
+        """The ring, and the plain epilogue's TMA buffers (normal tiles) or the fused one's scratch."""
+        element = fmt.b.element.bits // 8
+        stage = (self.token_tile + self.weight_tile) * element * self.stage_k
         if fused:
             epilogue = self.fused_scratch()
         else:
-            epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element_bytes == 1) * out_bytes
-            if self.swap and self.wide_promotion:  # tiles converted for 16-byte stores (sm90._store_swapped)
-                epilogue += self.swap_store_scratch(out_bytes)
-        if self.split_k:  # the K-half-1 warpgroups' partial sums and their four barriers
-            epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8
-        # The tile schedule's two words and four barriers, and the word through which the
-        # producer's claim reaches its warp (kernels/sm90.py, schedule): ~100 bytes aligned.
-        schedule = 128
-        return self.stages * stage + operands + epilogue + 2 * 8 * self.stages + schedule
+            epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element == 1) * out_bytes
+        return self.stages * (stage + _RING_BARRIERS) + epilogue + _SCHEDULE
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
-        e2m1_fp8 = self.fp8_mma and fmt.b.element.packed
-        if self.split_k and not e2m1_fp8:
-            raise ValueError(f"config: split_k is the e2m1 weights' arrangement on fp8_mma: {self}")
-        if self.block_n not in ((8, 16) if e2m1_fp8 else (16, 32, 64, 128, 256)) or (self.swap and self.split_n):
-            raise ValueError(f"config: block_n must be 16..256 (powers of two; 8 or 16 for e2m1 weights on fp8_mma), "
-                             f"swap and split_n exclusive: {self}")
-        if self.fp8_mma:
-            if fmt.name not in FP8_MMA_FORMATS or not self.swap or self.block_k != 128:
-                raise ValueError(f"config: fp8_mma runs {'/'.join(FP8_MMA_FORMATS)} on swapped tiles with block_k=128 "
-                                 f"(four scale blocks a token tile): {self}")
-            if self.sub_steps != (2 if e2m1_fp8 else 1):
-                raise ValueError(f"config: fp8_mma stages hold 128 bytes of a weight row: one token tile with mxfp8, "
-                                 f"two with e2m1 weights (sub_steps=2, 8- or 16-token tiles): {self}")
-            if self.block_n > 128:
-                raise ValueError(f"config: fp8_mma tiles hold <= 128 tokens: {self}")
-            if self.chunk_walk and self.wide_promotion:
-                raise ValueError(f"config: chunk_walk is for narrow fp8_mma tiles (<= 32 tokens): {self}")
-            if self.tail_tokens not in (0, 16, 32) or (self.tail_tokens and (e2m1_fp8 or self.token_tile != 128)):
-                raise ValueError(f"config: tail_tokens (0, 16 or 32) is for 128-token mxfp8 fp8_mma tiles: {self}")
-            if self.short_tails and self.tail_tokens != 32:
-                raise ValueError(f"config: short_tails halve tails of tail_tokens=32: {self}")
-            # The kernel's producer keeps 120 registers on narrow tiles, 40 on wide ones: the
-            # consumers' share of the 64K-register file is what is left. Split-K has four consumer
-            # warpgroups and the producer gets 512 - 4 * consumer_regs (64 at 112 still leaves
-            # ptxas room to keep the wgmmas in flight; 104 spilled in the 16-token K loop).
-            max_regs = 112 if self.split_k else 240 if self.wide_promotion else 192
-            if self.consumer_regs > max_regs:
-                raise ValueError(f"config: fp8_mma tiles of {self.token_tile} tokens allow consumer_regs <= "
-                                 f"{max_regs}: {self}")
-            smem = self.smem_bytes(1, out_bytes, weight_bytes(fmt))
-            if smem > SM90_SMEM_BYTES:
-                raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
-            return
-        if self.tail_tokens or self.chunk_walk or self.short_tails:
-            raise ValueError(f"config: tail_tokens, short_tails and chunk_walk are fp8_mma settings: {self}")
-        if fmt.name in MX_FORMATS:
-            if not self.swap or self.block_k != 64:
-                raise ValueError(f"config: {fmt.name} runs swapped tiles (decoded weights as the wgmma A side) "
-                                 f"with block_k=64: {self}")
-            if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
-                raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
-            smem = self.smem_bytes(2, out_bytes, weight_bytes(fmt))
-            if smem > SM90_SMEM_BYTES:
-                raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
-            return
-        if self.sub_steps != 1:
-            raise ValueError(f"config: sub_steps is a block-format (MX kernel) setting: {self}")
+        if fmt.name not in ("bf16", "fp8_block"):
+            raise ValueError(f"config: DenseConfig runs bf16 and fp8_block, not {fmt.name}")
+        if self.block_n not in (16, 32, 64, 128, 256) or (self.swap and self.split_n):
+            raise ValueError(f"config: block_n must be 16..256 (powers of two), swap and split_n exclusive: {self}")
         fp8 = fmt.name == "fp8_block"
         if fp8 and (self.block_k != 128 or min(self.epilogue_n(True), self.weight_tile) > 128 and not self.swap):
             raise ValueError(f"config: fp8_block promotes per 128x128 block; an accumulator spans <= 128 weights: {self}")
-        element = 1 if fp8 else 2
-        if self.block_k * element != 128:
+        if self.block_k * (1 if fp8 else 2) != 128:
             raise ValueError(f"config: block_k rows must be 128 bytes (the TMA swizzle), got block_k={self.block_k}")
-        smem = self.smem_bytes(element, out_bytes, fused=fused)
-        if smem > SM90_SMEM_BYTES:
-            raise ValueError(f"config: {smem} bytes of shared memory > {SM90_SMEM_BYTES}")
+        _check_smem(self, fmt, out_bytes, fused)
 
 
-SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
-MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # the block formats of kernels/sm90_mx.py
-FP8_MMA_FORMATS = ("mxfp8", "mxfp4", "w4a8")  # e8m0 scales per 32: one k32 fp8 wgmma a scale block
+@dataclass(frozen=True)
+class DecodeConfig:
+    """kernels/sm90/decode.py (mxfp4, nvfp4, w4a8; mxfp8 only when forced): swapped tiles of 128
+    weight rows (decoded to bf16 by the consumers) x token_tile tokens, sub_steps 64-wide K steps
+    a ring stage (at most 128 bytes of a weight row)."""
+
+    token_tile: int
+    stages: int
+    group_m: int
+    consumer_regs: int = 192
+    sub_steps: int = 1
+
+    block_k = 64
+    weight_tile = 128
+    claim_rounds = 0  # (round-robin throughout)
+
+    @property
+    def stage_k(self) -> int:
+        return self.block_k * self.sub_steps
+
+    def smem_bytes(self, fmt: Format, out_bytes: int = 2, fused: bool = False) -> int:
+        """The ring (bf16 tokens, compressed weights), the decoded-weight operand buffers (two of
+        [64, 64] bf16 a warpgroup), and the fused epilogue's conversion of each warpgroup's fp32
+        accumulator when fused (the plain epilogue stores with masks)."""
+        stage = int((self.token_tile * 2 + self.weight_tile * weight_bytes(fmt)) * self.stage_k)
+        operands = 2 * 2 * 64 * self.block_k * 2
+        epilogue = 2 * self.token_tile * 64 * 4 if fused else 0
+        return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + _SCHEDULE
+
+    def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
+        if fmt.name not in MX_FORMATS:
+            raise ValueError(f"config: DecodeConfig runs the block formats {MX_FORMATS}, not {fmt.name}")
+        if self.token_tile not in (16, 32, 64, 128, 256):
+            raise ValueError(f"config: token_tile must be 16..256 (powers of two): {self}")
+        if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
+            raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
+        _check_smem(self, fmt, out_bytes, fused)
 
 
-def with_epilogue_scratch(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None):
-    """A swapped tile's fused SwiGLU epilogue converts each warpgroup's [tokens, 32] output
-    through shared memory (Sm90Config.fused_scratch): shorten the ring, if need be, to leave
-    that room (a tail's output is converted after the tile's, in the same room). Normal tiles
-    are sized for it by their config function (sm90_config, fused)."""
-    if not cfg.swap:
+@dataclass(frozen=True)
+class Mxfp8Config:
+    """kernels/sm90/mxfp8.py: swapped tiles of 128 weight rows x token_tile tokens, one 128-wide K
+    step (four scale blocks) a stage. Wide tiles (64 or 128 tokens) bring their token scales
+    through the ring; a slot's last 128-token tile may take up to tail_tokens more tokens on a
+    second accumulator (short_tails: a tail of up to tail_tokens // 2 on one of half the width);
+    chunk_walk (narrow tiles): the consumers walk the slots from chunks of 31 loaded at once."""
+
+    token_tile: int
+    stages: int
+    group_m: int
+    consumer_regs: int = 192
+    tail_tokens: int = 0
+    short_tails: bool = False
+    chunk_walk: bool = False
+    claim_rounds: int = 2
+
+    block_k = 128
+    weight_tile = 128
+    stage_k = 128
+
+    @property
+    def wide(self) -> bool:
+        return self.token_tile > 32
+
+    def swap_store_scratch(self, out_bytes: int) -> int:
+        """Shared memory of the wide tiles' plain epilogue, which converts each warpgroup's
+        [64, tokens] bf16 output for 16-byte stores (fp32 outputs keep the 2-byte stores that need
+        none): Triton does it in pieces through a 4 KB buffer (sm_90 compile: the kernels' shared
+        memory grew by 4112 bytes at 64 and 128 tokens), so room for two warpgroups' [64, 32]
+        pieces is reserved."""
+        return 2 * 64 * 32 * out_bytes
+
+    def smem_bytes(self, fmt: Format, out_bytes: int = 2, fused: bool = False) -> int:
+        """The ring (e4m3 tokens and weights; wide tiles: the stage's [4, tokens] fp32 token scales;
+        tails: their tokens and scales) and the epilogue's conversions: the fused one converts
+        only the activation's [tokens, 32] output on wide tiles (row pairs by shuffles), each
+        warpgroup's fp32 accumulator on narrow ones."""
+        stage = (self.token_tile + self.weight_tile) * self.stage_k
+        if self.wide:
+            stage += 4 * 4 * self.token_tile
+        if self.tail_tokens:
+            stage += self.tail_tokens * self.stage_k + 4 * 4 * self.tail_tokens
+        if fused:
+            epilogue = 2 * self.token_tile * (32 if self.wide else 64) * 4
+        else:
+            epilogue = self.swap_store_scratch(out_bytes) if self.wide else 0
+        return self.stages * (stage + _RING_BARRIERS) + epilogue + _SCHEDULE
+
+    def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
+        if fmt.name != "mxfp8":
+            raise ValueError(f"config: Mxfp8Config runs mxfp8, not {fmt.name}")
+        if self.token_tile not in (16, 32, 64, 128):
+            raise ValueError(f"config: mxfp8 promotion tiles hold 16, 32, 64 or 128 tokens: {self}")
+        if self.chunk_walk and self.wide:
+            raise ValueError(f"config: chunk_walk is for narrow tiles (<= 32 tokens): {self}")
+        if self.tail_tokens not in (0, 16, 32) or (self.tail_tokens and self.token_tile != 128):
+            raise ValueError(f"config: tail_tokens (0, 16 or 32) is for 128-token tiles: {self}")
+        if self.short_tails and self.tail_tokens != 32:
+            raise ValueError(f"config: short_tails halve tails of tail_tokens=32: {self}")
+        max_regs = 240 if self.wide else 192
+        if self.consumer_regs > max_regs:
+            raise ValueError(f"config: tiles of {self.token_tile} tokens allow consumer_regs <= {max_regs}: {self}")
+        _check_smem(self, fmt, out_bytes, fused)
+
+
+@dataclass(frozen=True)
+class E2m1Config:
+    """kernels/sm90/e2m1.py (mxfp4, w4a8 at decode): swapped tiles of 128 weight rows x 8 or 16
+    tokens, 256 K a stage (two token boxes, the weight rows' 128 bytes, the scales); split_k:
+    four consumer warpgroups, a pair for each 128-K half of a stage, their two partial sums added
+    at the tile's end through shared memory (tiles then dealt round-robin)."""
+
+    token_tile: int
+    stages: int
+    group_m: int = 1
+    consumer_regs: int = 112
+    split_k: bool = True
+    claim_rounds: int = 2
+
+    block_k = 128
+    weight_tile = 128
+    stage_k = 256
+
+    def smem_bytes(self, fmt: Format, out_bytes: int = 2, fused: bool = False) -> int:
+        """The ring (e4m3 tokens, packed weights, eight K blocks' token scales and the weight
+        scales' two atoms), the decoded e4m3 operand buffers (four of [64, 128]), the fused
+        epilogue's conversion of each warpgroup's accumulator, split-K's partial sums."""
+        stage = int((self.token_tile + self.weight_tile * 0.5) * self.stage_k)
+        stage += 8 * 4 * self.token_tile + self.weight_tile * 8
+        operands = 2 * 2 * 64 * self.block_k
+        consumers = 4 if self.split_k else 2
+        epilogue = consumers * self.token_tile * 64 * 4 if fused else 0
+        if self.split_k:
+            epilogue += 2 * 64 * self.token_tile * 4 + 4 * 8
+        return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + _SCHEDULE
+
+    def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
+        if fmt.name not in ("mxfp4", "w4a8"):
+            raise ValueError(f"config: E2m1Config runs mxfp4 and w4a8 (e2m1 weights, e8m0 scales), not {fmt.name}")
+        if self.token_tile not in (8, 16):
+            raise ValueError(f"config: e2m1 weight tiles hold 8 or 16 tokens: {self}")
+        max_regs = 112 if self.split_k else 192
+        if self.consumer_regs > max_regs:
+            raise ValueError(f"config: consumer_regs <= {max_regs} with split_k={self.split_k}: {self}")
+        _check_smem(self, fmt, out_bytes, fused)
+
+
+MxConfig = DecodeConfig | Mxfp8Config | E2m1Config  # the block formats' three kernels
+
+
+def with_epilogue_scratch(cfg, fmt: Format):
+    """A swapped tile's fused SwiGLU epilogue converts each warpgroup's output through shared
+    memory: shorten the ring, if need be, to leave that room (a tail's output is converted after
+    the tile's, in the same room). Normal tiles are sized for it by sm90_config(fused=True)."""
+    if isinstance(cfg, DenseConfig) and not cfg.swap:
         return cfg
-    while cfg.stages > 2 and cfg.smem_bytes(element_bytes, out_bytes, weight_bytes, fused=True) > SM90_SMEM_BYTES:
+    while cfg.stages > 2 and cfg.smem_bytes(fmt, 2, fused=True) > SM90_SMEM_BYTES:
         cfg = replace(cfg, stages=cfg.stages - 1)
     return cfg
 
 
-def deepest_ring(cfg: Sm90Config, element_bytes: int, out_bytes: int, weight_bytes: float | None = None,
-                 max_stages: int = 12, fused: bool = False) -> Sm90Config:
+def deepest_ring(cfg, fmt: Format, out_bytes: int = 2, fused: bool = False, max_stages: int = 12):
     """cfg with its ring as deep as shared memory allows (up to max_stages), from its stages up."""
-    while (cfg.stages < max_stages and replace(cfg, stages=cfg.stages + 1).smem_bytes(
-            element_bytes, out_bytes, weight_bytes, fused) <= SM90_SMEM_BYTES):
+    while (cfg.stages < max_stages
+           and replace(cfg, stages=cfg.stages + 1).smem_bytes(fmt, out_bytes, fused) <= SM90_SMEM_BYTES):
         cfg = replace(cfg, stages=cfg.stages + 1)
     return cfg
 
 
-def weight_bytes(fmt: Format) -> float:
-    """Bytes a weight element takes in the ring (packed fp4: 1/2)."""
-    return fmt.b.element.bits / 8
+_overrides: dict[str, object] = {}
 
-_overrides: dict[type, object] = {}
+
+def _family(config) -> str:
+    """Overrides apply per config function: the dense kernel's, or the block formats' (any of
+    their three kernels' configs)."""
+    if isinstance(config, DenseConfig):
+        return "sm90"
+    if isinstance(config, (DecodeConfig, Mxfp8Config, E2m1Config)):
+        return "sm90-mx"
+    return type(config).__name__
 
 
 @contextlib.contextmanager
 def override_config(config):
-    """Force a config of this type inside the block (for tests that must cover edge cases)."""
-    kind = type(config)
+    """Force a config inside the block (for tests that must cover edge cases): a PortableConfig,
+    a DenseConfig, or one of the block formats' (DecodeConfig, Mxfp8Config, E2m1Config)."""
+    kind = _family(config)
     previous = _overrides.get(kind)
     _overrides[kind] = config
     try:
@@ -271,18 +338,18 @@ def _print_choice(kind: str, key: str, config):
 
 
 def portable_config(fmt: Format, n: int, k: int, device_type: str) -> PortableConfig:
-    config = _overrides.get(PortableConfig) or _portable_config(fmt.name, fmt.scale_vec, n, k, device_type)
+    config = _overrides.get("PortableConfig") or _portable_config(fmt.name, fmt.scale_vec, n, k, device_type)
     config.check(fmt)
     return config
 
 
 def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: int = 2,
-                fused: bool = False) -> Sm90Config:
-    """Pure function of (format, N, K, token regime); the regime is M / G, known on the host.
-    `fused`: the kernel runs the fused SwiGLU epilogue (Sm90Config.fused_scratch)."""
-    config = _overrides.get(Sm90Config) or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
+                fused: bool = False) -> DenseConfig:
+    """The dense kernel's config: a pure function of (format, N, K, token regime); the regime is
+    M / G, known on the host. `fused`: the kernel runs the fused SwiGLU epilogue."""
+    config = _overrides.get("sm90") or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
     if fused:  # (a forced config's swapped ring may be too deep for the fused scratch)
-        config = with_epilogue_scratch(config, 1 if fmt.name == "fp8_block" else 2, out_bytes)
+        config = with_epilogue_scratch(config, fmt)
     config.check(fmt, out_bytes, fused)
     return config
 
@@ -299,127 +366,86 @@ def _regime(tokens_per_slot: float, smallest: int = 16) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int, fused: bool) -> Sm90Config:
+@functools.cache
+def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int, fused: bool) -> DenseConfig:
     fp8 = fmt_name == "fp8_block"
     block_k = 128 if fp8 else 64
     if regime in (16, 32, 64):
         # Few tokens per expert: weights are the 128-row wgmma side, the tokens of a group
         # (one tile of 16/32/64) the narrow side. The run streams the weights, so the ring is
         # as deep as shared memory allows.
-        cfg = Sm90Config(block_n=regime, block_k=block_k, stages=2, group_m=1, swap=True)
+        cfg = DenseConfig(block_n=regime, block_k=block_k, stages=2, group_m=1, swap=True)
     elif regime == 192:
         # Small groups: 64-token tiles waste less on ragged group ends than 128-token tiles.
-        cfg = Sm90Config(block_n=128, block_k=block_k, stages=2, group_m=4, split_n=True)
+        cfg = DenseConfig(block_n=128, block_k=block_k, stages=2, group_m=4, split_n=True)
     else:
         # 128 x 256 tiles: fp8_block as two 128-wide halves (two fp32 accumulators and one
         # block in flight per warpgroup); the wider tile cuts L2 traffic per flop, which bound
-        # the 128 x 128 tile (L2 throughput 87% in Nsight Compute; 976 -> 1218 TFLOP/s at
-        # 4 x 8192 x (6144, 7168)). Bands of 4 token blocks measured best of 4/8/16/32
-        # (bench/tune_sm90.py, H100, 2026-11-22).
-        cfg = Sm90Config(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
-    # The ring is as deep as shared memory allows, up to 12 stages, with the fused epilogue's
-    # scratch in place of the plain epilogue's buffers when fused (Sm90Config.fused_scratch): on
-    # normal tiles one stage more at ~128 tokens a slot (gpt-oss-120b's gate/up at 4096 tokens).
-    element = 1 if fp8 else 2
+        # the 128 x 128 tile (docs/perf-notes.md, tile shapes). Bands of 4 token blocks.
+        cfg = DenseConfig(block_n=256 if n >= 1024 else 128, block_k=block_k, stages=2, group_m=4)
     if fp8:
-        # Claimed last rounds did not pay on fp8_block: DeepSeek-V3's gate/up 1.006x slower, its
-        # down product 1.39x (2596 against 1866 us), though claiming every tile made that one
-        # 0.89x (bench/results/schedule-*.json; see docs/perf-notes.md, seventeenth session).
+        # Claimed last rounds did not pay on fp8_block (docs/perf-notes.md, round-robin tiles).
         cfg = replace(cfg, claim_rounds=0)
-    config = deepest_ring(cfg, element, out_bytes, fused=fused)
+    # The ring is as deep as shared memory allows, up to 12 stages, with the fused epilogue's
+    # scratch in place of the plain epilogue's buffers when fused.
+    config = deepest_ring(cfg, FORMATS[fmt_name], out_bytes, fused=fused)
     _print_choice("sm90", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'} fused={fused}", config)
     return config
 
 
-def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float) -> Sm90Config:
-    """The MX/NV kernel's config: a pure function of (format, N, K, token regime)."""
-    # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90_mxfp8.py).
-    smallest = 8 if fmt.b.element.packed and fmt.name in FP8_MMA_FORMATS else 16
-    config = _overrides.get(Sm90Config) or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot, smallest))
-    config.check(fmt)
+def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: bool = False) -> MxConfig:
+    """The block formats' kernel and config: a pure function of (format, N, K, token regime).
+    `fused`: the ring is shortened, if need be, for the fused epilogue's scratch."""
+    # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
+    smallest = 8 if fmt.name in ("mxfp4", "w4a8") else 16
+    config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot, smallest))
+    if fused:
+        config = with_epilogue_scratch(config, fmt)
+    config.check(fmt, fused=fused)
     return config
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> Sm90Config:
+@functools.cache
+def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
+    fmt = FORMATS[fmt_name]
     if fmt_name == "mxfp8" and regime in (16, 32):
-        # Both operands are e4m3: fp8 wgmma straight from the ring, scales promoted per k32 block
-        # (kernels/sm90_mxfp8.py), no weight decoding: 1.24-1.37x the decoding kernel at 2 and 16
-        # tokens an expert (DeepSeek-V3 shapes, H100). At ~32-48 tokens an expert the decoding
-        # kernel's 64-token tiles were faster (1.08-1.57x) than two 32-token promotion tiles.
-        # On 32-token tiles (~12-24 tokens an expert: DeepSeek-V3 at 512 tokens) the slot walk
-        # from chunks of slots took DeepSeek-V3's down and up products 1.034-1.046x faster; on
-        # 16-token tiles it was even at 2 tokens an expert and 1.02-1.03x slower at 1 token; on the
-        # e2m1 split-K tiles 1.02x faster at 8 tokens an expert, 1.01-1.11x slower at 1-2; on wide
-        # ones 0.99-1.0x (bench/results/slot-walk-chunks-*.json, H100).
-        cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=192,
-                         fp8_mma=True, chunk_walk=regime == 32)
+        # Both operands are e4m3: fp8 wgmma straight from the ring, scales promoted per k32 block,
+        # no weight decoding; at ~32-48 tokens an expert the decoding kernel's 64-token tiles
+        # were faster than two 32-token promotion tiles. The slot walk from chunks of slots pays
+        # on 32-token tiles only (docs/perf-notes.md, block formats; slot walk).
+        cfg = Mxfp8Config(token_tile=regime, stages=2, group_m=1, consumer_regs=192, chunk_walk=regime == 32)
     elif fmt_name == "mxfp8":
-        # More tokens an expert: the same fp8 wgmma and promotion on 64-token (regime 64) or
-        # 128-token tiles, the token scales through the ring (kernels/sm90_mxfp8.py):
-        # 1.10-1.17x the decoding kernel's tiles of the same size (DeepSeek-V3 shapes at 40, 128
-        # and 1024 tokens an expert, bench/results/mxfp8-wide-*.json, H100). Bands of 8 token
-        # blocks were within 4% of 4 either way.
-        # Up to 192 tokens a slot, a slot's last 128-token tile takes a tail of up to 32 more
-        # tokens: at ~128 tokens an expert about half the experts had a second tile of a few
-        # tokens, which cost a full tile's wgmmas and promotion (tiles of their own for them
-        # were 1.3x slower still: the weight block is then streamed twice,
-        # bench/results/mxfp8-narrow-tails-*.json). With tails DeepSeek-V3's up and down
-        # products at ~128 tokens an expert ran 1.26x and 1.23x faster; at ~1024 tokens an
-        # expert 0.90x (an expert's tiles there share weight blocks through L2, and the tail
-        # tile lags its band), so not there (bench/results/mxfp8-tail-*.json, H100). The tail's
-        # accumulator needs 240 registers a consumer thread (232 spilled in its K loop).
+        # More tokens an expert: 64- (regime 64) or 128-token tiles, the token scales through the
+        # ring. Up to 192 tokens a slot, a slot's last 128-token tile takes a tail of up to 32 more
+        # tokens (not at ~1024 tokens an expert, where an expert's tiles share weight blocks
+        # through L2 and the tail tile lags its band); tails of up to 16 tokens run on a 16-wide
+        # accumulator. The tail's accumulator needs 240 registers a consumer thread (232 spilled
+        # in its K loop). docs/perf-notes.md, wide mxfp8 tiles.
         tokens = 64 if regime == 64 else 128
         tail = 32 if regime == 192 else 0
-        # Tails of up to 16 tokens (~40% of DeepSeek-V3's experts at ~128 tokens have 129-144)
-        # run on a 16-wide accumulator: their K loop is 803 instructions a stage against the
-        # 32-wide tail's 873 and the plain tile's 700 (sm_90 SASS).
-        cfg = Sm90Config(block_n=tokens, block_k=128, stages=2, group_m=4, swap=True,
-                         consumer_regs=240 if tail else 232, fp8_mma=True, tail_tokens=tail, short_tails=tail == 32)
+        cfg = Mxfp8Config(token_tile=tokens, stages=2, group_m=4, consumer_regs=240 if tail else 232,
+                          tail_tokens=tail, short_tails=tail == 32)
     elif fmt_name in ("mxfp4", "w4a8") and regime in (8, 16):
-        # e2m1 weights at decode: decoded to e4m3 in shared memory (1 instruction an element)
-        # and run like mxfp8, 256 K a stage (kernels/sm90_mxfp8.py); mxfp4 tokens are
-        # re-encoded as e4m3 by a pre-pass. 1.31-1.39x the decoding kernel at 2 tokens an expert
-        # (gpt-oss and DeepSeek-V3 shapes, bench/results/e2m1-promotion-*.json, H100). 8-token
-        # tiles up to 4 tokens a slot (regime 8): half the promotion of 16 (4 accumulators a
-        # thread and K block), 1.13-1.15x at 1-4 tokens an expert (e2m1-decode8-*.json). Regime 32
-        # stays on the decoding kernel: 32-token tiles spilled ~190 values, and two 16-token
-        # tiles were 0.96-1.0x its 32-token tile at 16 tokens an expert.
-        # Split-K: four consumer warpgroups, one 128-K half of every stage to each pair, 1.02-1.05x
-        # the two warpgroups at 2 and 8 tokens an expert (gpt-oss and DeepSeek-V3 shapes,
-        # bench/results/e2m1-split-k-*.json, H100).
-        cfg = Sm90Config(block_n=regime, block_k=128, stages=2, group_m=1, swap=True, consumer_regs=112,
-                         sub_steps=2, fp8_mma=True, split_k=True)
+        # e2m1 weights at decode: decoded to e4m3 in shared memory (1 instruction an element) and
+        # run like mxfp8, 256 K a stage; 8-token tiles up to 4 tokens a slot. Regime 32 stays on
+        # the decoding kernel: 32-token tiles spilled ~190 values. Split-K: four consumer
+        # warpgroups, one 128-K half of every stage to each pair (docs/perf-notes.md, e2m1 weights).
+        cfg = E2m1Config(token_tile=regime, stages=2, group_m=1, consumer_regs=112, split_k=True)
     else:
-        cfg = None
-    if cfg is not None:
-        w_bytes = weight_bytes(FORMATS[fmt_name])
-        cfg = deepest_ring(cfg, 1, 2, w_bytes)
-        _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime}", cfg)
-        return cfg
-    # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand); the
-    # tokens (bf16) the N side: one group's tokens at decode, else 128. A 256-token tile would
-    # amortize the decoding over more tokens, but its accumulator (128 registers) spilled over
-    # 100 registers in every format (sm_90 compile: ptxas allocates within the kernel's 168).
-    tokens = regime if regime in (16, 32, 64) else 128
-    w_bytes = weight_bytes(FORMATS[fmt_name])
-    # A ring stage carries two 64-wide K steps. With one step (32 or 64 bytes of a weight row)
-    # the run took ~0.7 us per stage whatever the bytes, fp4 or fp8, 16 or 128 tokens; two steps
-    # were 1.2-1.3x faster in every format and regime, four steps of fp4 no better than two
-    # (bench/results/mx-stages-*.json, H100).
-    # 128-token tiles keep one step a stage (the ring is twice as deep). Their wrong rows with
-    # two steps were the accumulator read before the last wgmma retired (kernels/sm90_mx.py,
-    # _upcast_chain, fixed); two steps there have not been timed since.
-    sub_steps = 2 if tokens < 128 else 1
-    cfg = Sm90Config(block_n=tokens, block_k=64, stages=2, group_m=1 if regime in (16, 32, 64) else 4, swap=True,
-                     consumer_regs=192, sub_steps=sub_steps)
-    cfg = deepest_ring(cfg, 2, 2, w_bytes)
+        # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand);
+        # the tokens (bf16) the N side: one group's tokens at decode, else 128. A 256-token tile
+        # spilled over 100 registers in every format. A stage carries two 64-wide K steps below
+        # 128 tokens (1.2-1.3x faster than one in every format and regime, four no better);
+        # 128-token tiles keep one, their ring twice as deep (docs/perf-notes.md, block formats).
+        tokens = regime if regime in (16, 32, 64) else 128
+        cfg = DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
+                           consumer_regs=192, sub_steps=2 if tokens < 128 else 1)
+    cfg = deepest_ring(cfg, fmt)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _portable_config(fmt_name: str, scale_vec: int, n: int, k: int, device_type: str) -> PortableConfig:
     if device_type == "cpu":
         # The interpreter pays per operation, not per element: few large tiles (128^3 ran the

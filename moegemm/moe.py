@@ -119,7 +119,7 @@ def moe_forward(
     the intermediate's to a dynamic one (unfused) — pass `intermediate_global_scale` to fuse.
     fused=True uses the sm90 fused SwiGLU epilogue where it measured faster than the unfused
     chain (not for mxfp8 weights at prefill, nor mxfp4/w4a8 at decode:
-    kernels/sm90_epilogue.fused_pays). Choices with
+    fused.fused_pays). Choices with
     ids outside [0, E) are dropped. Returns [T, H] in x's dtype.
     """
     if torch.compiler.is_compiling():
@@ -196,7 +196,7 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
 def _fused_pays(fmt: str, two_i: int, hidden: int, rows: int, groups: int) -> bool:
     """Whether the fused SwiGLU epilogue is the faster gate/up step for this call's shapes
     (host values only: the weight shape and the plan's row and slot bounds)."""
-    from .kernels.sm90_epilogue import fused_pays
+    from .fused import fused_pays
 
     return fused_pays(fmt, two_i, hidden, rows / max(groups, 1))
 

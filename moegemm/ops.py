@@ -3,20 +3,21 @@
 Backends:
     reference  the fp32 oracle (moegemm.reference), any device; reads offsets on the host
     triton     the portable tl kernel: compiled on CUDA, Triton's interpreter on the CPU
-    sm90       the Hopper Gluon kernels: TMA, warp specialization, wgmma (kernels/sm90.py for
-               fp8_block and bf16, kernels/sm90_mx.py for mxfp8, mxfp4, nvfp4, w4a8)
+    sm90       the Hopper Gluon kernels: TMA, warp specialization, wgmma (kernels/sm90/, one
+               kernel per format family)
     auto       sm90 where it applies on Hopper, else triton on CUDA; reference on the CPU
                (the interpreter is for testing, not speed)
 """
 
 from __future__ import annotations
 
-import numpy
 import torch
 
 from . import reference
 from .formats import get_format
-from .kernels import portable, sm90, sm90_mx
+from . import fused as fused_epilogue
+from .kernels import portable, sm90
+from .kernels.tl_source import interpreter_note, interpreter_usable
 from .quantize import QuantizedTensor
 from .validation import GroupedProblem, check_no_grad, operands_of, validate_grouped_matmul, validate_weights
 
@@ -25,14 +26,8 @@ __all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usab
 BACKENDS = ("auto", "reference", "triton", "sm90")
 
 
-def interpreter_usable() -> bool:
-    """Triton 3.6's CPU interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses."""
-    major, minor = (int(part) for part in numpy.__version__.split(".")[:2])
-    return (major, minor) < (2, 4)
-
-
 def sm90_supports(problem: GroupedProblem) -> bool:
-    return sm90.supports(problem) or sm90_mx.supports(problem)
+    return sm90.supports(problem)
 
 
 def _is_hopper(device: torch.device) -> bool:
@@ -59,7 +54,8 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
             return "reference"
         return "sm90" if _is_hopper(device) and sm90_supports(problem) else "triton"
     if backend not in available_backends(device):
-        raise ValueError(f"backend: {backend!r} cannot run tensors on {device}; available: {available_backends(device)}")
+        raise ValueError(f"backend: {backend!r} cannot run tensors on {device}; available: {available_backends(device)}"
+                         + (interpreter_note(device) if backend == "triton" else ""))
     if backend == "sm90" and not sm90_supports(problem):
         raise ValueError(
             f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block) or K % 32 == 0 "
@@ -137,11 +133,10 @@ def _run(problem: GroupedProblem, chosen: str, a, b, a_scales, b_scales, a_offse
             a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
             scale_layout=scale_layout, out=out,
         )
-    if chosen == "sm90" and sm90_mx.supports(problem):
-        return sm90_mx.launch(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
-                              row_scales, out)
     if chosen == "sm90":
-        return sm90.launch(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, row_scales, out)
+        return sm90.launch(sm90.LaunchArgs(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, out,
+                                           a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
+                                           row_scales=row_scales))
     return portable.grouped_matmul(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
                                    expert_scales, row_scales, out)
 
@@ -228,10 +223,8 @@ def grouped_matmul_swiglu(
     check_no_grad("grouped_matmul_swiglu", a=a, b=b, a_scales=a_scales, b_scales=b_scales, expert_scales=expert_scales,
                   bias=bias)
     if chosen == "sm90" and fused and gate_up_layout == "interleaved":
-        from .kernels import sm90_epilogue
-
-        if sm90_epilogue.fused_supports(problem, out_fmt):
-            return sm90_epilogue.launch_fused(
+        if fused_epilogue.fused_supports(problem, out_fmt):
+            return fused_epilogue.launch_fused(
                 problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
                 out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
                 num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha, limit=limit)
@@ -253,8 +246,8 @@ def grouped_matmul_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, probl
                                expert_scales, out):
     """grouped_matmul on the sm90 block-format kernel, A given as KernelTokens."""
     validate_weights(problem, b, b_scales, out.device)
-    return sm90_mx.launch(problem, None, b, None, b_scales, a_offsets, expert_ids, None, expert_scales, None, out,
-                          tokens=tokens)
+    return sm90.launch(sm90.LaunchArgs(problem, None, b, None, b_scales, a_offsets, expert_ids, out,
+                                       expert_scales=expert_scales, tokens=tokens))
 
 
 def swiglu_step_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem: GroupedProblem, *, out_fmt,
@@ -265,11 +258,10 @@ def swiglu_step_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem:
     of out_fmt; except that the fused epilogue (where asked for and supported) writes only the bf16
     form, and returns the QuantizedTensor for the other forms."""
     from . import activation as act
-    from .kernels import sm90_epilogue
 
-    if fused and sm90_epilogue.fused_supports(problem, out_fmt):
+    if fused and fused_epilogue.fused_supports(problem, out_fmt):
         validate_weights(problem, b, b_scales, b.device)
-        return sm90_epilogue.launch_fused(
+        return fused_epilogue.launch_fused(
             problem, None, b, None, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
             out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
             num_scale_blocks=num_scale_blocks, out_global_scale=None, alpha=alpha, limit=limit, tokens=tokens,

@@ -14,15 +14,15 @@ from moegemm.validation import GroupedProblem
 
 from cases import FORMAT_LAYOUTS
 
-# The kernels' fused-epilogue tuples (kernels/sm90_epilogue.epilogue_args): runtime values, and
-# the constexprs (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT) of the plain epilogue.
+# The kernels' fused-epilogue arguments (kernels/sm90/launcher.EpilogueSpec.kernel_args): runtime
+# values, and the constexprs (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT) of the plain epilogue.
 EPILOGUE_SIGNATURE = ("*u8", "*fp32", "*fp32", "*i32", "i32", "i32", "i32", "fp32", "fp32")
 PLAIN_EPILOGUE = (0, 0, False, False, 32, False)
 
 def wgmma_sass(compiled) -> str:
     """The SASS of a wgmma kernel, checked: no instruction touches a register of a wgmma still
     in flight (offline.wgmma_register_hazards; ptxas once moved an epilogue's accumulator reads
-    above the last wait, kernels/sm90_mx.py)."""
+    above the last wait, kernels/sm90/decode.py)."""
     text = offline.sass(compiled)
     hazards = offline.wgmma_register_hazards(text)
     assert not hazards, f"registers of an in-flight wgmma touched: {hazards[:4]}"
@@ -70,9 +70,9 @@ SM90_CASES = [
 
 
 def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True):
-    """kernels/sm90.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
+    """kernels/sm90/dense.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
     the specialization with expert and row scales (a call without them compiles another)."""
-    from moegemm.kernels import sm90
+    from moegemm.kernels.sm90 import dense
 
     dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
     signature = {
@@ -91,7 +91,7 @@ def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True):
                       HAS_EXPERT_SCALES=with_scales, HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs,
                       EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=True)
-    return offline.gluon_compile_for_sm90(sm90.grouped_matmul_sm90_kernel, signature, constexprs, {"num_warps": 4},
+    return offline.gluon_compile_for_sm90(dense.dense_kernel, signature, constexprs, {"num_warps": 4},
                                           aligned=("out_ptr", "N"))
 
 
@@ -110,7 +110,7 @@ def check_sm90_plain_kernel(fmt, cfg, out):
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
     # The config's estimate bounds what the kernel takes (within the compiler's bookkeeping).
-    assert compiled.metadata.shared <= cfg.smem_bytes(1 if fmt == "fp8_block" else 2, 4 if out == "fp32" else 2) + 256
+    assert compiled.metadata.shared <= cfg.smem_bytes(FORMATS[fmt], 4 if out == "fp32" else 2) + 256
 
 
 @pytest.mark.parametrize("fmt,tokens_per_slot,out_dtype", SM90_CASES)
@@ -130,7 +130,7 @@ FUSED_BF16_CASES = [(tps, epi) for tps in (16, 40, 130, 8192)
 @pytest.mark.parametrize("tokens_per_slot,epilogue", FUSED_BF16_CASES)
 def test_sm90_fused_epilogue_compiles_for_sm90(tokens_per_slot, epilogue):
     """The bf16 kernel's fused SwiGLU epilogue fits the shared memory its config counts
-    (config.Sm90Config.fused_scratch: normal tiles give the plain epilogue's TMA buffers to
+    (config.DenseConfig.fused_scratch: normal tiles give the plain epilogue's TMA buffers to
     their ring), with no spills (but a few on 128 x 256 tiles quantizing their output)."""
     from moegemm.config import SM90_SMEM_BYTES, sm90_config
 
@@ -138,7 +138,7 @@ def test_sm90_fused_epilogue_compiles_for_sm90(tokens_per_slot, epilogue):
     compiled = sm90_kernel_compiled("bf16", cfg, epilogue=epilogue)
     ops = offline.opcode_counts(wgmma_sass(compiled))
     assert ops["HGMMA"] > 0
-    assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(2, 2, fused=True) + 256)
+    assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(FORMATS["bf16"], 2, fused=True) + 256)
     allowed = 32 if (cfg.block_n == 256 and not cfg.split_n and epilogue[1] != 0) else 0
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
 
@@ -164,23 +164,26 @@ def mx_default_config(fmt, tokens_per_slot):
 def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
     """Every kernel keeps wgmmas in flight back to back: the decoding kernel, the narrow
     promotion tiles, and the wide ones (a token half's wgmma runs while the other half is
-    promoted, kernels/sm90_mxfp8.py). Only the tail loop of wide tiles waits for each one."""
+    promoted, kernels/sm90/mxfp8.py). Only the tail loop of wide tiles waits for each one."""
     assert wgmma_overlaps(sass), "every wgmma is serialized"
-    if mx_default_config(fmt, tokens_per_slot).wide_promotion:
+    from moegemm.config import Mxfp8Config
+
+    cfg = mx_default_config(fmt, tokens_per_slot)
+    if isinstance(cfg, Mxfp8Config) and cfg.wide:
         assert all(wgmma_overlaps("\n".join(loop)) for loop in innermost_mma_loops(sass)
                    if not any("64x32x32" in t for t in loop)), "a wide loop waits for every wgmma"
 
 
 def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True):
-    from moegemm.config import sm90_mx_config, weight_bytes, with_epilogue_scratch
-    from moegemm.kernels import sm90_mx
+    from moegemm.config import DecodeConfig, sm90_mx_config, weight_bytes, with_epilogue_scratch
+    from moegemm.kernels.sm90 import decode
 
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
-    if cfg.fp8_mma:
+    if not isinstance(cfg, DecodeConfig):
         return mxfp8_kernel_compiled(cfg, layout, epilogue, fmt, with_scales=with_scales)
     if epilogue is not None:
-        cfg = with_epilogue_scratch(cfg, 2, 2, weight_bytes(f))
+        cfg = with_epilogue_scratch(cfg, f)
     fp4 = f.b.element.packed
     signature = {
         "t_desc": offline.tensordesc_signature("bf16", [cfg.token_tile, cfg.block_k]),
@@ -194,62 +197,63 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
                       SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE)
-    return offline.gluon_compile_for_sm90(sm90_mx.grouped_matmul_sm90_mx_kernel, signature, constexprs,
+    return offline.gluon_compile_for_sm90(decode.decode_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
 
 def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False, with_scales=True):
-    """kernels/sm90_mxfp8.py (the configs sm90_mx_config picks with fp8_mma): mxfp8, or the
-    e2m1 weights of mxfp4/w4a8 (packed bytes in the ring)."""
-    from moegemm.config import weight_bytes, with_epilogue_scratch
-    from moegemm.kernels import sm90_mxfp8
+    """The promotion kernels: kernels/sm90/mxfp8.py for mxfp8 (Mxfp8Config), kernels/sm90/e2m1.py for
+    the e2m1 weights of mxfp4/w4a8 (E2m1Config, packed bytes in the ring)."""
+    from moegemm.config import E2m1Config, with_epilogue_scratch
+    from moegemm.kernels.sm90 import e2m1, launcher, mxfp8
 
     if epilogue is not None:
-        cfg = with_epilogue_scratch(cfg, 1, 2, weight_bytes(FORMATS[fmt]))
+        cfg = with_epilogue_scratch(cfg, FORMATS[fmt])
     swizzled = layout == "swizzled"
-    constexprs = {}
-    fp4_weights = FORMATS[fmt].b.element.packed
-    scales = {}
-    if cfg.wide_promotion or fp4_weights:  # token scales through the ring
-        scales["s_desc"] = offline.tensordesc_signature("fp32", [cfg.stage_k // 32, cfg.token_tile],
-                                                        sm90_mxfp8._unswizzled_32bit_layout())
+    fp4_weights = isinstance(cfg, E2m1Config)
+    scales_layout = launcher._unswizzled_32bit_layout()
+    descs, constexprs = {}, {}
+    if fp4_weights or cfg.wide:  # token scales through the ring
+        descs["s_desc"] = offline.tensordesc_signature("fp32", [cfg.stage_k // 32, cfg.token_tile], scales_layout)
     else:
         constexprs["s_desc"] = None
-    if fp4_weights and swizzled:  # and the weight scales' atoms
-        scales["ws_desc"] = offline.tensordesc_signature("i32", [cfg.stage_k // 128 * 32, 4],
-                                                         sm90_mxfp8._unswizzled_32bit_layout())
-    else:
-        constexprs["ws_desc"] = None
-    if cfg.tail_tokens:  # a slot's last tile takes up to tail_tokens more tokens (wide mxfp8 tiles)
-        scales["tail_desc"] = offline.tensordesc_signature("fp8e4nv", [cfg.tail_tokens, cfg.block_k])
-        scales["tail_s_desc"] = offline.tensordesc_signature("fp32", [cfg.stage_k // 32, cfg.tail_tokens],
-                                                             sm90_mxfp8._unswizzled_32bit_layout())
+    if fp4_weights:
+        if swizzled:  # and the weight scales' atoms
+            descs["ws_desc"] = offline.tensordesc_signature("i32", [cfg.stage_k // 128 * 32, 4], scales_layout)
+        else:
+            constexprs["ws_desc"] = None
+        if half_tiles:  # N % 128 <= 64: an expert's last tile loads its 64 rows alone (split-K)
+            descs["w_half_desc"] = offline.tensordesc_signature("u8", [cfg.weight_tile // 2, cfg.block_k])
+        else:
+            constexprs["w_half_desc"] = None
+    elif cfg.tail_tokens:  # a slot's last tile takes up to tail_tokens more tokens (wide mxfp8 tiles)
+        descs["tail_desc"] = offline.tensordesc_signature("fp8e4nv", [cfg.tail_tokens, cfg.block_k])
+        descs["tail_s_desc"] = offline.tensordesc_signature("fp32", [cfg.stage_k // 32, cfg.tail_tokens],
+                                                            scales_layout)
     else:
         constexprs["tail_desc"] = None
         constexprs["tail_s_desc"] = None
-    if half_tiles:  # N % 128 <= 64: an expert's last tile loads its 64 rows alone (split-K)
-        scales["w_half_desc"] = offline.tensordesc_signature("u8", [cfg.weight_tile // 2, cfg.block_k])
-    else:
-        constexprs["w_half_desc"] = None
     signature = {
         "t_desc": offline.tensordesc_signature("fp8e4nv", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4_weights else "fp8e4nv",
-                                               [cfg.weight_tile, cfg.block_k]), **scales,
-        "out_ptr": "*u8" if epilogue else "*bf16", "t_scale_ptr": "*fp32", "b_scale_ptr": "*i32" if swizzled else "*u8",
+                                               [cfg.weight_tile, cfg.block_k]), **descs,
+        "out_ptr": "*u8" if epilogue else "*bf16", "b_scale_ptr": "*i32" if swizzled else "*u8",
         "a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
-        "tile_counter_ptr": "*i32", "claim_rounds": "i32", **{name: "i32" for name in ("M", "N", "K", "E", "G",
-                                                                                       "NUM_KB", "KB4",
-                                                                                       "T_SCALE_STRIDE")},
-        "epi": EPILOGUE_SIGNATURE,
+        "tile_counter_ptr": "*i32", "claim_rounds": "i32",
+        **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
     }
     constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled, HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None, CONSUMER_REGS=cfg.consumer_regs,
-                      EPI=epilogue or PLAIN_EPILOGUE, ACC_FACTOR=64.0 if fmt == "w4a8" else 1.0,
-                      SPLIT_K=cfg.split_k, DYNAMIC=not cfg.split_k, CHUNK_WALK=cfg.chunk_walk,
-                      SHORT_TAILS=cfg.short_tails)
+                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=not (fp4_weights and cfg.split_k))
+    if fp4_weights:
+        kernel = e2m1.e2m1_kernel
+        constexprs.update(ACC_FACTOR=64.0 if fmt == "w4a8" else 1.0, SPLIT_K=cfg.split_k)
+    else:
+        kernel = mxfp8.mxfp8_kernel
+        signature.update(t_scale_ptr="*fp32", T_SCALE_STRIDE="i32")
+        constexprs.update(CHUNK_WALK=cfg.chunk_walk, SHORT_TAILS=cfg.short_tails)
     # (the layer's shapes: N a multiple of 16, as the launcher then specializes)
-    return offline.gluon_compile_for_sm90(sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel, signature, constexprs,
-                                          {"num_warps": 4}, aligned=("out_ptr", "N"))
+    return offline.gluon_compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4}, aligned=("out_ptr", "N"))
 
 
 def wgmma_overlaps(sass: str) -> bool:
@@ -271,25 +275,28 @@ def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
         f"wgmma and TMA loads expected: {ops.most_common(12)}"
     check_wgmma_pipelining(sass, fmt, tokens_per_slot)
     check_spills(sass, fmt, tokens_per_slot)
-    # (one SHFL: ptxas's warp aggregation of the producer's tile claim, sm90._claim_tile)
+    # (one SHFL: ptxas's warp aggregation of the producer's tile claim, Schedule.claim_next)
     assert ops["SHFL"] <= ops["ATOMG"], "decoding the weights moved data between threads (operand layout mismatch)"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
 
 
 def check_spills(sass: str, fmt: str, tokens_per_slot: float, fused: bool = False):
-    """None in a K loop, and none at all in the mxfp8 promotion kernel (plain epilogue). Outside:
-    other 128-token tiles spill up to 35 tile-setup and epilogue values within the consumers'
+    """None in a K loop, and in the mxfp8 promotion kernel (plain epilogue) at most two values
+    (the weight rows' scale offsets, which LLVM hoists to the slot level on the 128-token tiles
+    with tails: stored once a slot, read once a tile). Outside: other 128-token tiles spill up to 35 tile-setup and epilogue values within the consumers'
     192 registers, or up to 80 (160 with a tail); the split-K e2m1 kernel's four consumer
     warpgroups (112 registers each) up to 14 with 16-token tiles or the fused epilogue; other
     tiles none. (The fused epilogue on mxfp8's 128-token tiles also spills 4 values in its K
     loop: not checked there, docs/perf-notes.md.)"""
-    from moegemm.config import sm90_mx_config
+    from moegemm.config import E2m1Config, sm90_mx_config
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot)
+    tail = getattr(cfg, "tail_tokens", 0)
     if fmt == "mxfp8" and not fused:  # (the tile's token offsets are made after the K loop)
-        allowed = 0
+        allowed = 8 if tail else 0
     else:
-        allowed = (160 if cfg.tail_tokens else 80) if cfg.token_tile == 128 else 32 if cfg.split_k else 0
+        split_k = isinstance(cfg, E2m1Config) and cfg.split_k
+        allowed = (160 if tail else 80) if cfg.token_tile == 128 else 32 if split_k else 0
     ops = offline.opcode_counts(sass)
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     if fused and cfg.token_tile == 128:
@@ -334,7 +341,7 @@ def first_mma_loop(sass: str) -> list[str]:
 def test_e2m1_promotion_loop_issues_no_global_loads(fmt):
     # With swizzled weight scales the producer copies every scale of a stage into the ring
     # (five TMA loads: two token boxes, the weights, token scales, weight-scale atoms), so the
-    # consumers' K loop has no LDG for its fence (a MEMBAR) to wait on (kernels/sm90_mxfp8.py).
+    # consumers' K loop has no LDG for its fence (a MEMBAR) to wait on (kernels/sm90/e2m1.py).
     # The decode is 8 instructions for 8 elements (_E2M1_TO_E4M3_PTX, no byte shuffles), and an
     # 8-token tile promotes 4 accumulators a thread and K block: 428 instructions a stage at
     # 8 tokens (593 with the PRMT table on 16-token tiles). Split-K (the default): each of the
@@ -425,49 +432,44 @@ def test_e2m1_split_k_half_tiles_compile(layout):
 
 def test_e2m1_promotion_config_rules():
     """The default decode config of mxfp4/w4a8 is the e2m1 promotion kernel's (8-token tiles up
-    to 4 tokens a slot, then 16; two token boxes a stage); the shapes it cannot run are refused
-    rather than launched."""
+    to 4 tokens a slot, then 16; 256 K a stage); the shapes it cannot run are refused rather than
+    launched."""
     import dataclasses
 
-    from moegemm.config import Sm90Config, sm90_mx_config
+    from moegemm.config import DecodeConfig, E2m1Config, sm90_mx_config
 
     for fmt in ("mxfp4", "w4a8"):
         cfg = sm90_mx_config(FORMATS[fmt], 5760, 2880, 2)
-        assert cfg.fp8_mma and cfg.token_tile == 8 and cfg.sub_steps == 2 and cfg.stage_k == 256 and cfg.split_k
+        assert isinstance(cfg, E2m1Config) and cfg.token_tile == 8 and cfg.stage_k == 256 and cfg.split_k
         with pytest.raises(ValueError, match="consumer_regs"):
             dataclasses.replace(cfg, consumer_regs=192).check(FORMATS[fmt])  # four consumer warpgroups
         assert sm90_mx_config(FORMATS[fmt], 5760, 2880, 8).token_tile == 16
-        assert not sm90_mx_config(FORMATS[fmt], 5760, 2880, 16).fp8_mma  # regime 32: the decoding kernel
-        with pytest.raises(ValueError, match="fp8_mma stages"):
-            dataclasses.replace(cfg, sub_steps=1).check(FORMATS[fmt])
-        with pytest.raises(ValueError, match="block_n"):
-            dataclasses.replace(cfg, block_n=32).check(FORMATS[fmt])
+        assert isinstance(sm90_mx_config(FORMATS[fmt], 5760, 2880, 16), DecodeConfig)  # regime 32: decoding
+        with pytest.raises(ValueError, match="8 or 16 tokens"):
+            dataclasses.replace(cfg, token_tile=32).check(FORMATS[fmt])
     # 8-token tiles are the e2m1 promotion kernel's only: the other formats and kernels keep 16.
     assert sm90_mx_config(FORMATS["mxfp8"], 5760, 2880, 2).token_tile == 16
     assert sm90_mx_config(FORMATS["nvfp4"], 5760, 2880, 2).token_tile == 16
-    e2m1_cfg = Sm90Config(block_n=16, block_k=128, stages=4, group_m=1, swap=True, consumer_regs=192, sub_steps=2,
-                          fp8_mma=True)
-    with pytest.raises(ValueError, match="fp8_mma runs"):
-        e2m1_cfg.check(FORMATS["nvfp4"])  # 16-wide scale blocks: no k32 wgmma per block
-    with pytest.raises(ValueError, match="split_k"):
-        dataclasses.replace(sm90_mx_config(FORMATS["mxfp8"], 4096, 7168, 2), split_k=True).check(FORMATS["mxfp8"])
+    e2m1_cfg = E2m1Config(token_tile=16, stages=4, group_m=1, consumer_regs=192, split_k=False)
+    for fmt in ("nvfp4", "mxfp8"):  # 16-wide scale blocks (no k32 wgmma per block); e4m3 weights
+        with pytest.raises(ValueError, match="E2m1Config runs"):
+            e2m1_cfg.check(FORMATS[fmt])
 
 
 def test_chunk_walk_config_rules():
     """The slot walk from chunks of slots is the 32-token mxfp8 tiles' default (where it measured
-    faster); wide tiles and the other kernels refuse it."""
+    faster); wide tiles refuse it, and the other kernels' configs have no such setting."""
     import dataclasses
 
-    from moegemm.config import sm90_config, sm90_mx_config
+    from moegemm.config import DecodeConfig, DenseConfig, E2m1Config, sm90_mx_config
 
     assert sm90_mx_config(FORMATS["mxfp8"], 7168, 2048, 16).chunk_walk  # 32-token tiles
-    assert not any(sm90_mx_config(FORMATS[fmt], 7168, 2048, tps).chunk_walk
+    assert not any(getattr(sm90_mx_config(FORMATS[fmt], 7168, 2048, tps), "chunk_walk", False)
                    for fmt in ("mxfp8", "mxfp4", "w4a8") for tps in (1, 2, 8, 40, 128))
-    for cfg, fmt in ((sm90_mx_config(FORMATS["mxfp8"], 7168, 2048, 128), "mxfp8"),
-                     (sm90_mx_config(FORMATS["nvfp4"], 7168, 2048, 16), "nvfp4"),
-                     (sm90_config(FORMATS["fp8_block"], 7168, 2048, 16), "fp8_block")):
-        with pytest.raises(ValueError, match="chunk_walk"):
-            dataclasses.replace(cfg, chunk_walk=True).check(FORMATS[fmt])
+    with pytest.raises(ValueError, match="chunk_walk"):
+        dataclasses.replace(sm90_mx_config(FORMATS["mxfp8"], 7168, 2048, 128), chunk_walk=True).check(FORMATS["mxfp8"])
+    for kind in (DecodeConfig, DenseConfig, E2m1Config):
+        assert "chunk_walk" not in {field.name for field in dataclasses.fields(kind)}
 
 
 def test_mxfp8_wide_loops_use_no_scale_load_in_its_own_iteration():
@@ -504,21 +506,20 @@ def test_mxfp8_tails_only_where_they_pay():
     assert sm90_mx_config(f, 4096, 7168, 40).tail_tokens == 0  # 64-token tiles
     assert sm90_mx_config(f, 4096, 7168, 128).short_tails  # and tails of <= 16 tokens on their own accumulator
     cfg = sm90_mx_config(f, 4096, 7168, 128)
-    for bad in (replace(cfg, block_n=64), replace(cfg, tail_tokens=8)):
+    for bad in (replace(cfg, token_tile=64), replace(cfg, tail_tokens=8)):
         with pytest.raises(ValueError, match="tail_tokens"):
             bad.check(f)
-    for bad, fmt in ((replace(cfg, tail_tokens=16), "mxfp8"), (replace(cfg, tail_tokens=0), "mxfp8"),
-                     (sm90_mx_config(FORMATS["mxfp4"], 4096, 7168, 128), "mxfp4")):
+    for bad in (replace(cfg, tail_tokens=16), replace(cfg, tail_tokens=0)):
         with pytest.raises(ValueError, match="short_tails"):
-            replace(bad, short_tails=True).check(FORMATS[fmt])
+            replace(bad, short_tails=True).check(f)
 
 
 def test_offline_compile_names_every_argument():
     # triton.compile does not apply a kernel's defaults: a constexpr left out would compile a
     # kernel other than the one launched, so the helpers refuse it (and names it has not).
-    from moegemm.kernels import sm90_mxfp8
+    from moegemm.kernels.sm90 import mxfp8
 
-    kernel = sm90_mxfp8.grouped_matmul_sm90_mxfp8_kernel
+    kernel = mxfp8.mxfp8_kernel
     given = {name: "i32" for name in kernel.arg_names if name != "SHORT_TAILS"}
     with pytest.raises(ValueError, match="SHORT_TAILS"):
         offline.gluon_compile_for_sm90(kernel, given, {}, {"num_warps": 4})
@@ -531,7 +532,7 @@ def test_offline_compile_names_every_argument():
 # Every kernel family in the specialization of a call without expert and row scales (the other
 # tests compile the one with them; ptxas schedules the two differently): the decoding kernel's
 # 32- and 64-token tiles once read their accumulator before the last wgmma retired in this one
-# only (kernels/sm90_mx.py, _upcast_chain).
+# only (kernels/sm90/decode.py, _upcast_chain).
 UNSCALED_CASES = [("sm90", "bf16", 16), ("sm90", "fp8_block", 40),
                   ("mx", "mxfp4", 20), ("mx", "mxfp4", 40), ("mx", "nvfp4", 20), ("mx", "w4a8", 40),
                   ("mx", "mxfp8", 8), ("mx", "mxfp8", 130), ("mx", "mxfp4", 2)]

@@ -6,7 +6,7 @@ import torch
 
 import moegemm
 from moegemm import activation as act
-from moegemm.ops import interpreter_usable
+from moegemm.kernels.tl_source import interpreter_usable
 
 from cases import dequantized_experts
 
@@ -148,8 +148,8 @@ _interpreted_activation_kernels = None  # (a module global: the interpreter reso
 
 
 def _interpreted_e8m0_exponents(amax: torch.Tensor, max_finite: float) -> torch.Tensor:
-    """The quantizer kernels' e8m0 exponent (kernels/_activation_tl.py, whose Gluon twin in
-    kernels/sm90_epilogue.py is the same code) of each amax, run by Triton's CPU interpreter."""
+    """The quantizer kernels' e8m0 exponent (kernels/_codecs_tl.py, whose Gluon twin in
+    kernels/sm90/swiglu.py is the same code) of each amax, run by Triton's CPU interpreter."""
     import triton
     import triton.language as tl
 
@@ -162,7 +162,7 @@ def _interpreted_e8m0_exponents(amax: torch.Tensor, max_finite: float) -> torch.
         def exponent_kernel(amax_ptr, out_ptr, MAX_FINITE: tl.constexpr, N: tl.constexpr):
             offsets = tl.arange(0, N)
             tl.store(out_ptr + offsets,
-                     _interpreted_activation_kernels._e8m0_exponent(tl.load(amax_ptr + offsets), MAX_FINITE))
+                     _interpreted_activation_kernels.codecs.e8m0_exponent(tl.load(amax_ptr + offsets), MAX_FINITE))
 
     n = 1 << (amax.numel() - 1).bit_length()
     padded = torch.zeros(n, dtype=torch.float32)
@@ -528,7 +528,7 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
     """The fused epilogue's bf16 token form (the down product's input where its kernel decodes,
     e.g. gpt-oss MXFP4 at prefill) is the fused operand decoded, bf16(value * 2^e), on every
     row of a valid slot: what dequantize_rows built from the operand before."""
-    from moegemm.kernels import sm90_epilogue
+    from moegemm import fused
     from moegemm.token_forms import TokenForm
     from moegemm.validation import GroupedProblem
 
@@ -542,8 +542,8 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
               num_scale_blocks=None, out_global_scale=None, alpha=1.702, limit=7.0)
     args = (p, a.data, b.data, a.scales, b.scales, offsets, expert_ids, None, torch.rand(e, device="cuda") + 0.5,
             bias)
-    operand = sm90_epilogue.launch_fused(*args, **kw)
-    form = sm90_epilogue.launch_fused(*args, out_form=TokenForm("bf16"), **kw)
+    operand = fused.launch_fused(*args, **kw)
+    form = fused.launch_fused(*args, out_form=TokenForm("bf16"), **kw)
     assert form.form == TokenForm("bf16") and form.scales is None and form.data.shape == (m, n // 2)
     assert form.data.dtype == torch.bfloat16
     valid = torch.zeros(m, dtype=torch.bool, device="cuda")
@@ -555,7 +555,7 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
     want = moegemm.dequantize(operand).bfloat16()[valid]
     assert torch.equal(_canonical_bf16_bits(form.data[valid]), _canonical_bf16_bits(want))
     with pytest.raises(ValueError, match="out_form"):
-        sm90_epilogue.launch_fused(*args, out_form=TokenForm("e4m3"), **kw)
+        fused.launch_fused(*args, out_form=TokenForm("e4m3"), **kw)
 
 
 @pytest.mark.gpu
@@ -671,7 +671,7 @@ def test_fused_epilogue_choice_follows_the_measurements():
     # The layer skips the fused epilogue only where it measured slower: mxfp8 weights on the
     # 128-token promotion tiles (prefill), e2m1 weights on the split-K promotion kernel (decode);
     # the other tiles and formats keep it.
-    from moegemm.kernels.sm90_epilogue import fused_pays
+    from moegemm.fused import fused_pays
 
     assert not fused_pays("mxfp8", 4096, 7168, 128.0)
     assert not fused_pays("mxfp8", 4096, 7168, 3000.0)

@@ -7,12 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, run_sm90, tolerance
 
 import moegemm
-from moegemm.config import Sm90Config, override_config
+from moegemm.config import DecodeConfig, DenseConfig, E2m1Config, Mxfp8Config, override_config
 from moegemm.formats import FORMATS
-
-from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, run_sm90, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -23,13 +22,13 @@ MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 ARRANGEMENTS = ["normal128", "normal256", "split_n", "swapped"]
 
 
-def forced_config(fmt: str, arrangement: str) -> Sm90Config:
+def forced_config(fmt: str, arrangement: str) -> DenseConfig:
     bk = 128 if fmt == "fp8_block" else 64
     return {
-        "normal128": Sm90Config(block_n=128, block_k=bk, stages=4, group_m=4),
-        "normal256": Sm90Config(block_n=256, block_k=bk, stages=3, group_m=2),
-        "split_n": Sm90Config(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True),
-        "swapped": Sm90Config(block_n=32, block_k=bk, stages=6, group_m=1, swap=True),
+        "normal128": DenseConfig(block_n=128, block_k=bk, stages=4, group_m=4),
+        "normal256": DenseConfig(block_n=256, block_k=bk, stages=3, group_m=2),
+        "split_n": DenseConfig(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True),
+        "swapped": DenseConfig(block_n=32, block_k=bk, stages=6, group_m=1, swap=True),
     }[arrangement]
 
 
@@ -42,9 +41,8 @@ def test_sm90_matches_reference(fmt, pattern, arrangement):
     run_sm90(fmt, pattern, n=320, k=576, config=forced_config(fmt, arrangement))
 
 
-def mx_config(token_tile: int) -> Sm90Config:
-    return Sm90Config(block_n=token_tile, block_k=64, stages=4, group_m=1 if token_tile < 128 else 4, swap=True,
-                      consumer_regs=192)
+def mx_config(token_tile: int) -> DecodeConfig:
+    return DecodeConfig(token_tile=token_tile, stages=4, group_m=1 if token_tile < 128 else 4, consumer_regs=192)
 
 
 @pytest.mark.parametrize("token_tile", [16, 128])
@@ -120,9 +118,9 @@ def test_sm90_block_formats_wide_stages(fmt, sub_steps, token_tile, pattern, k):
     run_sm90(fmt, pattern, n=320, k=k, config=config, layout="swizzled")
 
 
-def mxfp8_promotion_config(token_tile: int, stages: int = 4) -> Sm90Config:
-    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1 if token_tile <= 32 else 4,
-                      swap=True, consumer_regs=192 if token_tile <= 32 else 232, fp8_mma=True)
+def mxfp8_promotion_config(token_tile: int, stages: int = 4) -> Mxfp8Config:
+    return Mxfp8Config(token_tile=token_tile, stages=stages, group_m=1 if token_tile <= 32 else 4,
+                       consumer_regs=192 if token_tile <= 32 else 232)
 
 
 @pytest.mark.parametrize("k", [608, 7168])
@@ -130,7 +128,7 @@ def mxfp8_promotion_config(token_tile: int, stages: int = 4) -> Sm90Config:
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_sm90_mxfp8_promotion_matches_reference(layout, pattern, token_tile, k):
-    # kernels/sm90_mxfp8.py: K=608 has 19 scale blocks (the last stage holds three, and its
+    # kernels/sm90/mxfp8.py: K=608 has 19 scale blocks (the last stage holds three, and its
     # swizzled word one padding byte); K=7168 runs 56 stages a tile. N=320: a partial weight tile.
     # 64 and 128 tokens: the wide tiles, token scales through the ring.
     run_sm90("mxfp8", pattern, n=320, k=k, config=mxfp8_promotion_config(token_tile), layout=layout)
@@ -142,7 +140,7 @@ TAIL_EDGES = TokenPattern("tail_edges", (159, 160, 161, 288, 289, 32, 33, 144, 1
                           start=5, tail=40, why="last tiles of 128 + 0..33 tokens")
 
 
-def mxfp8_tail_config(tail: int = 32, short_tails: bool = False) -> Sm90Config:
+def mxfp8_tail_config(tail: int = 32, short_tails: bool = False) -> Mxfp8Config:
     return dataclasses.replace(mxfp8_promotion_config(128, stages=3), tail_tokens=tail, consumer_regs=240,
                                short_tails=short_tails)
 
@@ -153,7 +151,7 @@ def mxfp8_tail_config(tail: int = 32, short_tails: bool = False) -> Sm90Config:
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_sm90_mxfp8_tails_match_reference(layout, pattern, k, tail):
     # A slot's last 128-token tile takes up to `tail` more tokens on a second accumulator
-    # (kernels/sm90_mxfp8.py); the tail's tokens and scales come through the ring with it.
+    # (kernels/sm90/mxfp8.py); the tail's tokens and scales come through the ring with it.
     # 32-short: tails of up to 16 tokens on a 16-wide accumulator (TAIL_EDGES: 144 and 145).
     config = mxfp8_tail_config(32, True) if tail == "32-short" else mxfp8_tail_config(tail)
     run_sm90("mxfp8", pattern, n=320, k=k, config=config, layout=layout)
@@ -186,9 +184,9 @@ def test_sm90_mxfp8_short_tails_are_bit_identical(layout, out_fmt):
 E2M1_WEIGHT_FORMATS = ("mxfp4", "w4a8")
 
 
-def e2m1_promotion_config(stages: int = 4, token_tile: int = 16, split_k: bool = False) -> Sm90Config:
-    return Sm90Config(block_n=token_tile, block_k=128, stages=stages, group_m=1, swap=True,
-                      consumer_regs=112 if split_k else 192, sub_steps=2, fp8_mma=True, split_k=split_k)
+def e2m1_promotion_config(stages: int = 4, token_tile: int = 16, split_k: bool = False) -> E2m1Config:
+    return E2m1Config(token_tile=token_tile, stages=stages, group_m=1, consumer_regs=112 if split_k else 192,
+                      split_k=split_k)
 
 
 @pytest.mark.parametrize("split_k", [False, True], ids=["two-wg", "split-k"])
@@ -198,7 +196,7 @@ def e2m1_promotion_config(stages: int = 4, token_tile: int = 16, split_k: bool =
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 @pytest.mark.parametrize("fmt", E2M1_WEIGHT_FORMATS)
 def test_sm90_e2m1_weights_promotion_matches_reference(fmt, layout, pattern, token_tile, k, split_k):
-    # kernels/sm90_mxfp8.py with e2m1 weights decoded to e4m3 (256 K a stage): K=608 ends in the
+    # kernels/sm90/e2m1.py with e2m1 weights decoded to e4m3 (256 K a stage): K=608 ends in the
     # third stage, its last half holding three scale blocks; K=7168 runs 28 stages a tile.
     # 8-token tiles: the patterns' larger groups take several. Split-K: four consumer
     # warpgroups, one K half of every stage to each pair, the sums added at the tile's end.
@@ -258,7 +256,8 @@ def many_slots_pattern():
     ("w4a8", e2m1_promotion_config(token_tile=16, split_k=True)), ("nvfp4", mx_config(16)),
     ("mxfp4", mx_config(128))],
     ids=lambda v: v if isinstance(v, str) else
-    f"{v.block_n}{'-fp8mma' if v.fp8_mma else ''}{'-splitk' if v.split_k else ''}{'-chunks' if v.chunk_walk else ''}")
+    f"{type(v).__name__}-{v.token_tile}{'-splitk' if getattr(v, 'split_k', False) else ''}"
+    f"{'-chunks' if getattr(v, 'chunk_walk', False) else ''}")
 def test_sm90_many_slots(fmt, config):
     # Every partition of every kernel walks all the slots; each group's tiles must run, once.
     layout = "swizzled" if FORMATS[fmt].swizzle_capable else "plain"
@@ -296,7 +295,7 @@ def test_sm90_default_config_partial_blocks(fmt, pattern):
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
 def test_sm90_fp32_output_without_scales(fmt, arrangement):
     config = forced_config(fmt, arrangement)
-    if config.smem_bytes(1 if fmt == "fp8_block" else 2, 4) > 232448:
+    if config.smem_bytes(FORMATS[fmt], 4) > 232448:
         config = dataclasses.replace(config, stages=config.stages - 1)
     run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False, config=config)
 
@@ -379,7 +378,7 @@ CLAIM_ROUNDS = (1000, 1, 0)
 @pytest.mark.parametrize("name", list(SCHEDULE_CONFIGS))
 def test_sm90_tile_claims_match_round_robin(name):
     # N = 2048 over the TAIL_EDGES slots: ~2-5 tiles a program, so the producer claims the last
-    # rounds' tiles from the counter as programs free up (kernels/sm90.py, schedule). Which
+    # rounds' tiles from the counter as programs free up (kernels/sm90/pipeline.py, schedule). Which
     # program computes a tile must not change it: each schedule against the reference, and all
     # bit-identical.
     fmt, config = SCHEDULE_CONFIGS[name]
@@ -406,7 +405,7 @@ def test_sm90_fused_tile_claims_match_round_robin(fmt, out_fmt):
     if fmt == "mxfp8":
         config = mxfp8_tail_config(32)
     else:
-        config = Sm90Config(block_n=128, block_k=64, stages=5, group_m=4, split_n=True)
+        config = DenseConfig(block_n=128, block_k=64, stages=5, group_m=4, split_n=True)
     valid = p.valid_rows().to("cuda")
     outs = []
     for claim_rounds in CLAIM_ROUNDS:
@@ -437,7 +436,7 @@ def test_sm90_block_formats_small_groups_at_model_shapes(fmt, n, k, num_groups, 
     # DeepSeek-V3's products with 64-256 slots of 1-30 tokens (the decoding kernel's 32-token
     # tiles, the promotion kernel's 16/32-token ones, the e2m1 split-K tiles): thousands of tiles,
     # many a program. The decoding kernel once read its accumulator before the last wgmma retired,
-    # in the call without expert and row scales (kernels/sm90_mx.py, _upcast_chain): outputs
+    # in the call without expert and row scales (kernels/sm90/decode.py, _upcast_chain): outputs
     # 5-12% off and different each run. Against the reference, and two calls bit-identical.
     p = make_problem(fmt, layout, small_groups(num_groups, seed=n + k), n, k, "cuda", with_scales=with_scales)
     valid = p.valid_rows().to("cuda")

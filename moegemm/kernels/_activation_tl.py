@@ -37,7 +37,7 @@ OUT_E2M1_E8M0 = tl.constexpr(3)  # mxfp4: e2m1, e8m0 per 32
 OUT_E2M1_E4M3 = tl.constexpr(4)  # nvfp4: e2m1, e4m3 per 16 times a global fp32
 
 # What is written for the e8m0 formats (OUT_E4M3_E8M0, OUT_E2M1_E8M0): the format's A operand, or
-# the tokens in the form the sm90 kernel of the next product reads (kernels/sm90_mx.py,
+# the tokens in the form the sm90 kernel of the next product reads (kernels/sm90/decode.py,
 # KernelTokens), so that it runs no pre-pass of its own.
 FORM_OPERAND = tl.constexpr(0)
 FORM_E4M3 = tl.constexpr(1)  # e4m3 bytes (e2m1 values times 2^EXP), fp32 scales K-block-major

@@ -254,7 +254,7 @@ def decode_row_scales_kernel(
 ):
     """out[m' * ROW_STRIDE + kb * KB_STRIDE] = fp32 value of A's e8m0 scale (m, kb) for kb <
     COLUMNS (>= NUM_KB; those past NUM_KB get 2^-127, the value of a zero byte), for the rows m
-    of every valid slot (the token scales of the mxfp8 promotion kernel, kernels/sm90_mxfp8.py);
+    of every valid slot (the token scales of the mxfp8 promotion kernel, kernels/sm90/mxfp8.py);
     other rows are not written. m' = m, or with ALIGN_GROUPS (4 or 16, the column block)
     kb_major_column(m - s, s, g, ALIGN_GROUPS) (slot g starts at row s): every slot's first row
     at a multiple of the block. Slots and parts as in dequantize_rows_kernel."""
@@ -312,7 +312,7 @@ def token_prepass_kernel(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_off
                          SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_KB: tl.constexpr, EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK: tl.constexpr):
     """decode_row_scales_kernel and e2m1_to_e4m3_kernel in one launch (the mxfp4 tokens of the
-    sm90 promotion kernel, kernels/sm90_mxfp8.py: a launch less before each product): programs
+    sm90 promotion kernels, kernels/sm90/mxfp8.py and e2m1.py: a launch less before each product): programs
     [0, G * PARTS) decode the scales of slot pid // PARTS, the rest convert BLOCK bytes each."""
     pid = tl.program_id(0)
     if pid < G * PARTS:

@@ -98,7 +98,7 @@ def wgmma_register_hazards(sass_text: str) -> list[tuple[str, str]]:
     a thread from the destination on) or its register A operand. A group ends at the HGMMA /
     QGMMA marked gsb0; WARPGROUP.DEPBAR.LE gsb0, n leaves the n newest groups in flight. Linear
     order follows a loop's body into the code after it, which is where ptxas once scheduled an
-    epilogue's reads of the accumulator above the final wait (kernels/sm90_mx.py, _upcast_chain)."""
+    epilogue's reads of the accumulator above the final wait (kernels/sm90/decode.py, _upcast_chain)."""
     pending, open_group, found = [], set(), []
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text):
         mma = _GMMA.search(text)

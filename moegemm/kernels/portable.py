@@ -137,7 +137,7 @@ def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_sca
 def e2m1_to_e4m3(a: torch.Tensor, exponent: int = 0, even_odd: bool = False) -> torch.Tensor:
     """Packed e2m1 [R, K/2] (uint8, element 2i in the low nibble) -> e4m3 [R, K] of the values
     times 2^exponent (0..6), exact (every e2m1 value times 2^0..2^6 is an e4m3 value; see
-    e2m1_to_e4m3_kernel): mxfp4 tokens for the fp8 tensor cores (kernels/sm90_mxfp8.py, which
+    e2m1_to_e4m3_kernel): mxfp4 tokens for the fp8 tensor cores (kernels/sm90/e2m1.py, which
     takes them times 2^6, even_odd). even_odd: within each group of 8 elements of K the order
     is 0, 2, 4, 6, 1, 3, 5, 7 (see even_odd_k). Every row is converted, so no slot data is read
     on the host."""
@@ -162,7 +162,7 @@ def _check_e2m1_to_e4m3(a: torch.Tensor, exponent: int, even_odd: bool):
 
 def even_odd_k(a: torch.Tensor) -> torch.Tensor:
     """A copy of the 1-byte [R, K] rows with each group of 8 elements of K reordered as 0, 2, 4,
-    6, 1, 3, 5, 7: the order kernels/sm90_mxfp8.py decodes e2m1 weights into (the low nibbles of
+    6, 1, 3, 5, 7: the order kernels/sm90/e2m1.py decodes e2m1 weights into (the low nibbles of
     four bytes, then the high ones), so that w4a8's e4m3 tokens meet them. A dot product over a
     group is unchanged; the groups stay inside their 32-element scale blocks."""
     rows, k = a.shape
@@ -179,7 +179,7 @@ def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scal
     the plain layout, for the rows of every valid slot; other rows are left unwritten.
 
     pad_stages: rows hold stage_blocks * (ceil(num_k_scales / stage_blocks) + 1) columns, those
-    past num_k_scales 2^-127, so the promotion kernel's narrow tiles (kernels/sm90_mxfp8.py) load
+    past num_k_scales 2^-127, so the promotion kernel's narrow tiles (kernels/sm90/mxfp8.py) load
     the scales of a stage of stage_blocks K blocks, and the next stage's ahead of time, with no
     K mask.
     kb_major: the transpose, [num_k_scales, B * ceil(M / B) + B * G] (B = column_block, 4 or
@@ -200,7 +200,7 @@ def token_prepass(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale
                   kb_major: bool = False, stage_blocks: int = 4, exponent: int = 0,
                   even_odd: bool = False, column_block: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(decode_row_scales(...), e2m1_to_e4m3(a, exponent, even_odd)) in one launch: the two
-    pre-passes of packed e2m1 tokens before the sm90 promotion kernel (kernels/sm90_mxfp8.py),
+    pre-passes of packed e2m1 tokens before the sm90 promotion kernel (kernels/sm90/e2m1.py),
     one launch less before each product (~2 us each at decode, H100)."""
     _check_e2m1_to_e4m3(a, exponent, even_odd)
     out, args, consts, parts = _row_scales_launch(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages,

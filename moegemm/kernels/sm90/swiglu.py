@@ -1,4 +1,4 @@
-"""The fused SwiGLU epilogue of the sm90 kernels (kernels/sm90.py for bf16, kernels/sm90_mx.py
+"""The fused SwiGLU epilogue of the sm90 kernels (dense.py for bf16, decode.py, mxfp8.py and e2m1.py
 for the block formats): the gate/up product never goes to memory.
 
 Per accumulator tile (a warpgroup's [64, W] or, swapped, [W, T] piece of C):
@@ -27,23 +27,14 @@ is converted, to a blocked layout of 4 columns a thread, for the block maxima an
 shared memory, 16 barriers a tile; quantizing in the shuffled layout instead, 16 tokens a
 thread with their maxima reduced over warps, made the wide mxfp8 kernel 11000 SASS
 instructions long against 9784, the plain epilogue 8792). The quantizer mirrors
-kernels/_activation_tl.py (tl and Gluon cannot share a helper) and moegemm.quantize bit for
+kernels/_codecs_tl.py (tl and Gluon cannot share a helper) and moegemm.quantize bit for
 bit on the same fp32 input.
 """
 
-from __future__ import annotations
 
-import math
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-
-from .. import layouts
-from ..activation import allocate_a_operand, as_quantized
-from ..config import MX_FORMATS
-from ..formats import E2M1, E4M3, get_format
-from ..token_forms import KernelTokens, TokenForm
+from triton.language.core import _aggregate as aggregate
 
 # The epilogue's constexpr codes (the same as kernels/_activation_tl.py's).
 ACT_SWIGLU = gl.constexpr(1)
@@ -63,7 +54,7 @@ def _pow2(e):
 
 @gluon.jit
 def _e8m0_exponent(amax, MAX_FINITE: gl.constexpr):
-    """Smallest e in [-127, 127] with 2^e * MAX_FINITE >= amax, from amax's bits (see _activation_tl.py)."""
+    """Smallest e in [-127, 127] with 2^e * MAX_FINITE >= amax, from amax's bits (the tl twin: _codecs_tl.e8m0_exponent)."""
     bits = amax.to(gl.int32, bitcast=True)
     field = (bits >> 23) & 0xFF
     if MAX_FINITE == 448.0:
@@ -85,7 +76,7 @@ def _encode_e2m1(x):
 
 @gluon.jit
 def _decode_e2m1(code):
-    """e2m1 code (int32, 0..15) -> fp32 (the tl twin: _activation_tl._decode_e2m1)."""
+    """e2m1 code (int32, 0..15) -> fp32 (the tl twin: _codecs_tl.decode_e2m1)."""
     mag = code & 7
     exp = mag >> 1
     man = mag & 1
@@ -224,125 +215,65 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
         gl.store(out_scale_ptr + offset, stored, mask=row_ok & (kb2 < NUM_OUT_KB))
 
 
-@gluon.jit
-def fused_epilogue(acc, out_ptr, expert_scales_ptr, g, s, e, tok0, t, w0, N, epi, SWAP: gl.constexpr,
-                   HAS_EXPERT_SCALES: gl.constexpr, EPI: gl.constexpr, SHUFFLE_PAIRS: gl.constexpr = False):
-    """swiglu_epilogue with its arguments unpacked from the kernels' two tuples:
-    epi = (out_scale_ptr, bias_ptr, global_ptr, a_scale_offsets_ptr, NUM_SCALE_ROWS, NUM_OUT_KB,
-    OUT_KB4, alpha, limit) and EPI = (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT) (see
-    epilogue_args)."""
-    if EPI[2]:
-        scale_row_base = 128 * (gl.load(epi[3] + g) + s // 128) - s
-    else:
-        scale_row_base = s * 0
-    swiglu_epilogue(acc, out_ptr, epi[0], epi[1], epi[2], expert_scales_ptr, e, tok0, t, w0, N, scale_row_base,
-                    epi[4], epi[5], epi[6], epi[7], epi[8], SWAP, HAS_EXPERT_SCALES, EPI[3], EPI[0], EPI[1], EPI[2],
-                    EPI[4], SHUFFLE_PAIRS, EPI[5])
+@aggregate
+class Swiglu:
+    """The fused epilogue's settings, typed (the kernels take them as `epi`, runtime values, and
+    `EPI`, constexprs; EpilogueSpec.kernel_args on the host makes both). ACT == 0: no fused
+    epilogue (the plain one runs; the runtime values are placeholders)."""
 
+    out_scale_ptr: gl.tensor
+    bias_ptr: gl.tensor
+    global_ptr: gl.tensor
+    a_scale_offsets_ptr: gl.tensor
+    num_scale_rows: gl.tensor
+    num_out_kb: gl.tensor
+    out_kb4: gl.tensor
+    alpha: gl.tensor
+    limit: gl.tensor
+    ACT: gl.constexpr
+    OUT: gl.constexpr
+    OUT_SWIZZLED: gl.constexpr
+    HAS_BIAS: gl.constexpr
+    VEC: gl.constexpr
+    DEQUANT: gl.constexpr
 
-# ---- host side ---------------------------------------------------------------------------
+    @gluon.constexpr_function
+    def __init__(self, out_scale_ptr, bias_ptr, global_ptr, a_scale_offsets_ptr, num_scale_rows, num_out_kb, out_kb4,
+                 alpha, limit, ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT):
+        self.out_scale_ptr = out_scale_ptr
+        self.bias_ptr = bias_ptr
+        self.global_ptr = global_ptr
+        self.a_scale_offsets_ptr = a_scale_offsets_ptr
+        self.num_scale_rows = num_scale_rows
+        self.num_out_kb = num_out_kb
+        self.out_kb4 = out_kb4
+        self.alpha = alpha
+        self.limit = limit
+        self.ACT = gl.constexpr(ACT)
+        self.OUT = gl.constexpr(OUT)
+        self.OUT_SWIZZLED = gl.constexpr(OUT_SWIZZLED)
+        self.HAS_BIAS = gl.constexpr(HAS_BIAS)
+        self.VEC = gl.constexpr(VEC)
+        self.DEQUANT = gl.constexpr(DEQUANT)
 
+    @gluon.jit
+    def create(epi, EPI: gl.constexpr):
+        """From the kernel arguments: epi = (out_scale_ptr, bias_ptr, global_ptr, a_scale_offsets_ptr,
+        num_scale_rows, num_out_kb, out_kb4, alpha, limit), EPI = (ACT, OUT, OUT_SWIZZLED, HAS_BIAS,
+        VEC, DEQUANT), in EpilogueSpec.kernel_args' order."""
+        return Swiglu(epi[0], epi[1], epi[2], epi[3], gl.to_tensor(epi[4]), gl.to_tensor(epi[5]),
+                      gl.to_tensor(epi[6]), gl.to_tensor(epi[7]), gl.to_tensor(epi[8]), EPI[0], EPI[1], EPI[2], EPI[3],
+                      EPI[4], EPI[5])
 
-def epilogue_args(epilogue: dict | None, dummy: torch.Tensor) -> tuple[tuple, tuple]:
-    """The kernels' (epi, EPI) tuples: runtime values and constexprs of the fused epilogue
-    (EPI[0] == 0: the plain epilogue; the runtime values are then placeholders)."""
-    if epilogue is None:
-        return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), (0, 0, False, False, 32, False)
-    pick = lambda t: t if t is not None else dummy  # noqa: E731
-    epi = (epilogue["out_scale"], pick(epilogue["bias"]), pick(epilogue["global_scale"]),
-           pick(epilogue["a_scale_offsets"]), epilogue["num_scale_rows"], epilogue["num_out_kb"],
-           epilogue["out_kb4"], epilogue["alpha"], epilogue["limit"])
-    consts = (epilogue["act"], epilogue["out"], epilogue["out_swizzled"], epilogue["bias"] is not None,
-              epilogue["vec"], epilogue.get("dequant", False))
-    return epi, consts
-
-
-def _out_kind(out_fmt: str) -> tuple[int, int]:
-    """(OUT code, scale block) of out_fmt's A operand; OUT -1 when the epilogue cannot produce it."""
-    op = get_format(out_fmt).a
-    if op.scale is None:
-        return OUT_BF16.value, 32
-    if op.scale == "e8m0":
-        return (OUT_E4M3_E8M0 if op.element is E4M3 else OUT_E2M1_E8M0).value, op.block_k
-    if op.scale == "e4m3" and op.element is E2M1:
-        return OUT_E2M1_E4M3.value, op.block_k
-    return -1, 0  # fp8_block: a 1x128 block spans two 64-wide output tiles
-
-
-def fused_supports(p, out_fmt: str) -> bool:
-    """The fused path: bf16 or a block format in, a bf16/MX/NV A operand out, I % 64 == 0."""
-    from . import sm90, sm90_mx
-
-    in_kernel = (p.fmt.name == "bf16" and sm90.supports(p)) or (p.fmt.name in MX_FORMATS and sm90_mx.supports(p))
-    return in_kernel and _out_kind(out_fmt)[0] >= 0 and p.n % 128 == 0
-
-
-def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
-    """False where the fused epilogue measured slower than the unfused chain it replaces, so
-    that the MoE layer (moe.py) runs the chain there (H100, docs/perf-notes.md):
-    - mxfp8 weights on 128-token promotion tiles (prefill): DeepSeek-V3's gate/up product at
-      4096 tokens took 9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring
-      depth made no difference, 64-token promotion tiles took 8.88 ms fused. With the tails of
-      the unfused kernel (up to 32 more tokens on a slot's last tile; 4 stages instead of 5) the
-      fused step was 0.94-0.95x the unfused one, and the layer 0.96x; with the row pairs by
-      shuffles and the ring's fifth stage (twentieth session), 0.99x (5148 against 5094 us).
-    - e2m1 weights on the split-K promotion kernel (mxfp4/w4a8 at decode) from half a token a
-      slot on: gpt-oss-120b's gate/up step at 64 tokens (2 a slot) took 428 us fused, 404 us
-      unfused; on 8-token tiles the epilogue's layout conversions and quantization cost about a
-      microsecond a tile, ~38 tiles an SM. At 1 token (0.03 a slot, one or two tiles an SM) the
-      fused step was faster, 59.8 against 66.1 us."""
-    from ..config import sm90_mx_config
-
-    if fmt_name not in MX_FORMATS:
-        return True
-    cfg = sm90_mx_config(get_format(fmt_name), n, k, tokens_per_slot)
-    if cfg.split_k:
-        return tokens_per_slot < 0.5
-    return not (fmt_name == "mxfp8" and cfg.wide_promotion and cfg.token_tile == 128)
-
-
-def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,
-                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, tokens=None,
-                 out_form: TokenForm | None = None):
-    """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue.
-    `tokens`: A in the block-format kernel's form (sm90_mx.launch), a and a_scales then unused.
-    `out_form`: the output as KernelTokens of that form instead (the bf16 form only: the
-    quantized values decoded, for the down product's kernel), rows outside the slots unwritten."""
-    from . import sm90, sm90_mx
-
-    f = get_format(out_fmt)
-    out_code, vec = _out_kind(out_fmt)
-    swizzled = out_scale_layout == "swizzled" and f.a.scale is not None
-    if out_form is not None:
-        if out_form.kind != "bf16" or f.a.scale != "e8m0":
-            raise ValueError(f"out_form: the fused epilogue writes the bf16 token form of an e8m0 format, "
-                             f"not the {out_form.kind} form of {f.name}")
-        swizzled, num_scale_rows = False, 0
-        data, scales = torch.empty(p.m, p.n // 2, dtype=torch.bfloat16, device=b.device), None
-    else:
-        data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
-                                                          p.num_groups, b.device)
-    nkb = math.ceil(p.n // 2 / vec) if f.a.scale is not None else 0
-    if f.global_scale:
-        if out_global_scale is None:
-            raise ValueError("out_global_scale: nvfp4 output from the fused epilogue needs a static global scale")
-        out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=b.device).reshape(())
-    if swizzled and a_scale_offsets is None:
-        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-    if bias is not None:
-        bias = bias.float().contiguous()
-    epilogue = dict(
-        out_scale=scales if scales is not None else data, bias=bias, global_scale=out_global_scale,
-        a_scale_offsets=a_scale_offsets, num_scale_rows=num_scale_rows, num_out_kb=nkb,
-        out_kb4=math.ceil(nkb / 4), alpha=float(alpha), limit=float(limit),
-        act=(ACT_SWIGLU if activation == "swiglu" else ACT_SWIGLU_OAI).value, out=out_code, out_swizzled=swizzled,
-        vec=vec, dequant=out_form is not None,
-    )
-    if p.fmt.name == "bf16":
-        sm90.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, expert_scales, None, data, epilogue=epilogue)
-    else:
-        sm90_mx.launch(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None, data,
-                       epilogue=epilogue, tokens=tokens)
-    if out_form is not None:
-        return KernelTokens(out_form, data, None)
-    return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets)
+    @gluon.jit
+    def store(self, acc, out, slot, tok0, w0, N, SWAP: gl.constexpr, SHUFFLE_PAIRS: gl.constexpr = False):
+        """swiglu_epilogue of a tile of `slot` (tokens from tok0, weight columns from w0) into
+        out.out_ptr, scaled by out's expert scales."""
+        if self.OUT_SWIZZLED:
+            scale_row_base = 128 * (gl.load(self.a_scale_offsets_ptr + slot.g) + slot.s // 128) - slot.s
+        else:
+            scale_row_base = slot.s * 0
+        swiglu_epilogue(acc, out.out_ptr, self.out_scale_ptr, self.bias_ptr, self.global_ptr, out.expert_scales_ptr,
+                        slot.e, tok0, slot.t, w0, N, scale_row_base, self.num_scale_rows, self.num_out_kb,
+                        self.out_kb4, self.alpha, self.limit, SWAP, out.HAS_EXPERT_SCALES, self.HAS_BIAS, self.ACT,
+                        self.OUT, self.OUT_SWIZZLED, self.VEC, SHUFFLE_PAIRS, self.DEQUANT)

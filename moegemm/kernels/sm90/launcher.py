@@ -1,0 +1,343 @@
+"""The one launch entry of the sm90 family: a typed argument record, the kernel choice, the token
+pre-passes, the TMA descriptors and the grid. Nothing here reads a device value: the grid is
+min(SMs, an upper bound of the tiles), and every shape comes from the problem.
+
+    format                          kernel                 config (moegemm/config.py)
+    bf16, fp8_block                 dense.dense_kernel     DenseConfig     (sm90_config)
+    mxfp8                           mxfp8.mxfp8_kernel     Mxfp8Config     (sm90_mx_config)
+    mxfp4, w4a8 at decode           e2m1.e2m1_kernel       E2m1Config      (sm90_mx_config)
+    mxfp4, nvfp4, w4a8 otherwise    decode.decode_kernel   DecodeConfig    (sm90_mx_config)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import layouts
+from ...config import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, sm90_config, sm90_mx_config, weight_bytes
+from ...token_forms import ACC_ORDER_BLOCK, KernelTokens, kb_major_columns, token_form
+from ...validation import GroupedProblem
+from .. import portable
+from .decode import decode_kernel
+from .dense import dense_kernel
+from .e2m1 import E2M1_WEIGHT_EXP, e2m1_kernel
+from .mxfp8 import mxfp8_kernel
+from .pipeline import WG_ROWS
+
+
+@dataclass(frozen=True)
+class EpilogueSpec:
+    """The fused SwiGLU epilogue (swiglu.py): `out` (the kernel's output tensor) gets
+    act(h = acc * expert_scales[e] + bias[e]) as bf16 or quantized; `out_scale` its scales
+    (or `out` again when unscaled) in the plain or per-group padded swizzled layout (the caller
+    zeroes it); `a_scale_offsets` the slots' padded scale rows (swizzled). `act`, `out_code`:
+    swiglu.ACT_* and swiglu.OUT_* codes; `vec`: elements a scale; `dequant`: store the quantized
+    values decoded, bf16, without scales (the bf16 token form of the next product)."""
+
+    out_scale: torch.Tensor
+    bias: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    a_scale_offsets: torch.Tensor | None
+    num_scale_rows: int
+    num_out_kb: int
+    out_kb4: int
+    alpha: float
+    limit: float
+    act: int
+    out_code: int
+    out_swizzled: bool
+    vec: int
+    dequant: bool = False
+
+    def kernel_args(self, dummy: torch.Tensor) -> tuple[tuple, tuple]:
+        """The kernels' (epi, EPI) arguments, in the order swiglu.Swiglu.create reads them."""
+        pick = lambda t: t if t is not None else dummy
+        epi = (self.out_scale, pick(self.bias), pick(self.global_scale), pick(self.a_scale_offsets),
+               self.num_scale_rows, self.num_out_kb, self.out_kb4, self.alpha, self.limit)
+        consts = (self.act, self.out_code, self.out_swizzled, self.bias is not None, self.vec, self.dequant)
+        return epi, consts
+
+
+def plain_epilogue_args(dummy: torch.Tensor) -> tuple[tuple, tuple]:
+    """(epi, EPI) of the plain epilogue: ACT = 0, placeholders."""
+    return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), (0, 0, False, False, 32, False)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """One grouped matmul on the sm90 family, into `out` ([M, N], or the fused epilogue's output
+    when `epilogue` is given). `tokens`: A already in the form the kernel reads (token_forms.py,
+    written by the layer's gather or activation kernel): no pre-pass, and a / a_scales are not
+    read. Scales and offsets as the contract names them (docs/contract.md)."""
+
+    problem: GroupedProblem
+    a: torch.Tensor | None
+    b: torch.Tensor
+    a_scales: torch.Tensor | None
+    b_scales: torch.Tensor | None
+    a_offsets: torch.Tensor
+    expert_ids: torch.Tensor
+    out: torch.Tensor
+    a_scale_offsets: torch.Tensor | None = None
+    expert_scales: torch.Tensor | None = None
+    row_scales: torch.Tensor | None = None
+    epilogue: EpilogueSpec | None = None
+    tokens: KernelTokens | None = None
+
+
+def supports(p: GroupedProblem) -> bool:
+    """Shapes the kernels take: 16-byte aligned rows of A, B and C for TMA (bf16, fp8_block); for
+    the block formats K % 32 == 0 (16-byte rows of packed weights) and K > 0 (K = 0 streams
+    nothing; the portable kernel writes the zeros)."""
+    if p.fmt.name in MX_FORMATS:
+        return p.k % 32 == 0 and p.k > 0
+    if p.fmt.name not in ("bf16", "fp8_block"):
+        return False
+    elem = 2 if p.fmt.name == "bf16" else 1
+    out_elem = 2 if p.out_dtype == torch.bfloat16 else 4
+    return (p.k * elem) % 16 == 0 and (p.n * out_elem) % 16 == 0
+
+
+def fused_supports(p: GroupedProblem) -> bool:
+    """Problems the fused SwiGLU epilogue takes: bf16 or a block format in, N % 128 == 0."""
+    return supports(p) and p.fmt.name != "fp8_block" and p.n % 128 == 0
+
+
+def launch(args: LaunchArgs) -> torch.Tensor:
+    """Run the problem on its kernel (module docstring); the caller checked `supports`."""
+    p = args.problem
+    if p.num_groups == 0 or p.m == 0 or p.n == 0:
+        return args.out
+    if p.fmt.name in MX_FORMATS:
+        if args.tokens is not None:
+            check_kernel_tokens(p, args.tokens)
+        cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=args.epilogue is not None)
+        if isinstance(cfg, DecodeConfig):
+            return _launch_decode(args, cfg)
+        if isinstance(cfg, Mxfp8Config):
+            return _launch_mxfp8(args, cfg)
+        return _launch_e2m1(args, cfg)
+    return _launch_dense(args)
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32,
+               torch.uint8: gl.uint8}
+
+
+@functools.cache
+def _layout(block: tuple, dtype):
+    """Shared layout of a TMA block (cached: building it costs ~15 us of host time per call)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
+@functools.cache
+def _unswizzled_32bit_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _descriptor(tensor: torch.Tensor, block: tuple) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(tensor, list(block), _layout(tuple(block), tensor.dtype))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _grid(p: GroupedProblem, cfg, device: torch.device) -> tuple[int, int]:
+    """(programs, an upper bound of the tiles): every slot may end in a partial token tile."""
+    upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
+    return min(_sm_count(device), upper_tiles), upper_tiles
+
+
+def tile_counter(cfg, upper_tiles: int, num_programs: int, device: torch.device) -> torch.Tensor | None:
+    """The tile counter of a launch whose programs may get more than one tile, when its config
+    claims the last rounds (a zeroed int32 of this call, a fill in its stream; no host read;
+    pipeline.py, schedule). None: round-robin throughout (always for split-K)."""
+    if upper_tiles <= num_programs or cfg.claim_rounds <= 0 or (isinstance(cfg, E2m1Config) and cfg.split_k):
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _epilogue_args(args: LaunchArgs) -> tuple[tuple, tuple]:
+    dummy = args.a_offsets
+    return plain_epilogue_args(dummy) if args.epilogue is None else args.epilogue.kernel_args(dummy)
+
+
+def _or_dummy(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor is not None else dummy
+
+
+def _launch_dense(args: LaunchArgs) -> torch.Tensor:
+    p, out = args.problem, args.out
+    cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size(), fused=args.epilogue is not None)
+    num_programs, upper_tiles = _grid(p, cfg, out.device)
+    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
+    promote = p.fmt.name == "fp8_block"
+    a_desc = _descriptor(args.a, (cfg.token_tile, cfg.block_k))
+    b_desc = _descriptor(args.b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
+    # The fused epilogue stores with masks: its TMA descriptor only has to exist.
+    c_target = out if args.epilogue is None else torch.empty(1, p.n, dtype=torch.bfloat16, device=out.device)
+    c_desc = _descriptor(c_target, (WG_ROWS.value, cfg.epilogue_n(promote)))
+    dummy = args.a_offsets
+    epi, epi_consts = _epilogue_args(args)
+    dense_kernel[(num_programs, )](
+        a_desc, b_desc, c_desc, out, args.a_scales if promote else dummy, args.b_scales if promote else dummy,
+        args.a_offsets, args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
+        _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups,
+        p.num_k_scales if promote else 0, epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
+        HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
+        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, num_warps=4,
+    )
+    return out
+
+
+def _swizzled_scale_offsets(args: LaunchArgs) -> torch.Tensor | None:
+    """The slots' padded scale rows, which only the token pre-passes read (swizzled layout)."""
+    if args.problem.scale_layout == "swizzled" and args.a_scale_offsets is None and args.tokens is None:
+        return layouts.a_scale_offsets(args.a_offsets)
+    return args.a_scale_offsets
+
+
+def _launch_decode(args: LaunchArgs, cfg) -> torch.Tensor:
+    p, out = args.problem, args.out
+    if args.tokens is not None:
+        decoded = args.tokens.data
+    else:
+        decoded = portable.dequantize_rows(p, args.a, args.a_scales, args.a_offsets, args.expert_ids,
+                                           _swizzled_scale_offsets(args))
+    num_programs, _ = _grid(p, cfg, out.device)
+    t_desc = _descriptor(decoded, (cfg.token_tile, cfg.block_k))
+    weights = args.b.view(torch.uint8) if p.fmt.b.element.packed else args.b
+    w_desc = _descriptor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
+                         (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt))))
+    dummy = args.a_offsets
+    epi, epi_consts = _epilogue_args(args)
+    decode_kernel[(num_programs, )](
+        t_desc, w_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
+        _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
+        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
+        SWIZZLED=p.scale_layout == "swizzled", HAS_EXPERT_SCALES=args.expert_scales is not None,
+        HAS_ROW_SCALES=args.row_scales is not None, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+    )
+    return out
+
+
+def _promotion_tokens(args: LaunchArgs, cfg):
+    """(token scales, token data) as the promotion kernels read them: the tokens' fp32 scales
+    (e2m1 tokens also re-encoded as e4m3 times 2^6, w4a8's reordered to the decoded weights' K
+    order), from the layer's kernels when given as `tokens`, else by a pre-pass. The e2m1 and
+    the wide mxfp8 tiles take their scales K-block-major through the ring."""
+    p = args.problem
+    fp4_weights = isinstance(cfg, E2m1Config)
+    staged = fp4_weights or cfg.wide
+    if args.tokens is not None:
+        return args.tokens.scales, args.tokens.data
+    a_scale_offsets = _swizzled_scale_offsets(args)
+    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value (one launch)
+        return portable.token_prepass(p, args.a, args.a_scales, args.a_offsets, args.expert_ids, a_scale_offsets,
+                                      pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32,
+                                      exponent=E2M1_WEIGHT_EXP, even_odd=True)
+    token_scales = portable.decode_row_scales(p, args.a_scales, args.a_offsets, args.expert_ids, a_scale_offsets,
+                                              pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32,
+                                              column_block=4 if fp4_weights or not staged else ACC_ORDER_BLOCK)
+    a = portable.even_odd_k(args.a) if fp4_weights else args.a  # w4a8's tokens meet the decoded weights
+    return token_scales, a
+
+
+def _weight_scales(args: LaunchArgs) -> torch.Tensor:
+    """The e8m0 weight scales as the promotion kernels read them: bytes, or 32-bit words (a row's
+    four K blocks) when swizzled."""
+    weight_scales = args.b_scales.view(torch.uint8)
+    return weight_scales.view(torch.int32) if args.problem.scale_layout == "swizzled" else weight_scales
+
+
+def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> TensorDescriptor:
+    """A [K blocks of a stage, tokens] box of the K-block-major token scales."""
+    return TensorDescriptor.from_tensor(token_scales, [cfg.stage_k // 32, tokens], _unswizzled_32bit_layout())
+
+
+def _launch_mxfp8(args: LaunchArgs, cfg: Mxfp8Config) -> torch.Tensor:
+    p, out = args.problem, args.out
+    token_scales, a = _promotion_tokens(args, cfg)
+    num_programs, upper_tiles = _grid(p, cfg, out.device)
+    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
+    t_desc = _descriptor(a, (cfg.token_tile, cfg.block_k))
+    w_desc = _descriptor(args.b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
+    s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile) if cfg.wide else None
+    tail_desc = tail_s_desc = None
+    if cfg.tail_tokens:  # a slot's last tile: up to tail_tokens more tokens and their scales a stage
+        tail_desc = _descriptor(a, (cfg.tail_tokens, cfg.block_k))
+        tail_s_desc = _token_scale_desc(token_scales, cfg, cfg.tail_tokens)
+    dummy = args.a_offsets
+    epi, epi_consts = _epilogue_args(args)
+    mxfp8_kernel[(num_programs, )](
+        t_desc, w_desc, s_desc, tail_desc, tail_s_desc, out, token_scales, _weight_scales(args), args.a_offsets,
+        args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
+        _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
+        math.ceil(p.num_k_scales / 4), 0 if s_desc is not None else token_scales.shape[1], epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=p.scale_layout == "swizzled",
+        HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
+        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, CHUNK_WALK=cfg.chunk_walk,
+        SHORT_TAILS=cfg.short_tails, num_warps=4,
+    )
+    return out
+
+
+def _launch_e2m1(args: LaunchArgs, cfg: E2m1Config) -> torch.Tensor:
+    p, out = args.problem, args.out
+    swizzled = p.scale_layout == "swizzled"
+    token_scales, a = _promotion_tokens(args, cfg)
+    num_programs, upper_tiles = _grid(p, cfg, out.device)
+    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
+    t_desc = _descriptor(a, (cfg.token_tile, cfg.block_k))
+    # 128 bytes of each weight row a stage: 256 packed e2m1 (two token tiles).
+    weight_rows = args.b.view(torch.uint8).reshape(p.num_experts * p.n, p.k // 2)
+    w_desc = _descriptor(weight_rows, (cfg.weight_tile, cfg.block_k))
+    s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile)
+    weight_scales = _weight_scales(args)
+    ws_desc = w_half_desc = None
+    if swizzled:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
+        ws_desc = TensorDescriptor.from_tensor(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4],
+                                               _unswizzled_32bit_layout())
+    if cfg.split_k and 0 < p.n % cfg.weight_tile <= cfg.weight_tile // 2:  # (gpt-oss down: 2880 = 22.5 x 128)
+        w_half_desc = _descriptor(weight_rows, (cfg.weight_tile // 2, cfg.block_k))
+    acc_factor = 1.0 if p.fmt.a.element.packed else float(2**E2M1_WEIGHT_EXP)  # w4a8 (see E2M1_WEIGHT_EXP)
+    dummy = args.a_offsets
+    epi, epi_consts = _epilogue_args(args)
+    e2m1_kernel[(num_programs, )](
+        t_desc, w_desc, s_desc, ws_desc, w_half_desc, out, weight_scales, args.a_offsets, args.expert_ids,
+        _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy), _or_dummy(counter, dummy),
+        cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
+        math.ceil(p.num_k_scales / 4), epi,
+        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
+        HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
+        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k,
+        DYNAMIC=counter is not None, num_warps=4,
+    )
+    return out
+
+
+def check_kernel_tokens(p: GroupedProblem, tokens: KernelTokens):
+    """ValueError unless `tokens` are in the form this problem's kernel reads, with its shapes."""
+    form = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups)
+    if tokens.form != form:
+        raise ValueError(f"tokens: the kernel of this problem reads the form {form}, got {tokens.form}")
+    dtype = torch.bfloat16 if form.kind == "bf16" else torch.float8_e4m3fn
+    if tokens.data.dtype != dtype or tuple(tokens.data.shape) != (p.m, p.k) or not tokens.data.is_contiguous():
+        raise ValueError(f"tokens: expected contiguous {dtype} data [{p.m}, {p.k}], got {tokens.data.dtype} "
+                         f"{tuple(tokens.data.shape)}")
+    if form.kind == "e4m3":
+        columns = kb_major_columns(p.m, p.num_groups, form.column_block)
+        scales = tokens.scales
+        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (p.num_k_scales, columns):
+            raise ValueError(f"tokens: expected fp32 scales [{p.num_k_scales}, {columns}], got "
+                             f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
