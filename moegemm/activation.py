@@ -2,12 +2,15 @@
 
     interleave_gate_up(gate, up)     [E, I, K] x 2 -> [E, 2I, K], rows 2j = gate_j, 2j+1 = up_j
     gather_quantize(x, fmt, rows)    x[rows] quantized into fmt's A operand (routing's gather)
+    scatter_quantize(x, fmt, ...)    the same, each token read once and stored to its k rows
     swiglu_quantize(h, fmt)          SwiGLU of a gate/up product, quantized into fmt's A operand
     swiglu(h)                        the same math in PyTorch, fp32 (the reference)
 
-The two quantizers run one Triton kernel (kernels/_activation_tl.py) on CUDA and, through
+The quantizers run one Triton kernel (kernels/_activation_tl.py) on CUDA and, through
 Triton's interpreter, on the CPU; their bytes equal `moegemm.quantize` of the same fp32 rows.
-Activations (SwiGLU, SPEC of issue 5):
+Given a TokenForm as scale_layout they write the tokens in the form the next product's sm90
+kernel reads instead (token_forms.py), as a QuantizedTensor of that layout.
+Activations (SwiGLU, docs/contract.md section 6):
     swiglu      silu(gate) * up
     swiglu_oai  gpt-oss: gate = min(gate, limit); up = clamp(up, -limit, limit);
                 gate * sigmoid(alpha * gate) * (up + 1)          (alpha 1.702, limit 7.0)
@@ -24,13 +27,13 @@ import torch
 import triton
 
 from . import layouts
-from .kernels import tl_source
 from .formats import E2M1, E4M3, get_format
-from .quantize import QuantizedTensor, quantize
-from .token_forms import KernelTokens, TokenForm, kb_major_columns
+from .kernels import tl_source
+from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantize, quantized_from_op
+from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 
 __all__ = ["ACTIVATIONS", "interleave_gate_up", "deinterleave_gate_up", "swiglu", "gather_quantize",
-           "swiglu_quantize"]
+           "scatter_quantize", "swiglu_quantize"]
 
 ACTIVATIONS = ("swiglu", "swiglu_oai")
 GATE_UP_LAYOUTS = ("interleaved", "concat")
@@ -68,7 +71,7 @@ def deinterleave_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return gate_up[..., 0::2, :], gate_up[..., 1::2, :]
 
 
-def _check_activation(activation: str, gate_up_layout: str = "interleaved"):
+def check_activation(activation: str, gate_up_layout: str = "interleaved"):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
     if gate_up_layout not in GATE_UP_LAYOUTS:
@@ -78,7 +81,7 @@ def _check_activation(activation: str, gate_up_layout: str = "interleaved"):
 def swiglu(h: torch.Tensor, activation: str = "swiglu", *, gate_up_layout: str = "interleaved",
            alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """[M, 2I] gate/up product -> [M, I] in fp32 (the reference of the kernels' activation)."""
-    _check_activation(activation, gate_up_layout)
+    check_activation(activation, gate_up_layout)
     h = h.float()
     if gate_up_layout == "interleaved":
         gate, up = h[:, 0::2], h[:, 1::2]
@@ -143,14 +146,17 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
 
 
 def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
-            scale_layout, num_scale_blocks, global_scale, alpha, limit,
-            form: TokenForm | None = None, topk: int = 0) -> QuantizedTensor | KernelTokens:
+            scale_layout, num_scale_blocks, global_scale, alpha, limit, topk: int = 0) -> QuantizedTensor:
+    """One launch of the activation kernel into fresh storage of fmt's A operand (scale_layout
+    "plain" or "swizzled") or of a token form (scale_layout a TokenForm); _prepare_common has
+    checked the arguments."""
     device = x.device
     module = _kernels(device.type != "cuda")
     out_code, vec, nb = _out_code(fmt_name, module)
     f = get_format(fmt_name)
     op = f.a
-    swizzled = scale_layout == "swizzled" and op.scale is not None and form is None
+    form = scale_layout if isinstance(scale_layout, TokenForm) else None
+    swizzled = scale_layout == "swizzled" and op.scale is not None
     if (swizzled or bias is not None or form is not None) and (
             a_offsets is None or (bias is not None and expert_ids is None)):
         raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")
@@ -163,9 +169,8 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
         data, scales, num_scale_rows = allocate_a_operand(f.name, rows, k_out, swizzled, num_scale_blocks,
                                                           num_groups, device)
     else:
-        if out_code not in (module.OUT_E4M3_E8M0.value, module.OUT_E2M1_E8M0.value):
-            raise ValueError(f"form: kernel token forms exist for e8m0-scaled formats, not {f.name}")
-        num_scale_rows = 0
+        # (the form's scale columns follow a_offsets; its formats have no global scale)
+        num_scale_rows, a_scale_offsets, global_scale = 0, None, None
         if form.kind == "bf16":
             form_code = module.FORM_BF16.value
             data, scales = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device), None
@@ -211,53 +216,16 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
     if form is not None:
         if form.kind == "e4m3":
             data = data.view(torch.float8_e4m3fn)
-        return KernelTokens(form, data, scales)
+        return QuantizedTensor(data, scales, f.name, "a", form, None, a_offsets)
     return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets)
-
-
-def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
-                       num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
-    fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
-    number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
-    op = get_format(fmt_name).a
-    if op.element is E2M1:
-        data = torch.empty(rows, k // 2, dtype=torch.uint8, device=device)
-    elif op.element is E4M3:
-        data = torch.empty(rows, k, dtype=torch.uint8, device=device)
-    else:
-        data = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
-    if op.scale is None:
-        return data, None, 0
-    nkb = math.ceil(k / op.block_k)
-    if swizzled:
-        if num_scale_blocks is None:
-            num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
-        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
-        return data, scales, num_scale_blocks * layouts.ROWS_PER_BLOCK
-    dtype = torch.float32 if op.scale == "fp32" else torch.uint8
-    return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
-
-
-def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets) -> QuantizedTensor:
-    """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor."""
-    f = get_format(fmt_name)
-    op = f.a
-    if op.element is E4M3:
-        data = data.view(torch.float8_e4m3fn)
-    if scales is not None and op.scale == "e8m0":
-        scales = scales.view(torch.float8_e8m0fnu)
-    elif scales is not None and op.scale == "e4m3":
-        scales = scales.view(torch.float8_e4m3fn)
-    layout = "swizzled" if swizzled else "plain"
-    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.global_scale else None,
-                           a_offsets if swizzled else None)
 
 
 def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
     f = get_format(fmt)
-    if scale_layout not in ("plain", "swizzled"):
-        raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
+    if isinstance(scale_layout, TokenForm):
+        _check_form(device, f, scale_layout, a_offsets)
+    elif scale_layout not in ("plain", "swizzled"):
+        raise ValueError(f"scale_layout: expected 'plain', 'swizzled' or a TokenForm, got {scale_layout!r}")
     if scale_layout == "swizzled" and f.a.scale is not None and not f.swizzle_capable:
         raise ValueError(f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'")
     _check_index(a_offsets, "a_offsets", device)
@@ -271,6 +239,29 @@ def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_of
     return f, global_scale
 
 
+def _check_form(device, f, form: TokenForm, a_offsets):
+    """A token form (token_forms.py) that the kernels can write for format f."""
+    if f.name not in FORM_FORMATS:
+        raise ValueError(f"scale_layout: token forms exist for {', '.join(FORM_FORMATS)}, not {f.name}")
+    if form.kind not in ("e4m3", "bf16"):
+        raise ValueError(f"scale_layout: a TokenForm of kind 'e4m3' or 'bf16', got {form.kind!r}")
+    if form.kind == "e4m3":
+        kb_major_columns(0, 0, form.column_block)  # (ValueError naming column_block)
+    if a_offsets is None:
+        raise ValueError("a_offsets: required to place rows in a token form")
+    if not _kernel_usable(device):
+        raise ValueError(f"scale_layout: token forms are written by the Triton kernels, which cannot run on {device}"
+                         + tl_source.interpreter_note(device))
+
+
+def _traced(fmt: str, scale_layout, a_offsets, op, *args) -> QuantizedTensor:
+    """A quantizer under torch.compile: its torch.library op (library.py), outputs as a QuantizedTensor."""
+    if isinstance(scale_layout, TokenForm):
+        raise ValueError("scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
+                         "there, writes them)")
+    return quantized_from_op(op(*args), fmt, scale_layout == "swizzled", a_offsets)
+
+
 def gather_quantize(
     x: torch.Tensor,
     fmt: str,
@@ -278,7 +269,7 @@ def gather_quantize(
     *,
     a_offsets: torch.Tensor | None = None,
     a_scale_offsets: torch.Tensor | None = None,
-    scale_layout: str = "plain",
+    scale_layout: str | TokenForm = "plain",
     num_scale_blocks: int | None = None,
     global_scale: torch.Tensor | float | None = None,
 ) -> QuantizedTensor:
@@ -286,13 +277,13 @@ def gather_quantize(
 
     The swizzled layout places each row's scales by its slot in `a_offsets`; rows outside
     every slot get data but no scales. nvfp4: `global_scale` defaults to amax(x) / 2688.
+    scale_layout a TokenForm (mxfp8, mxfp4, w4a8; a_offsets required): the same values in the
+    form the sm90 kernel of the next product reads (token_forms.py), so that it runs no pre-pass;
+    CUDA tensors, or the CPU through Triton's interpreter.
     """
     if torch.compiler.is_compiling():
-        from .library import quantized_from_op
-
-        outputs = torch.ops.moegemm.gather_quantize(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout,
-                                                    num_scale_blocks, global_scale)
-        return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets)
+        return _traced(fmt, scale_layout, a_offsets, torch.ops.moegemm.gather_quantize, x, fmt, src_rows, a_offsets,
+                       a_scale_offsets, scale_layout, num_scale_blocks, global_scale)
     _check_rows_input(x, "x")
     f, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     _check_index(src_rows, "src_rows", x.device)
@@ -313,26 +304,9 @@ def gather_quantize(
                    alpha=1.0, limit=0.0)
 
 
-def gather_kernel_tokens(x: torch.Tensor, fmt: str, src_rows: torch.Tensor, form: TokenForm,
-                         a_offsets: torch.Tensor) -> KernelTokens:
-    """gather_quantize(x, fmt, src_rows, a_offsets=a_offsets) written in the token form of the sm90
-    kernel that reads it (token_forms.py), for the MoE layer: the same values, no pre-pass in
-    the product. CUDA tensors, or the CPU interpreter; mxfp8, mxfp4 and w4a8."""
-    _check_rows_input(x, "x")
-    _check_index(src_rows, "src_rows", x.device)
-    _check_index(a_offsets, "a_offsets", x.device)
-    f = get_format(fmt)
-    if x.shape[1] % f.k_multiple:
-        raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={x.shape[1]}")
-    module = _kernels(x.device.type != "cuda")
-    return _launch(x, f.name, rows=src_rows.numel(), src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
-                   k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=None,
-                   scale_layout="plain", num_scale_blocks=None, global_scale=None, alpha=1.0, limit=0.0, form=form)
-
-
 def _check_scatter_rows(x: torch.Tensor, grouped_row: torch.Tensor, row_slot: torch.Tensor, a_offsets: torch.Tensor,
                         fmt: str):
-    """The arguments of the gather in scatter form (scatter_quantize, scatter_kernel_tokens)."""
+    """The arguments of the gather in scatter form (scatter_quantize)."""
     _check_rows_input(x, "x")
     _check_index(a_offsets, "a_offsets", x.device)
     _check_index(row_slot, "row_slot", x.device, None if not isinstance(grouped_row, torch.Tensor)
@@ -357,7 +331,7 @@ def token_of_row(grouped_row: torch.Tensor) -> torch.Tensor:
 
 def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor, *,
                      a_offsets: torch.Tensor, a_scale_offsets: torch.Tensor | None = None,
-                     scale_layout: str = "plain", num_scale_blocks: int | None = None,
+                     scale_layout: str | TokenForm = "plain", num_scale_blocks: int | None = None,
                      global_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
     """gather_quantize in scatter form, for the MoE layer: grouped_row [T, k]
     (routing.RoutingPlan.grouped_row) names the grouped row of each choice of each token of x
@@ -365,7 +339,8 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
     expert e). Each token is read and quantized once, then stored to its k rows; the gather
     reads and quantizes it k times (DeepSeek-V3's fp8_block gather at 4096 tokens: 342 us on an
     H100). Every row inside its slot gets the bytes and scales of gather_quantize with src_rows =
-    the plan's token_index; rows outside their slot (dropped choices) are left unwritten."""
+    the plan's token_index, in any scale_layout, token forms included; rows outside their slot
+    (dropped choices) are left unwritten, as are their scales."""
     f = _check_scatter_rows(x, grouped_row, row_slot, a_offsets, fmt)
     if not _kernel_usable(x.device):  # (gather_quantize checks the rest and takes nvfp4's global over x)
         return gather_quantize(x, f.name, token_of_row(grouped_row), a_offsets=a_offsets,
@@ -381,42 +356,6 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
                    global_scale=global_scale, alpha=1.0, limit=0.0, topk=grouped_row.shape[1])
 
 
-def scatter_kernel_tokens(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_slot: torch.Tensor,
-                          form: TokenForm, a_offsets: torch.Tensor) -> KernelTokens:
-    """gather_kernel_tokens in scatter form (scatter_quantize's arguments): each token is read and
-    quantized once, then stored to its k rows. Rows outside their slot (dropped choices) are
-    left unwritten, as are their scales; every row inside a slot gets the same bytes as from
-    gather_kernel_tokens with src_rows = the plan's token_index."""
-    f = _check_scatter_rows(x, grouped_row, row_slot, a_offsets, fmt)
-    module = _kernels(x.device.type != "cuda")
-    topk = grouped_row.shape[1]
-    return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
-                   concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
-                   a_scale_offsets=None, scale_layout="plain", num_scale_blocks=None, global_scale=None, alpha=1.0,
-                   limit=0.0, form=form, topk=topk)
-
-
-def swiglu_kernel_tokens(h: torch.Tensor, fmt: str, form: TokenForm, *, activation: str, gate_up_layout: str,
-                         bias: torch.Tensor | None, a_offsets: torch.Tensor, expert_ids: torch.Tensor, alpha: float,
-                         limit: float) -> KernelTokens:
-    """swiglu_quantize(h, fmt, ...) written in the token form of the sm90 kernel that reads it
-    (token_forms.py), for the MoE layer's down product. Arguments as swiglu_quantize's."""
-    _check_rows_input(h, "h")
-    _check_activation(activation, gate_up_layout)
-    _check_index(a_offsets, "a_offsets", h.device)
-    _check_index(expert_ids, "expert_ids", h.device)
-    f = get_format(fmt)
-    k_out = h.shape[1] // 2
-    if h.shape[1] % 2 or k_out % f.k_multiple:
-        raise ValueError(f"h: expected 2I columns, I a multiple of {f.k_multiple} for {f.name}, got {h.shape[1]}")
-    module = _kernels(h.device.type != "cuda")
-    act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
-    return _launch(h, f.name, rows=h.shape[0], src_rows=None, act=act, concat=gate_up_layout == "concat",
-                   k_out=k_out, bias=_checked_bias(bias, h), a_offsets=a_offsets,
-                   expert_ids=expert_ids, a_scale_offsets=None, scale_layout="plain", num_scale_blocks=None,
-                   global_scale=None, alpha=alpha, limit=limit, form=form)
-
-
 def swiglu_quantize(
     h: torch.Tensor,
     fmt: str,
@@ -427,7 +366,7 @@ def swiglu_quantize(
     a_offsets: torch.Tensor | None = None,
     expert_ids: torch.Tensor | None = None,
     a_scale_offsets: torch.Tensor | None = None,
-    scale_layout: str = "plain",
+    scale_layout: str | TokenForm = "plain",
     num_scale_blocks: int | None = None,
     global_scale: torch.Tensor | float | None = None,
     alpha: float = 1.702,
@@ -438,16 +377,14 @@ def swiglu_quantize(
     bias [E, 2I] (in h's column order) is added per row's expert (slot from a_offsets,
     expert from expert_ids). nvfp4: `global_scale` defaults to amax of the activation over the
     rows of valid slots / 2688 (one extra pass; pass a static value in a serving path).
+    scale_layout a TokenForm: the result in that token form, as gather_quantize's.
     """
     if torch.compiler.is_compiling():
-        from .library import quantized_from_op
-
-        outputs = torch.ops.moegemm.swiglu_quantize(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids,
-                                                    a_scale_offsets, scale_layout, num_scale_blocks, global_scale,
-                                                    alpha, limit)
-        return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets)
+        return _traced(fmt, scale_layout, a_offsets, torch.ops.moegemm.swiglu_quantize, h, fmt, activation,
+                       gate_up_layout, bias, a_offsets, expert_ids, a_scale_offsets, scale_layout, num_scale_blocks,
+                       global_scale, alpha, limit)
     _check_rows_input(h, "h")
-    _check_activation(activation, gate_up_layout)
+    check_activation(activation, gate_up_layout)
     f, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,
                                       global_scale)
     if h.shape[1] % 2:

@@ -9,11 +9,11 @@ import math
 import torch
 
 from . import layouts
-from .activation import allocate_a_operand, as_quantized
 from .config import MX_FORMATS, E2m1Config, Mxfp8Config, sm90_mx_config
 from .formats import E2M1, E4M3, get_format
 from .kernels import sm90
-from .token_forms import KernelTokens, TokenForm
+from .quantize import QuantizedTensor, allocate_a_operand, as_quantized
+from .token_forms import TokenForm
 
 
 def out_kind(out_fmt: str) -> tuple[int, int]:
@@ -59,9 +59,10 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
                  out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, tokens=None,
                  out_form: TokenForm | None = None):
     """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue.
-    `tokens`: A in the block-format kernel's form (token_forms.py), a and a_scales then unused.
-    `out_form`: the output as KernelTokens of that form instead (the bf16 form only: the
-    quantized values decoded, for the down product's kernel), rows outside the slots unwritten."""
+    `tokens`: A in the form its sm90 kernel reads (token_forms.py), a and a_scales then unused.
+    `out_form`: the output in that token form instead (the bf16 form only: the quantized values
+    decoded, for the down product's kernel), rows outside the slots unwritten. Returns the
+    output as a QuantizedTensor (of scale_layout out_form where given)."""
     f = get_format(out_fmt)
     out_code, vec = out_kind(out_fmt)
     swizzled = out_scale_layout == "swizzled" and f.a.scale is not None
@@ -94,5 +95,5 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
                                 a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, epilogue=epilogue,
                                 tokens=tokens))
     if out_form is not None:
-        return KernelTokens(out_form, data, None)
+        return QuantizedTensor(data, None, f.name, "a", out_form, None, a_offsets)
     return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets)

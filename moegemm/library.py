@@ -21,39 +21,19 @@ import torch
 
 from . import activation as act
 from .formats import get_format
-from .quantize import QuantizedTensor
+from .moe import _moe_forward
+from .ops import grouped_matmul, grouped_matmul_swiglu
+from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantized_to_op
+from .routing import RoutingPlan, route, unpermute_tokens
 
-__all__ = ["quantized_from_op", "quantized_to_op"]
-
-_EMPTY = 0  # numel of the placeholder for a missing tensor
-
-
-def _placeholder(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(_EMPTY, dtype=torch.float32)
-
-
-def quantized_to_op(q: QuantizedTensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A QuantizedTensor as the ops return it: (data, scales or empty, global scale or empty)."""
-    # The global scale may be the caller's own tensor: an op's output must not alias an input.
-    return (q.data, q.scales if q.scales is not None else _placeholder(like),
-            q.global_scale.reshape(()).clone() if q.global_scale is not None else _placeholder(like))
-
-
-def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets) -> QuantizedTensor:
-    """Inverse of quantized_to_op for an A operand of `fmt`."""
-    data, scales, global_scale = outputs
-    f = get_format(fmt)
-    scales = scales if f.a.scale is not None else None
-    global_scale = global_scale if f.global_scale else None
-    layout = "swizzled" if swizzled and scales is not None else "plain"
-    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if layout == "swizzled" else None)
+__all__: list[str] = []
 
 
 def _fake_a_operand(fmt: str, rows: int, k: int, swizzled: bool, num_scale_blocks, num_groups: int, like):
     """Empty outputs with the shapes and dtypes the kernels produce (allocate_a_operand's rules)."""
     f = get_format(fmt)
-    data, scales, _ = act.allocate_a_operand(f.name, rows, k, swizzled, num_scale_blocks, num_groups, like.device)
-    q = act.as_quantized(f.name, data, scales, swizzled, like.new_empty((), dtype=torch.float32), None)
+    data, scales, _ = allocate_a_operand(f.name, rows, k, swizzled, num_scale_blocks, num_groups, like.device)
+    q = as_quantized(f.name, data, scales, swizzled, like.new_empty((), dtype=torch.float32), None)
     return quantized_to_op(q, like)
 
 
@@ -65,8 +45,6 @@ def grouped_matmul_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor |
                       a_scale_offsets: torch.Tensor | None, expert_scales: torch.Tensor | None,
                       row_scales: torch.Tensor | None, scale_layout: str, out_dtype: torch.dtype,
                       backend: str) -> torch.Tensor:
-    from .ops import grouped_matmul
-
     return grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
                           expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout,
                           out_dtype=out_dtype, backend=backend)
@@ -87,8 +65,6 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
                              out_global_scale: torch.Tensor | None, alpha: float, limit: float, fused: bool,
                              backend: str, gate_up_layout: str
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .ops import grouped_matmul_swiglu
-
     q = grouped_matmul_swiglu(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, out_fmt=out_fmt,
                               activation=activation, a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
                               bias=bias, scale_layout=scale_layout, out_scale_layout=out_scale_layout,
@@ -149,8 +125,6 @@ def _(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids, a_scale_o
 @torch.library.custom_op("moegemm::route", mutates_args=())
 def route_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .routing import route
-
     plan = route(topk_ids, num_experts, None, backend=backend)
     expert_of_row = plan.expert_of_row
     if expert_of_row is None:
@@ -174,8 +148,6 @@ def unpermute_tokens_op(y: torch.Tensor, token_index: torch.Tensor, grouped_row:
                         a_offsets: torch.Tensor, expert_ids: torch.Tensor, a_scale_offsets: torch.Tensor,
                         expert_of_row: torch.Tensor | None, topk_weights: torch.Tensor | None,
                         expert_bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    from .routing import RoutingPlan, unpermute_tokens
-
     plan = RoutingPlan(token_index, grouped_row, valid, a_offsets, expert_ids, a_scale_offsets, None, expert_of_row)
     return unpermute_tokens(y, plan, topk_weights, out_dtype, expert_bias=expert_bias, backend=backend)
 
@@ -199,8 +171,6 @@ def moe_forward_op(
     input_global_scale: torch.Tensor | None, intermediate_global_scale: torch.Tensor | None,
     alpha: float, limit: float, fused: bool, backend: str,
 ) -> torch.Tensor:
-    from .moe import _moe_forward
-
     w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global)
     w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global)
     return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,

@@ -12,7 +12,10 @@ Data flow of moe_forward (T tokens, k choices, H hidden, I expert width, E exper
                                                     (fused into the sm90 epilogue)
     c    = grouped_matmul(h, w_down)                [T*k, H]
     y    = unpermute_tokens(c, plan, topk_weights)  [T, H]: weighted sum over the k choices
-No step reads a device value on the host: every size is T*k, E or a bound of them.
+No step reads a device value on the host: every size is T*k, E or a bound of them. Where both
+products run on the sm90 block-format kernels, a and h are written in the token forms those
+kernels read (token_forms.py), so the products run no pre-pass. How the products run is
+decided once per shape (_steps).
 
 Gate/up weights are one [E, 2I, H] operand. For every format but fp8_block its rows are
 interleaved (2j = gate_j, 2j+1 = up_j: moegemm.interleave_gate_up), the layout the fused
@@ -28,16 +31,21 @@ Routers (MoE.route_tokens), the three the supported checkpoints use:
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import activation as act
+from . import layouts
 from .formats import get_format
+from .fused import fused_pays, fused_supports
+from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
 from .routing import route, row_experts, unpermute_tokens
-from .token_forms import KernelTokens, token_form
+from .token_forms import TokenForm, token_form
 from .validation import GroupedProblem, check_no_grad
 
 __all__ = ["MoE", "moe_forward", "ROUTERS"]
@@ -51,15 +59,6 @@ def _weight_scale_layout(fmt: str) -> str:
 
 def _gate_up_layout(fmt: str) -> str:
     return "concat" if fmt == "fp8_block" else "interleaved"
-
-
-def _expert_scales(weights: QuantizedTensor, extra: torch.Tensor | None, a_global: torch.Tensor | None):
-    """Per-expert fp32 scales of a product: the caller's, times nvfp4's weight and token globals."""
-    scales = extra
-    if weights.global_scale is not None:
-        g = weights.global_scale.float() * (a_global.float() if a_global is not None else 1.0)
-        scales = g if scales is None else scales * g
-    return scales
 
 
 def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
@@ -138,15 +137,12 @@ def moe_forward(
 def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, gate_up_layout, gate_up_bias,
                  down_bias, gate_up_scales, down_scales, input_global_scale, intermediate_global_scale, alpha, limit,
                  fused, backend):
-    # ops imports the kernels; keep this module light
-    from .ops import grouped_matmul, grouped_matmul_from_tokens, grouped_matmul_swiglu, swiglu_step_from_tokens
-
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     check_no_grad("moe_forward", x=x, topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
                   gate_up_scales=gate_up_scales, down_scales=down_scales, w_gate_up=w_gate_up.data,
                   w_down=w_down.data)
     fmt = w_gate_up.fmt
-    act._check_activation(activation, gate_up_layout)
+    act.check_activation(activation, gate_up_layout)
     if w_gate_up.scales is not None and (w_gate_up.scale_layout != w_down.scale_layout):
         raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
     layout = w_gate_up.scale_layout if w_gate_up.scales is not None else "plain"  # the tokens follow the weights
@@ -154,67 +150,59 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     plan = route(topk_ids, num_experts, topk_weights)
     bound = plan.scale_blocks_bound
     aso = plan.a_scale_offsets if layout == "swizzled" else None  # only the swizzled layout has them
-    rows, groups = plan.num_grouped_rows, plan.expert_ids.numel()
-    hidden, two_i = x.shape[1], w_gate_up.data.shape[1]
-    fused = fused and _fused_pays(fmt, two_i, hidden, rows, groups) and (
-        intermediate_global_scale is not None or not get_format(fmt).global_scale)
+    shapes = (fmt, layout, plan.num_grouped_rows, plan.expert_ids.shape[0], x.shape[1], w_gate_up.data.shape[1],
+              num_experts, gate_up_layout, backend, x.device, bool(fused), intermediate_global_scale is not None)
+    steps = _steps(*shapes) if isinstance(backend, str) else _steps.__wrapped__(*shapes)
     # Every row the combine reads lies in a group, and the down product writes all of them: no zero
     # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
-    c = torch.empty(rows, w_down.data.shape[1], dtype=torch.bfloat16, device=x.device)
-    f = get_format(fmt)
-    up_problem = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
-    down_problem = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
-    up_form, down_form = _kernel_token_forms(up_problem, down_problem, gate_up_layout, backend, x.device)
-    if up_form is not None:  # the sm90 kernels' own token forms, written by the gather and activation kernels
-        tokens = act.scatter_kernel_tokens(x, fmt, plan.grouped_row, row_experts(plan), up_form, plan.a_offsets)
-        mid = swiglu_step_from_tokens(
-            tokens, w_gate_up.data, w_gate_up.scales, plan.a_offsets, plan.expert_ids, up_problem, out_fmt=fmt,
-            activation=activation, a_scale_offsets=aso, expert_scales=_expert_scales(w_gate_up, gate_up_scales, None),
-            bias=gate_up_bias, out_scale_layout=layout, num_scale_blocks=bound, alpha=alpha, limit=limit,
-            fused=fused, out_form=down_form)
-    else:
-        a = act.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
-                                 a_scale_offsets=aso, scale_layout=layout, num_scale_blocks=bound,
-                                 global_scale=input_global_scale)
-        mid = grouped_matmul_swiglu(
-            a.data, w_gate_up.data, a.scales, w_gate_up.scales, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt,
-            activation=activation, a_scale_offsets=aso,
-            expert_scales=_expert_scales(w_gate_up, gate_up_scales, a.global_scale), bias=gate_up_bias,
-            scale_layout=layout, out_scale_layout=layout, num_scale_blocks=bound,
-            out_global_scale=intermediate_global_scale, alpha=alpha, limit=limit, fused=fused, backend=backend,
-            gate_up_layout=gate_up_layout)
-    if isinstance(mid, KernelTokens):  # (token forms exist only for formats without a global scale)
-        grouped_matmul_from_tokens(mid, w_down.data, w_down.scales, plan.a_offsets, plan.expert_ids, down_problem,
-                                   expert_scales=_expert_scales(w_down, down_scales, None), out=c)
-    else:
-        grouped_matmul(mid.data, w_down.data, mid.scales, w_down.scales, plan.a_offsets, plan.expert_ids, fmt=fmt,
-                       a_scale_offsets=aso, expert_scales=_expert_scales(w_down, down_scales, mid.global_scale),
-                       scale_layout=layout, backend=backend, out=c)
+    c = torch.empty(plan.num_grouped_rows, w_down.data.shape[1], dtype=torch.bfloat16, device=x.device)
+    # Where both products run on the sm90 block-format kernels, the gather and the activation
+    # write the tokens in the form the next kernel reads (token_forms.py): no pre-pass.
+    a = act.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
+                             a_scale_offsets=aso, scale_layout=steps.up_form or layout, num_scale_blocks=bound,
+                             global_scale=input_global_scale)
+    mid = grouped_matmul_swiglu(
+        a, w_gate_up, None, None, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt, activation=activation,
+        a_scale_offsets=aso, expert_scales=gate_up_scales, bias=gate_up_bias, scale_layout=layout,
+        out_scale_layout=steps.down_form or layout, num_scale_blocks=bound, out_global_scale=intermediate_global_scale,
+        alpha=alpha, limit=limit, fused=steps.fused, backend=backend, gate_up_layout=gate_up_layout)
+    grouped_matmul(mid, w_down, None, None, plan.a_offsets, plan.expert_ids, fmt=fmt, a_scale_offsets=aso,
+                   expert_scales=down_scales, scale_layout=layout, backend=backend, out=c)
     return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
 
 
-def _fused_pays(fmt: str, two_i: int, hidden: int, rows: int, groups: int) -> bool:
-    """Whether the fused SwiGLU epilogue is the faster gate/up step for this call's shapes
-    (host values only: the weight shape and the plan's row and slot bounds)."""
-    from .fused import fused_pays
-
-    return fused_pays(fmt, two_i, hidden, rows / max(groups, 1))
+class _Steps(NamedTuple):
+    up_form: TokenForm | None  # the gate/up product's A, written by the gather in this form
+    down_form: TokenForm | None  # the down product's A, written by the gate/up step in this form
+    fused: bool  # the gate/up step asks for the fused SwiGLU epilogue
 
 
-def _kernel_token_forms(up: GroupedProblem, down: GroupedProblem, gate_up_layout, backend, device):
-    """The token forms (token_forms.py) in which the gather and activation kernels write the
-    inputs of the gate/up and down products, or None each: only where both products run on the
-    sm90 block-format kernels, gate/up interleaved. (None, None) otherwise: the formats' operands."""
-    from .ops import resolve_backend
+@functools.lru_cache(maxsize=1024)
+def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: int, num_experts: int,
+           gate_up_layout: str, backend: str, device: torch.device, fused: bool, static_intermediate: bool) -> _Steps:
+    """How the layer runs its products for these shapes (host values only: the weight shapes and
+    the plan's row and slot bounds), decided once per shape.
 
-    if gate_up_layout != "interleaved" or up.m == 0 or up.num_groups == 0:
-        return None, None
+    fused: where the fused SwiGLU epilogue measured faster (fused.fused_pays), and for nvfp4 only
+    with a static intermediate global scale. Token forms: only where both products run on the
+    sm90 block-format kernels, gate/up interleaved; the fused epilogue writes the down product's
+    form only where it is the bf16 one, the format's operand otherwise."""
+    f = get_format(fmt)
+    fused = fused and fused_pays(fmt, two_i, hidden, rows / max(groups, 1)) and (
+        static_intermediate or not f.global_scale)
+    up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
+    down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
+    if gate_up_layout != "interleaved" or rows == 0 or groups == 0:
+        return _Steps(None, None, fused)
     if resolve_backend(backend, up, device) != "sm90" or resolve_backend(backend, down, device) != "sm90":
-        return None, None
-    up_form = token_form(up.fmt.name, up.n, up.k, up.m, up.num_groups)
+        return _Steps(None, None, fused)
+    up_form = token_form(fmt, up.n, up.k, rows, groups)
     if up_form is None:
-        return None, None
-    return up_form, token_form(down.fmt.name, down.n, down.k, down.m, down.num_groups)
+        return _Steps(None, None, fused)
+    down_form = token_form(fmt, down.n, down.k, rows, groups)
+    if down_form is not None and down_form.kind != "bf16" and fused and fused_supports(up, fmt):
+        down_form = None
+    return _Steps(up_form, down_form, fused)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,
@@ -267,7 +255,7 @@ class MoE(torch.nn.Module):
                  fused: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         f = get_format(fmt)
-        act._check_activation(activation)
+        act.check_activation(activation)
         if router not in ROUTERS:
             raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -422,8 +410,6 @@ class MoE(torch.nn.Module):
         gu_scales = gate_up_scales.view(torch.uint8).contiguous()
         dn_scales = down_scales.view(torch.uint8).contiguous()
         if self.fmt in ("mxfp4", "w4a8"):
-            from . import layouts
-
             self.gate_up_data, self.down_data = gu_data, dn_data
             swz = self.scale_layout == "swizzled"
             gu_s = layouts.swizzle_b_scales(gu_scales) if swz else gu_scales

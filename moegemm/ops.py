@@ -7,21 +7,28 @@ Backends:
                kernel per format family)
     auto       sm90 where it applies on Hopper, else triton on CUDA; reference on the CPU
                (the interpreter is for testing, not speed)
+
+An eager call's host work is kept to what its arguments' values need: the shape checks, the
+problem and the backend choice are made once per shape (_plan).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import reference
-from .formats import get_format
 from . import fused as fused_epilogue
+from . import reference
+from .activation import check_activation, swiglu_quantize
+from .formats import get_format
 from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
-from .quantize import QuantizedTensor
-from .validation import GroupedProblem, check_no_grad, operands_of, validate_grouped_matmul, validate_weights
+from .quantize import QuantizedTensor, quantized_from_op
+from .token_forms import KernelTokens, TokenForm
+from .validation import (GroupedProblem, Operands, check_no_grad, operands_of, validate_grouped_matmul,
+                         validate_values, values_checked)
 
-__all__ = ["grouped_matmul", "BACKENDS", "available_backends", "interpreter_usable", "resolve_backend"]
+__all__ = ["grouped_matmul", "grouped_matmul_swiglu", "BACKENDS", "available_backends", "interpreter_usable",
+           "resolve_backend"]
 
 BACKENDS = ("auto", "reference", "triton", "sm90")
 
@@ -65,6 +72,65 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
     return backend
 
 
+# The validated problem and resolved backend of a call, by everything they depend on: the
+# arguments' shapes, dtypes, devices and contiguity, never their values. An eager call with
+# the shapes of an earlier one repeats no shape check; the value checks still run wherever
+# validation.values_checked says.
+_PLANS: dict[tuple, tuple[GroupedProblem, str]] = {}
+_PLANS_MAX = 4096
+
+
+def _plan_key(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, fmt, out_dtype,
+              backend) -> tuple | None:
+    """The key of a call's plan, or None where an argument is not a tensor (validation names it)."""
+    if not (isinstance(fmt, str) and isinstance(backend, str) and isinstance(operands.scale_layout, str)):
+        return None
+    key = [fmt, operands.scale_layout, operands.a_form, out_dtype, backend]
+    for t in (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, a_scale_offsets,
+              operands.expert_scales, row_scales, out, operands.quantized_a_offsets):
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((t.shape, t.dtype, t.device, t.is_contiguous()))
+        else:
+            return None
+    return tuple(key)
+
+
+def _plan(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, *, fmt, out_dtype,
+          backend) -> tuple[GroupedProblem, str]:
+    """(problem, concrete backend) of a call: validated and resolved once per key, the values
+    checked on every call that checks them."""
+    key = _plan_key(operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, fmt, out_dtype, backend)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        if values_checked(operands.a.device):
+            validate_values(plan[0], a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                            a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+        return plan
+    problem = validate_grouped_matmul(
+        operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=fmt,
+        a_scale_offsets=a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
+        scale_layout=operands.scale_layout, out=out, out_dtype=out_dtype,
+        quantized_a_offsets=operands.quantized_a_offsets, a_form=operands.a_form,
+    )
+    chosen = resolve_backend(backend, problem, operands.a.device)
+    if operands.a_form is not None and chosen != "sm90":
+        raise ValueError(f"a: tokens in {operands.a_form} are read by the sm90 kernels only; this call runs on "
+                         f"backend {chosen!r}")
+    if key is not None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = problem, chosen
+    return problem, chosen
+
+
+def _not_traced(operands: Operands):
+    if operands.a_form is not None:
+        raise ValueError("a: tokens in a token form are not traced by torch.compile (the MoE layer, one op there, "
+                         "passes them)")
+
+
 def grouped_matmul(
     a: torch.Tensor | QuantizedTensor,
     b: torch.Tensor | QuantizedTensor,
@@ -102,43 +168,48 @@ def grouped_matmul(
     valid groups are left untouched; a fresh output starts as zeros. Returns `out` ([M, N],
     out_dtype). Inference only: backends other than "reference" refuse inputs that require
     grad outside torch.no_grad().
+
+    `a` may also be a QuantizedTensor in a token form (gather_quantize / scatter_quantize /
+    swiglu_quantize with a TokenForm as scale_layout, token_forms.py), for the sm90 kernel that
+    reads that form: it runs no pre-pass over A. scale_layout is then b's.
     """
     operands = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
-    a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
-    scale_layout, expert_scales = operands.scale_layout, operands.expert_scales
     if torch.compiler.is_compiling() and out is None:  # traced as one opaque op (moegemm/library.py)
-        return torch.ops.moegemm.grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, a_scale_offsets,
-                                                expert_scales, row_scales, scale_layout, out_dtype, backend)
-    problem = validate_grouped_matmul(
-        a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
-        expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout, out=out,
-        out_dtype=out_dtype, quantized_a_offsets=operands.quantized_a_offsets,
-    )
-    chosen = resolve_backend(backend, problem, a.device)
+        _not_traced(operands)
+        return torch.ops.moegemm.grouped_matmul(operands.a, operands.b, operands.a_scales, operands.b_scales,
+                                                a_offsets, expert_ids, fmt, a_scale_offsets, operands.expert_scales,
+                                                row_scales, operands.scale_layout, out_dtype, backend)
+    problem, chosen = _plan(operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, fmt=fmt,
+                            out_dtype=out_dtype, backend=backend)
     if chosen != "reference":  # (the reference is torch: autograd runs through it)
-        check_no_grad(f"backend {chosen!r} (use backend='reference' for gradients)", a=a, b=b, a_scales=a_scales,
-                      b_scales=b_scales, expert_scales=expert_scales, row_scales=row_scales)
+        check_no_grad(f"backend {chosen!r} (use backend='reference' for gradients)", a=operands.a, b=operands.b,
+                      a_scales=operands.a_scales, b_scales=operands.b_scales, expert_scales=operands.expert_scales,
+                      row_scales=row_scales)
     if out is None:
-        out = torch.zeros(problem.m, problem.n, dtype=out_dtype, device=a.device)
-    return _run(problem, chosen, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales,
-                row_scales, scale_layout, out)
+        out = torch.zeros(problem.m, problem.n, dtype=out_dtype, device=operands.a.device)
+    return _run(problem, chosen, operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out)
 
 
-def _run(problem: GroupedProblem, chosen: str, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
-         expert_scales, row_scales, scale_layout, out):
+def _run(problem: GroupedProblem, chosen: str, operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales,
+         out):
     """Launch a validated problem on the resolved backend into `out`."""
+    a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
     if chosen == "reference":
         return reference.grouped_matmul(
             a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=problem.fmt.name,
-            a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
-            scale_layout=scale_layout, out=out,
+            a_scale_offsets=a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
+            scale_layout=problem.scale_layout, out=out,
         )
     if chosen == "sm90":
+        if operands.a_form is not None:
+            return sm90.launch(sm90.LaunchArgs(problem, None, b, None, b_scales, a_offsets, expert_ids, out,
+                                               expert_scales=operands.expert_scales, row_scales=row_scales,
+                                               tokens=KernelTokens(operands.a_form, a, a_scales)))
         return sm90.launch(sm90.LaunchArgs(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, out,
-                                           a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
+                                           a_scale_offsets=a_scale_offsets, expert_scales=operands.expert_scales,
                                            row_scales=row_scales))
     return portable.grouped_matmul(problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
-                                   expert_scales, row_scales, out)
+                                   operands.expert_scales, row_scales, out)
 
 
 def _product_buffer(problem: GroupedProblem, device: torch.device) -> torch.Tensor:
@@ -166,14 +237,14 @@ def grouped_matmul_swiglu(
     expert_scales: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     scale_layout: str | None = None,
-    out_scale_layout: str | None = None,
+    out_scale_layout: str | TokenForm | None = None,
     num_scale_blocks: int | None = None,
     out_global_scale: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
     fused: bool = True,
     backend: str = "auto",
-):
+) -> QuantizedTensor:
     """The gate/up product followed by SwiGLU and the quantization of its output:
 
         h = grouped_matmul(a, b, ...)          [M, 2I]: gate_up_layout="interleaved": columns
@@ -187,93 +258,49 @@ def grouped_matmul_swiglu(
     `out_scale_layout` (default: swizzled for the block formats, else plain); the swizzled
     layout pads every group to 128 scale rows, padding zero, and `num_scale_blocks` bounds
     its first dimension (default ceil(M/128) + G). nvfp4 output needs `out_global_scale`
-    (fp32, one value) when fused.
+    (fp32, one value) when fused. out_scale_layout a TokenForm (mxfp8, mxfp4, w4a8): the
+    output in the token form the down product's sm90 kernel reads (token_forms.py).
 
     On sm90 with fused=True, bf16/mxfp8/w4a8/nvfp4/mxfp4 outputs come straight out of the
-    matmul's epilogue (the [M, 2I] product never reaches memory). Elsewhere, for fp8_block
-    outputs, and for gate_up_layout="concat" (columns [gate; up], DeepSeek's FP8 order), it
-    runs the unfused chain: the product to bf16, then activation.swiglu_quantize. Rows
-    outside valid groups hold unspecified data (and no scales in the swizzled layout). a, b,
-    a_scales, b_scales, expert_scales and scale_layout as in grouped_matmul (QuantizedTensor
-    operands or raw tensors).
+    matmul's epilogue (the [M, 2I] product never reaches memory), as does the bf16 token form.
+    Elsewhere, for fp8_block outputs, for the e4m3 token form, and for
+    gate_up_layout="concat" (columns [gate; up], DeepSeek's FP8 order), it runs the unfused
+    chain: the product to bf16, then activation.swiglu_quantize. Rows outside valid groups hold
+    unspecified data (and no scales in the swizzled layout). a, b, a_scales, b_scales,
+    expert_scales and scale_layout as in grouped_matmul (QuantizedTensor operands, a token form
+    included, or raw tensors).
     """
-    from . import activation as act
-
-    act._check_activation(activation, gate_up_layout)
+    check_activation(activation, gate_up_layout)
     operands = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
-    a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
-    scale_layout, expert_scales = operands.scale_layout, operands.expert_scales
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
         out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
     if torch.compiler.is_compiling():
-        from .library import quantized_from_op
-
+        _not_traced(operands)
+        if isinstance(out_scale_layout, TokenForm):
+            raise ValueError("out_scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
+                             "there, writes them)")
         outputs = torch.ops.moegemm.grouped_matmul_swiglu(
-            a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales,
-            bias, scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend,
-            gate_up_layout)
+            operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt, out_fmt,
+            activation, a_scale_offsets, operands.expert_scales, bias, operands.scale_layout, out_scale_layout,
+            num_scale_blocks, out_global_scale, alpha, limit, fused, backend, gate_up_layout)
         return quantized_from_op(outputs, out_fmt, out_scale_layout == "swizzled", a_offsets)
-    problem = validate_grouped_matmul(
-        a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
-        expert_scales=expert_scales, row_scales=None, scale_layout=scale_layout, out=None,
-        out_dtype=torch.bfloat16, quantized_a_offsets=operands.quantized_a_offsets,
-    )
-    chosen = resolve_backend(backend, problem, a.device)
-    check_no_grad("grouped_matmul_swiglu", a=a, b=b, a_scales=a_scales, b_scales=b_scales, expert_scales=expert_scales,
-                  bias=bias)
-    if chosen == "sm90" and fused and gate_up_layout == "interleaved":
-        if fused_epilogue.fused_supports(problem, out_fmt):
-            return fused_epilogue.launch_fused(
-                problem, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
-                out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
-                num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha, limit=limit)
-    h = _product_buffer(problem, a.device)
-    _run(problem, chosen, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, None,
-         scale_layout, h)
-    return act.swiglu_quantize(h, out_fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
-                               a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets,
-                               scale_layout=out_scale_layout,
-                               num_scale_blocks=num_scale_blocks, global_scale=out_global_scale,
-                               alpha=alpha, limit=limit)
-
-
-# The MoE layer's products with tokens already in the sm90 kernel's form (token_forms.py): the
-# layer's gather and activation kernels write them, so the products run no pre-pass. Internal:
-# the layer builds `problem` from arguments it has validated (moe.py).
-
-def grouped_matmul_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem: GroupedProblem, *,
-                               expert_scales, out):
-    """grouped_matmul on the sm90 block-format kernel, A given as KernelTokens."""
-    validate_weights(problem, b, b_scales, out.device)
-    return sm90.launch(sm90.LaunchArgs(problem, None, b, None, b_scales, a_offsets, expert_ids, out,
-                                       expert_scales=expert_scales, tokens=tokens))
-
-
-def swiglu_step_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem: GroupedProblem, *, out_fmt,
-                            activation, a_scale_offsets, expert_scales, bias, out_scale_layout, num_scale_blocks,
-                            alpha, limit, fused, out_form):
-    """grouped_matmul_swiglu (interleaved gate/up, no global scale) with A given as KernelTokens.
-    Returns KernelTokens of `out_form` for the next product when given, else the QuantizedTensor
-    of out_fmt; except that the fused epilogue (where asked for and supported) writes only the bf16
-    form, and returns the QuantizedTensor for the other forms."""
-    from . import activation as act
-
-    if fused and fused_epilogue.fused_supports(problem, out_fmt):
-        validate_weights(problem, b, b_scales, b.device)
+    problem, chosen = _plan(operands, a_offsets, expert_ids, a_scale_offsets, None, None, fmt=fmt,
+                            out_dtype=torch.bfloat16, backend=backend)
+    check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
+                  b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
+    out_form = out_scale_layout if isinstance(out_scale_layout, TokenForm) else None
+    if (chosen == "sm90" and fused and gate_up_layout == "interleaved" and (out_form is None or out_form.kind == "bf16")
+            and fused_epilogue.fused_supports(problem, out_fmt)):
+        tokens = None if operands.a_form is None else KernelTokens(operands.a_form, operands.a, operands.a_scales)
         return fused_epilogue.launch_fused(
-            problem, None, b, None, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias,
-            out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
-            num_scale_blocks=num_scale_blocks, out_global_scale=None, alpha=alpha, limit=limit, tokens=tokens,
-            out_form=out_form if out_form is not None and out_form.kind == "bf16" else None)
-    h = _product_buffer(problem, b.device)
-    grouped_matmul_from_tokens(tokens, b, b_scales, a_offsets, expert_ids, problem, expert_scales=expert_scales,
-                               out=h)
-    if out_form is not None:
-        return act.swiglu_kernel_tokens(h, out_fmt, out_form, activation=activation, gate_up_layout="interleaved",
-                                        bias=bias, a_offsets=a_offsets, expert_ids=expert_ids, alpha=alpha,
-                                        limit=limit)
-    return act.swiglu_quantize(h, out_fmt, gate_up_layout="interleaved", activation=activation, bias=bias,
-                               a_offsets=a_offsets,
-                               expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=out_scale_layout,
-                               num_scale_blocks=num_scale_blocks, alpha=alpha, limit=limit)
+            problem, None if tokens else operands.a, operands.b, None if tokens else operands.a_scales,
+            operands.b_scales, a_offsets, expert_ids, a_scale_offsets, operands.expert_scales, bias, out_fmt=out_fmt,
+            activation=activation, out_scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
+            out_global_scale=out_global_scale, alpha=alpha, limit=limit, tokens=tokens, out_form=out_form)
+    h = _product_buffer(problem, operands.a.device)
+    _run(problem, chosen, operands, a_offsets, expert_ids, a_scale_offsets, None, h)
+    return swiglu_quantize(h, out_fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
+                           a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets,
+                           scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
+                           global_scale=out_global_scale, alpha=alpha, limit=limit)

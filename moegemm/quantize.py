@@ -4,7 +4,11 @@ quantize(x, fmt)          activations [M, K]    -> A operand + A scales
 quantize_weights(w, fmt)  weights     [E, N, K] -> B operand + B scales
 dequantize(q)             either one            -> fp32 values (global scale included)
 
-Encodings per SPEC section 2 (codecs.py holds the element rules):
+Beside them, the storage of an A operand as the kernels write it (allocate_a_operand,
+as_quantized) and a QuantizedTensor as a torch.library op returns it (quantized_to_op,
+quantized_from_op).
+
+Encodings per docs/contract.md section 3 (codecs.py holds the element rules):
 - fp8_block: scale = amax / 448 in fp32 per 1x128 (A) or 128x128 (B) block (partial edge
   blocks use the elements present); element = e4m3(x / scale); an all-zero block has scale 0.
 - mxfp8 / mxfp4 / w4a8: scale = smallest power of two >= amax / max_finite (e8m0);
@@ -18,12 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from . import codecs, layouts
 from .formats import E2M1, E4M3, Format, OperandFormat, get_format
+from .token_forms import TokenForm, dequantize_tokens
 
-__all__ = ["QuantizedTensor", "quantize", "quantize_weights", "dequantize", "dequantize_operand"]
+__all__ = ["QuantizedTensor", "quantize", "quantize_weights", "dequantize", "dequantize_operand",
+           "allocate_a_operand", "as_quantized", "quantized_to_op", "quantized_from_op"]
 
 _NVFP4_GLOBAL_DIVISOR = 448.0 * 6.0  # e4m3 max times e2m1 max
 
@@ -34,20 +42,25 @@ class QuantizedTensor:
 
     data:          A [M, K] / packed [M, K/2];  B [E, N, K] / packed [E, N, K/2]
     scales:        None for bf16; otherwise in `scale_layout`
+    scale_layout:  "plain" or "swizzled" (docs/contract.md section 5); for A also a TokenForm,
+                   the form an sm90 kernel reads (token_forms.py): data e4m3 or bf16 [M, K],
+                   scales fp32 K-block-major or None, placed by a_offsets
     global_scale:  nvfp4 only: fp32 scalar (A) or [E] (B); fold into expert_scales
-    a_offsets:     swizzled A only: the group offsets the scale rows were placed by
+    a_offsets:     swizzled A and token forms: the group offsets the rows were placed by
     """
 
     data: torch.Tensor
     scales: torch.Tensor | None
     fmt: str
     operand: str  # "a" or "b"
-    scale_layout: str = "plain"
+    scale_layout: str | TokenForm = "plain"
     global_scale: torch.Tensor | None = None
     a_offsets: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
+        if isinstance(self.scale_layout, TokenForm):
+            return self.data.shape[-1]
         operand = get_format(self.fmt).a if self.operand == "a" else get_format(self.fmt).b
         return operand.logical_k(self.data.shape[-1])
 
@@ -130,6 +143,19 @@ def _quantize_fp8_block_weights(w: torch.Tensor, operand: OperandFormat):
     return codecs.encode_e4m3(scaled), scale
 
 
+def _prepared(x, name: str, fmt: str, which: str, scale_layout: str):
+    """(format, operand format, x as fp32, the QuantizedTensor when the operand is unscaled bf16)
+    of a quantizer's checked input: activations (which "a", [M, K]) or weights ("b", [E, N, K])."""
+    f = get_format(fmt)
+    operand = f.a if which == "a" else f.b
+    _check_float_input(x, name, 2 if which == "a" else 3, f, operand)
+    _check_layout(f, scale_layout)
+    x = x.float()
+    if operand.scale is None:
+        return f, operand, x, QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, which, scale_layout)
+    return f, operand, x, None
+
+
 def _check_float_input(x: torch.Tensor, name: str, ndim: int, fmt: Format, operand: OperandFormat):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -165,13 +191,9 @@ def quantize(
     bound) so that no device value is read. nvfp4 uses one global scale for the whole tensor
     (computed, or `global_scale`).
     """
-    f = get_format(fmt)
-    operand = f.a
-    _check_float_input(x, "x", 2, f, operand)
-    _check_layout(f, scale_layout)
-    x = x.float()
-    if operand.scale is None:
-        return QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, "a", scale_layout)
+    f, operand, x, bf16 = _prepared(x, "x", fmt, "a", scale_layout)
+    if bf16 is not None:
+        return bf16
     gscale = None
     if f.global_scale:
         gscale = _nvfp4_global(x, ()) if global_scale is None else _check_global_scale(global_scale, 1, x.device)
@@ -194,13 +216,9 @@ def quantize_weights(
 
     nvfp4 uses one global scale per expert (computed from the expert's amax, or given as [E]).
     """
-    f = get_format(fmt)
-    operand = f.b
-    _check_float_input(w, "w", 3, f, operand)
-    _check_layout(f, scale_layout)
-    w = w.float()
-    if operand.scale is None:
-        return QuantizedTensor(w.to(torch.bfloat16).contiguous(), None, f.name, "b", scale_layout)
+    f, operand, w, bf16 = _prepared(w, "w", fmt, "b", scale_layout)
+    if bf16 is not None:
+        return bf16
     if operand.block_n > 1:
         data, scales = _quantize_fp8_block_weights(w, operand)
         return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", scale_layout)
@@ -237,10 +255,12 @@ def dequantize_operand(
 ) -> torch.Tensor:
     """Decode an operand as `grouped_matmul` reads it: elements times block scales (times global).
 
-    A in the swizzled layout needs `a_offsets` (and honours `a_scale_offsets`); rows outside
-    every slot have no scales and decode to zero.
+    A in the swizzled layout or a token form needs `a_offsets` (and honours `a_scale_offsets`);
+    rows outside every slot have no scales and decode to zero.
     """
     f = get_format(fmt)
+    if isinstance(scale_layout, TokenForm):
+        return dequantize_tokens(data, scales, scale_layout, a_offsets, dtype)
     op = f.a if operand == "a" else f.b
     values = _decode_elements(data, op).to(dtype)
     if op.scale is None:
@@ -286,3 +306,62 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         global_scale=q.global_scale,
         dtype=dtype,
     )
+
+
+# ---- the A operand as the kernels write it, and as the torch.library ops return it ----------
+
+def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
+                       num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
+    fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
+    number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
+    op = get_format(fmt_name).a
+    if op.element is E2M1:
+        data = torch.empty(rows, k // 2, dtype=torch.uint8, device=device)
+    elif op.element is E4M3:
+        data = torch.empty(rows, k, dtype=torch.uint8, device=device)
+    else:
+        data = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
+    if op.scale is None:
+        return data, None, 0
+    nkb = math.ceil(k / op.block_k)
+    if swizzled:
+        if num_scale_blocks is None:
+            num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
+        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
+        return data, scales, num_scale_blocks * layouts.ROWS_PER_BLOCK
+    dtype = torch.float32 if op.scale == "fp32" else torch.uint8
+    return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
+
+
+def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets) -> QuantizedTensor:
+    """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor."""
+    f = get_format(fmt_name)
+    op = f.a
+    if op.element is E4M3:
+        data = data.view(torch.float8_e4m3fn)
+    if scales is not None and op.scale == "e8m0":
+        scales = scales.view(torch.float8_e8m0fnu)
+    elif scales is not None and op.scale == "e4m3":
+        scales = scales.view(torch.float8_e4m3fn)
+    layout = "swizzled" if swizzled else "plain"
+    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.global_scale else None,
+                           a_offsets if swizzled else None)
+
+
+def quantized_to_op(q: QuantizedTensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A QuantizedTensor as the torch.library ops return it: (data, scales or empty, global scale
+    or empty), since an op cannot return None."""
+    # Outputs must not alias an input (the global scale may be the caller's) nor one another.
+    return (q.data, q.scales if q.scales is not None else like.new_empty(0, dtype=torch.float32),
+            q.global_scale.reshape(()).clone() if q.global_scale is not None else like.new_empty(0, dtype=torch.float32))
+
+
+def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets) -> QuantizedTensor:
+    """Inverse of quantized_to_op for an A operand of `fmt`."""
+    data, scales, global_scale = outputs
+    f = get_format(fmt)
+    scales = scales if f.a.scale is not None else None
+    global_scale = global_scale if f.global_scale else None
+    layout = "swizzled" if swizzled and scales is not None else "plain"
+    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if layout == "swizzled" else None)

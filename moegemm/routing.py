@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from . import layouts
+from .kernels import routing as kernels
+from .kernels import tl_source
 
 __all__ = [
     "ROUTING_BACKENDS",
@@ -105,12 +107,10 @@ def _use_triton(backend: str, device: torch.device) -> bool:
         return False
     if backend == "auto":
         return device.type == "cuda"
-    from .kernels.tl_source import interpreter_note, interpreter_usable  # lazily, as the kernels below
-
-    if device.type == "cuda" or (device.type == "cpu" and interpreter_usable()):
+    if device.type == "cuda" or (device.type == "cpu" and tl_source.interpreter_usable()):
         return True
     raise ValueError(f"backend: 'triton' cannot run tensors on {device}"
-                     + interpreter_note(device))
+                     + tl_source.interpreter_note(device))
 
 
 def route(
@@ -127,8 +127,6 @@ def route(
     _check_route_args(topk_ids, num_experts, topk_weights)
     if not _use_triton(backend, topk_ids.device):
         return _route_torch(topk_ids, num_experts, topk_weights)
-    from .kernels import routing as kernels
-
     return RoutingPlan(topk_weights=topk_weights, **kernels.route(topk_ids, num_experts))
 
 
@@ -241,8 +239,6 @@ def unpermute_tokens(
     weights = _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias)
     if not _use_triton(backend, y.device):
         return _unpermute_torch(y, plan, weights, out_dtype, expert_bias)
-    from .kernels import routing as kernels
-
     return kernels.unpermute(y, plan.grouped_row, plan.valid, weights,
                              row_experts(plan) if expert_bias is not None else None, expert_bias,
                              out_dtype or y.dtype)

@@ -2,7 +2,7 @@
 
 The sm90 kernels for mxfp8, mxfp4 and w4a8 do not read the format's A operand as it is:
 
-    promotion kernel (config fp8_mma, kernels/sm90_mxfp8.py)
+    promotion kernels (config fp8_mma: kernels/sm90/mxfp8.py, kernels/sm90/e2m1.py)
         e4m3 tokens: mxfp4's e2m1 values times 2^6 (every such product is an e4m3 value, so
         the k32 sums stay exact); with e2m1 weights each group of 8 elements of K in the
         order 0 2 4 6 1 3 5 7, the order the kernel decodes the weights into.
@@ -14,13 +14,15 @@ The sm90 kernels for mxfp8, mxfp4 and w4a8 do not read the format's A operand as
         the wide tiles load a thread's four scales of 16 tokens with one 128-bit load. Only the
         tiles that take their token scales through the ring (64 tokens or more, and e2m1
         weights) read this layout.
-    decoding kernel (kernels/sm90_mx.py)
+    decoding kernel (kernels/sm90/decode.py)
         the tokens dequantized to bf16 (portable.dequantize_rows).
 
 Called on their own, the kernels build that form with a pre-pass over A. In the MoE layer the
-kernel that makes the tokens (gather + quantize, SwiGLU + quantize: activation.py) writes it
-directly: one launch and one pass over the tokens less per product. The values are those of
-the format's operand, bit for bit (tests/test_token_forms.py).
+kernel that makes the tokens writes it directly: gather_quantize, scatter_quantize and
+swiglu_quantize (activation.py) take a TokenForm as their scale_layout and return a
+QuantizedTensor in that layout, which grouped_matmul and grouped_matmul_swiglu take as `a` on
+the sm90 backend: one launch and one pass over the tokens less per product. The values are
+those of the format's operand, bit for bit (tests/test_token_forms.py).
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import sm90_mx_config
+from . import codecs
+from .config import DecodeConfig, E2m1Config, sm90_mx_config
 from .formats import get_format
 
-__all__ = ["KernelTokens", "TokenForm", "token_form"]
+__all__ = ["KernelTokens", "TokenForm", "token_form", "dequantize_tokens"]
 
 # Formats whose A operand has e8m0 scales a token-making kernel can write in a kernel's form.
-_FORM_FORMATS = ("mxfp8", "mxfp4", "w4a8")
-# e2m1 tokens enter the promotion kernel times 2^6 (kernels/sm90_mxfp8.py, E2M1_WEIGHT_EXP).
+FORM_FORMATS = ("mxfp8", "mxfp4", "w4a8")
+# e2m1 tokens enter the promotion kernel times 2^6 (kernels/sm90/e2m1.py, E2M1_WEIGHT_EXP).
 E2M1_TOKEN_EXP = 6
 
 
@@ -53,8 +56,10 @@ class TokenForm:
 
 @dataclass(frozen=True)
 class KernelTokens:
-    """Tokens in a TokenForm: data e4m3 bytes (uint8) or bf16 [M, K]; scales fp32 K-block-major
-    for "e4m3", None for "bf16". Rows outside every slot hold unspecified data."""
+    """Tokens in a TokenForm as the sm90 launch takes them (kernels/sm90, LaunchArgs.tokens): data
+    e4m3 or bf16 [M, K]; scales fp32 K-block-major for "e4m3", None for "bf16". Rows outside
+    every slot hold unspecified data. Callers above the kernels hold the same tokens as a
+    QuantizedTensor whose scale_layout is the TokenForm."""
 
     form: TokenForm
     data: torch.Tensor
@@ -65,14 +70,14 @@ def token_form(fmt_name: str, n: int, k: int, rows: int, groups: int) -> TokenFo
     """The form the sm90 kernel of a product (N, K, rows of A over `groups` slots) reads its tokens
     in, or None where a token-making kernel cannot write it (other formats, and mxfp8's narrow
     promotion tiles, which read row-major scales padded by stage: their pre-pass stays)."""
-    if fmt_name not in _FORM_FORMATS or rows == 0 or groups == 0 or k % 32:
+    if fmt_name not in FORM_FORMATS or rows == 0 or groups == 0 or k % 32:
         return None
     fmt = get_format(fmt_name)
     cfg = sm90_mx_config(fmt, n, k, rows / groups)
-    if not cfg.fp8_mma:
+    if isinstance(cfg, DecodeConfig):
         return TokenForm("bf16")
-    e2m1_weights = fmt.b.element.packed
-    if not (cfg.wide_promotion or e2m1_weights):
+    e2m1_weights = isinstance(cfg, E2m1Config)
+    if not (e2m1_weights or cfg.wide):
         return None
     return TokenForm("e4m3", exponent=E2M1_TOKEN_EXP if fmt.a.element.packed else 0, even_odd=e2m1_weights,
                      column_block=4 if e2m1_weights else ACC_ORDER_BLOCK)
@@ -100,3 +105,27 @@ def kb_major_column(r: int, s: int, g: int, column_block: int = 4) -> int:
     if column_block == ACC_ORDER_BLOCK:
         r = (r & ~15) | ((r & 6) << 1) | ((r & 8) >> 2) | (r & 1)
     return base + r
+
+
+def dequantize_tokens(data: torch.Tensor, scales: torch.Tensor | None, form: TokenForm, a_offsets: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of tokens in `form` ([M, K], K in the format's order): rows of every slot of
+    a_offsets decoded (those of slots the writer skipped are unspecified), other rows zero."""
+    m, k = data.shape
+    rows = torch.arange(m, device=data.device)
+    offsets = a_offsets.long().clamp(0, m)
+    groups = offsets.numel() - 1
+    slot = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=max(groups - 1, 0))
+    inside = (rows >= offsets[0]) & (rows < offsets[-1]) if groups else torch.zeros_like(rows, dtype=torch.bool)
+    if form.kind == "bf16":
+        values = data.to(dtype)
+    else:
+        values = codecs.decode_e4m3(data.view(torch.float8_e4m3fn)) * 2.0 ** -form.exponent
+        if form.even_odd:  # stored order 0 2 4 6 1 3 5 7 within each 8 elements
+            values = values.reshape(m, k // 8, 2, 4).transpose(-1, -2).reshape(m, k)
+        start = offsets[slot]
+        columns = kb_major_column((rows - start).clamp(min=0), start, slot, form.column_block)
+        columns = torch.where(inside, columns, torch.zeros_like(columns))
+        row_scales = scales.t().index_select(0, columns)  # [M, num_k_scales]
+        values = (values * row_scales.repeat_interleave(32, dim=1)[:, :k]).to(dtype)
+    return torch.where(inside[:, None], values, torch.zeros_like(values))

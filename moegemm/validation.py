@@ -1,4 +1,4 @@
-"""Argument checks of the public grouped matmul (SPEC section 5).
+"""Argument checks of the public grouped matmul (docs/contract.md section 8).
 
 Every check here reads only shapes, dtypes, devices and strides, so it never synchronizes
 the GPU. Checks that need tensor *values* (offsets, expert ids, finite expert scales, enough
@@ -19,8 +19,10 @@ import torch
 from . import layouts
 from .formats import Format, get_format
 from .quantize import QuantizedTensor
+from .token_forms import TokenForm, kb_major_columns, token_form
 
-__all__ = ["GroupedProblem", "Operands", "operands_of", "validate_grouped_matmul", "check_no_grad", "debug_mode"]
+__all__ = ["GroupedProblem", "Operands", "operands_of", "validate_grouped_matmul", "validate_values", "values_checked",
+           "check_no_grad", "debug_mode"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -28,6 +30,12 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 def debug_mode() -> bool:
     """MOEGEMM_DEBUG=1 turns on the checks that read device values (they synchronize)."""
     return os.environ.get("MOEGEMM_DEBUG", "0") not in ("", "0")
+
+
+def values_checked(device: torch.device) -> bool:
+    """Whether a call on `device` checks tensor values: on the CPU, where reading them is free,
+    and in debug mode."""
+    return device.type == "cpu" or debug_mode()
 
 
 @dataclass(frozen=True)
@@ -58,15 +66,21 @@ class Operands:
     b_scales: torch.Tensor | None
     scale_layout: str
     expert_scales: torch.Tensor | None
-    quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales were placed by
+    quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
+    a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
 
 
 def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -> Operands:
     """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
     scales are used, so a_scales / b_scales must then be None; their format and scale layout must
     be the call's (scale_layout None: theirs, else "plain"); nvfp4's global scales are folded into
-    expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged."""
+    expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged.
+    An A operand in a token form (its scale_layout a TokenForm) keeps its form: the call's
+    scale_layout is then that of b (and of a swiglu output)."""
+    if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+        return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None)
     layouts_seen = {}
+    a_form = None
     global_scale = None
     quantized_a_offsets = None
     for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
@@ -81,6 +95,9 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
                              f"used), got a {type(scales).__name__}")
         if q.fmt != get_format(fmt).name:
             raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
+        if isinstance(q.scale_layout, TokenForm):
+            a_form, quantized_a_offsets = q.scale_layout, q.a_offsets
+            continue
         layouts_seen[name] = q.scale_layout if q.scales is not None else None
         if q.global_scale is not None:
             global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
@@ -101,7 +118,7 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
             expert_scales = torch.ones(experts, dtype=torch.float32, device=b.device) * global_scale
         elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
             expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
-    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets)
+    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form)
 
 
 def check_no_grad(without_backward: str, **tensors):
@@ -156,11 +173,13 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 
 def validate_grouped_matmul(
     a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
-    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None,
+    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, values=True,
 ) -> GroupedProblem:
     """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
-    quantized_a_offsets: the a_offsets swizzled A scales were quantized for (a QuantizedTensor
-    operand's), which must be the call's."""
+    quantized_a_offsets: the a_offsets swizzled A scales (or a token form) were made for (a
+    QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
+    form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
+    reads. values=False leaves out the checks that read tensor values (validate_values)."""
     f = get_format(fmt)
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -171,16 +190,22 @@ def validate_grouped_matmul(
 
     a = _tensor(a, "a")
     device = a.device
-    _dtype(a, "a", (f.a.element.storage_dtype,))
-    if a.dim() != 2:
-        raise ValueError(f"a: expected 2 dimensions [M, K{'/2' if f.a.element.packed else ''}], got shape {tuple(a.shape)}")
+    if a_form is None:
+        _dtype(a, "a", (f.a.element.storage_dtype,))
+        if a.dim() != 2:
+            raise ValueError(f"a: expected 2 dimensions [M, K{'/2' if f.a.element.packed else ''}], got shape "
+                             f"{tuple(a.shape)}")
+    else:
+        _dtype(a, "a", (torch.float8_e4m3fn if a_form.kind == "e4m3" else torch.bfloat16,))
+        if a.dim() != 2:
+            raise ValueError(f"a: expected 2 dimensions [M, K] (tokens in {a_form}), got shape {tuple(a.shape)}")
     _contiguous(a, "a")
     b = _check(b, "b", (f.b.element.storage_dtype,), device)
     if b.dim() != 3:
         raise ValueError(f"b: expected 3 dimensions [E, N, K{'/2' if f.b.element.packed else ''}], got shape {tuple(b.shape)}")
 
     m = a.shape[0]
-    k = f.a.logical_k(a.shape[1])
+    k = f.a.logical_k(a.shape[1]) if a_form is None else a.shape[1]
     e, n = b.shape[0], b.shape[1]
     if f.b.logical_k(b.shape[2]) != k:
         raise ValueError(
@@ -196,7 +221,9 @@ def validate_grouped_matmul(
     _check(expert_ids, "expert_ids", (torch.int32,), device, (g,), "G = len(a_offsets) - 1")
 
     problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype)
-    _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device)
+    if a_form is not None:
+        _validate_form(problem, a_form, a_scales, device)
+    _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device, a_form is not None)
 
     if expert_scales is not None:
         _check(expert_scales, "expert_scales", (torch.float32,), device, (e,), "one per expert")
@@ -210,35 +237,29 @@ def validate_grouped_matmul(
     if quantized_a_offsets is not None:
         _check(quantized_a_offsets, "a_offsets", (torch.int32,), device, (g + 1,),
                "the group offsets a's swizzled scales were quantized for have another length")
-    if device.type == "cpu" or debug_mode():
-        _validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets)
-        if quantized_a_offsets is not None:
-            placed, given = quantized_a_offsets.cpu(), a_offsets.cpu()
-            if not torch.equal(placed, given):
-                g = int(torch.nonzero(placed != given)[0])
-                raise ValueError(f"a_offsets: a's swizzled scales were placed for other group offsets "
-                                 f"(moegemm.quantize(..., a_offsets=...) had a_offsets[{g}]={int(placed[g])}, the "
-                                 f"call gives {int(given[g])})")
+    if values and values_checked(device):
+        validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets, quantized_a_offsets,
+                        a_form)
     return problem
 
 
-def validate_weights(p: GroupedProblem, b, b_scales, device):
-    """The weights of problem p and their scales (a block format's: e8m0 or e4m3, per row and K
-    block): for callers that pass A in a kernel's own form (ops.grouped_matmul_from_tokens)."""
-    f = p.fmt
-    b = _check(b, "b", (f.b.element.storage_dtype,), device)
-    if b.dim() != 3 or tuple(b.shape[:2]) != (p.num_experts, p.n) or f.b.logical_k(b.shape[2]) != p.k:
-        raise ValueError(f"b: expected [E={p.num_experts}, N={p.n}, K={p.k}{' / 2' if f.b.element.packed else ''}], "
-                         f"got shape {tuple(b.shape)}")
-    if p.scale_layout == "plain":
-        _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device, (p.num_experts, p.n, p.num_k_scales),
-               "plain layout [E, N, K/vec]")
-    else:
-        _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device,
-               layouts.swizzled_b_shape(p.num_experts, p.n, p.num_k_scales), "swizzled layout")
+def _validate_form(p: GroupedProblem, form: TokenForm, a_scales, device):
+    """Tokens in `form` for problem p: the form its sm90 kernel reads, with its scales."""
+    if p.m and p.num_groups:
+        want = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups)
+        if form != want:
+            raise ValueError(f"a: tokens in {form}, but the sm90 kernel of this problem reads "
+                             f"{'no token form' if want is None else want} (token_forms.token_form)")
+    if form.kind == "bf16":
+        if a_scales is not None:
+            raise ValueError(f"a_scales: tokens in the bf16 form have no scales, got a {type(a_scales).__name__}")
+        return
+    _check(a_scales, "a_scales", (torch.float32,), device,
+           (p.num_k_scales, kb_major_columns(p.m, p.num_groups, form.column_block)), "K-block-major token scales")
 
 
-def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, device):
+def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, device, a_form: bool = False):
+    """The scales of a (unless a_form: a token form's, checked by _validate_form) and b."""
     f = p.fmt
     if not f.scaled:
         for name, s in (("a_scales", a_scales), ("b_scales", b_scales), ("a_scale_offsets", a_scale_offsets)):
@@ -253,25 +274,28 @@ def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, dev
         else:
             b_shape = (p.num_experts, p.n, nkb)
         b_what = "plain layout [E, ceil(N/128), ceil(K/128)]" if f.b.block_n > 1 else "plain layout [E, N, K/vec]"
-        _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device, a_shape, "plain layout [M, K/vec]")
+        if not a_form:
+            _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device, a_shape, "plain layout [M, K/vec]")
         _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device, b_shape, b_what)
         if a_scale_offsets is not None:
             raise ValueError("a_scale_offsets: only used with scale_layout='swizzled', got a tensor with 'plain'")
         return
-    a_scales = _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device)
-    atom = layouts.swizzled_a_shape(0, nkb)[1:]
-    if a_scales.dim() != 5 or tuple(a_scales.shape[1:]) != atom:
-        raise ValueError(
-            f"a_scales: expected the swizzled shape (row_blocks, {', '.join(map(str, atom))}), got {tuple(a_scales.shape)}"
-        )
+    if not a_form:
+        a_scales = _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device)
+        atom = layouts.swizzled_a_shape(0, nkb)[1:]
+        if a_scales.dim() != 5 or tuple(a_scales.shape[1:]) != atom:
+            raise ValueError(f"a_scales: expected the swizzled shape (row_blocks, {', '.join(map(str, atom))}), got "
+                             f"{tuple(a_scales.shape)}")
     _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device,
            layouts.swizzled_b_shape(p.num_experts, p.n, nkb), "swizzled layout")
     if a_scale_offsets is not None:
         _check(a_scale_offsets, "a_scale_offsets", (torch.int32,), device, (p.num_groups,), "one per group slot")
 
 
-def _validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets):
-    """Checks that read tensor values: free on the CPU, debug mode only on the GPU."""
+def validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets,
+                    quantized_a_offsets=None, a_form: TokenForm | None = None):
+    """The checks that read tensor values, for a problem whose shapes validate_grouped_matmul
+    has checked: free on the CPU, debug mode only on the GPU (values_checked)."""
     offsets = a_offsets.long().cpu()
     if offsets.numel() and offsets[0] < 0:
         raise ValueError(f"a_offsets: expected a_offsets[0] >= 0, got {int(offsets[0])}")
@@ -288,7 +312,7 @@ def _validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_
         raise ValueError(f"expert_ids: expected ids < E={p.num_experts} (or < 0 to skip), got {int(ids.max())}")
     if expert_scales is not None and not bool(torch.isfinite(expert_scales).all()):
         raise ValueError("expert_scales: expected finite values, got NaN or inf")
-    if p.fmt.scaled and p.scale_layout == "swizzled" and p.num_groups:
+    if p.fmt.scaled and p.scale_layout == "swizzled" and p.num_groups and a_form is None:
         _, scale_rows, slot = layouts.a_scale_rows(
             a_offsets.cpu(), None if a_scale_offsets is None else a_scale_offsets.cpu()
         )
@@ -299,3 +323,10 @@ def _validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_
                 f"a_scales: the groups need scale rows up to {int(scale_rows.max())}, but the swizzled tensor "
                 f"holds {a_scales.shape[0]} blocks of 128 rows"
             )
+    if quantized_a_offsets is not None and quantized_a_offsets is not a_offsets:
+        placed, given = quantized_a_offsets.cpu(), a_offsets.cpu()
+        if not torch.equal(placed, given):
+            g = int(torch.nonzero(placed != given)[0])
+            raise ValueError(f"a_offsets: a's {'token form' if a_form else 'swizzled scales'} were placed for other "
+                             f"group offsets (moegemm.quantize(..., a_offsets=...) had a_offsets[{g}]={int(placed[g])}, "
+                             f"the call gives {int(given[g])})")

@@ -544,7 +544,7 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
             bias)
     operand = fused.launch_fused(*args, **kw)
     form = fused.launch_fused(*args, out_form=TokenForm("bf16"), **kw)
-    assert form.form == TokenForm("bf16") and form.scales is None and form.data.shape == (m, n // 2)
+    assert form.scale_layout == TokenForm("bf16") and form.scales is None and form.data.shape == (m, n // 2)
     assert form.data.dtype == torch.bfloat16
     valid = torch.zeros(m, dtype=torch.bool, device="cuda")
     for g, x in enumerate(ids):

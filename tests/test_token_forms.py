@@ -1,7 +1,8 @@
 """Tokens written in the sm90 kernels' own forms (moegemm/token_forms.py) by the layer's gather and
-activation kernels: bit-identical to the format's operand followed by the pre-pass each kernel
-would otherwise run (portable.token_prepass / decode_row_scales / dequantize_rows / even_odd_k),
-on every row of a slot, under the interpreter on the CPU and compiled on a GPU."""
+activation kernels (their scale_layout a TokenForm): bit-identical to the format's operand followed
+by the pre-pass each kernel would otherwise run (portable.token_prepass / decode_row_scales /
+dequantize_rows / even_odd_k), on every row of a slot, under the interpreter on the CPU and
+compiled on a GPU."""
 
 import pytest
 import torch
@@ -95,8 +96,8 @@ def check_gather(fmt, form, device):
     plan = _routing(t, k, e, device, seed=1)
     gen = torch.Generator().manual_seed(2)
     x = _special_rows(torch.randn(t, hidden, generator=gen) * 4).bfloat16().to(device)
-    got = act.gather_kernel_tokens(x, fmt, plan.token_index, form, plan.a_offsets)
-    assert got.form == form and got.data.shape == (t * k, hidden)
+    got = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=form)
+    assert got.scale_layout == form and got.data.shape == (t * k, hidden) and got.k == hidden
     if form.kind == "e4m3":
         assert got.data.dtype == torch.float8_e4m3fn
         assert got.scales.shape == (hidden // 32, kb_major_columns(t * k, e, form.column_block))
@@ -112,9 +113,9 @@ def check_scatter(fmt, form, device):
     assert not bool(plan.valid.all())
     gen = torch.Generator().manual_seed(5)
     x = _special_rows(torch.randn(t, hidden, generator=gen) * 4).bfloat16().to(device)
-    got = act.scatter_kernel_tokens(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), form,
-                                    plan.a_offsets)
-    assert got.form == form and got.data.shape == (t * k, hidden)
+    got = act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), a_offsets=plan.a_offsets,
+                               scale_layout=form)
+    assert got.scale_layout == form and got.data.shape == (t * k, hidden)
     q = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
     _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
 
@@ -128,7 +129,7 @@ def check_swiglu(fmt, form, device):
     bias = (torch.randn(e, 2 * inner, generator=gen)).to(device)
     kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=a_offsets, expert_ids=expert_ids, alpha=1.702,
                   limit=7.0)
-    got = act.swiglu_kernel_tokens(h, fmt, form, gate_up_layout="interleaved", **kwargs)
+    got = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", scale_layout=form, **kwargs)
     q = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", **kwargs)
     _assert_same(got, fmt, form, q, a_offsets, expert_ids, e)
 
@@ -163,29 +164,67 @@ def test_token_form_follows_the_kernel_config():
     assert token_form("mxfp4", 5760, 2880, 0, 128) is None
 
 
-def test_scatter_kernel_tokens_rejects_bad_rows():
+def test_scatter_into_a_token_form_rejects_bad_rows():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(TypeError, match="grouped_row"):
-        act.scatter_kernel_tokens(x, "mxfp8", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32),
-                                  TokenForm("e4m3"), offsets)
-    with pytest.raises(ValueError, match="grouped_row"):
-        act.scatter_kernel_tokens(x, "mxfp8", torch.zeros(3, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int32),
-                                  TokenForm("e4m3"), offsets)
-    with pytest.raises(ValueError, match="row_slot"):
-        act.scatter_kernel_tokens(x, "mxfp8", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(7, dtype=torch.int32),
-                                  TokenForm("e4m3"), offsets)
+    form = dict(a_offsets=offsets, scale_layout=TokenForm("e4m3"))
+    with pytest.raises(TypeError, match="^grouped_row"):
+        act.scatter_quantize(x, "mxfp8", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32), **form)
+    with pytest.raises(ValueError, match="^grouped_row"):
+        act.scatter_quantize(x, "mxfp8", torch.zeros(3, 2, dtype=torch.int64),
+                             torch.zeros(6, dtype=torch.int32), **form)
+    with pytest.raises(ValueError, match="^row_slot"):
+        act.scatter_quantize(x, "mxfp8", torch.zeros(4, 2, dtype=torch.int64),
+                             torch.zeros(7, dtype=torch.int32), **form)
 
 
-def test_kernel_tokens_reject_other_formats():
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("form,fmt,name", [(TokenForm("bf16"), "nvfp4", "scale_layout"),
+                                           (TokenForm("bf16"), "fp8_block", "scale_layout"),
+                                           (TokenForm("fp8"), "mxfp8", "scale_layout"),
+                                           (TokenForm("e4m3", column_block=8), "mxfp8", "column_block")])
+def test_token_forms_reject_what_no_kernel_reads(form, fmt, name):
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="form"):
-        act.gather_kernel_tokens(x, "nvfp4", torch.arange(4), TokenForm("bf16"), offsets)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        act.gather_quantize(x, fmt, torch.arange(4), a_offsets=offsets, scale_layout=form)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        act.swiglu_quantize(torch.cat((x, x), 1), fmt, gate_up_layout="interleaved", a_offsets=offsets,
+                            scale_layout=form)
 
 
-def test_kernel_tokens_reject_other_column_blocks():
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    offsets = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="column_block"):
-        act.gather_kernel_tokens(x, "mxfp8", torch.arange(4), TokenForm("e4m3", column_block=8), offsets)
+def test_token_form_needs_a_offsets():
+    with pytest.raises(ValueError, match="^a_offsets:"):
+        act.gather_quantize(torch.zeros(4, 64), "mxfp8", scale_layout=TokenForm("bf16"))
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("fmt,form", FORMS, ids=FORM_IDS)
+def test_token_forms_dequantize_to_the_operands_values(fmt, form):
+    """moegemm.dequantize reads a QuantizedTensor in a token form: every row of a slot has the
+    values of the format's operand (the bf16 form rounds them to bf16, which holds them)."""
+    t, k, e, hidden = 23, 3, 5, 320
+    plan = _routing(t, k, e, "cpu", seed=6)
+    x = (torch.randn(t, hidden, generator=torch.Generator().manual_seed(7)) * 4).bfloat16()
+    got = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=form)
+    want = moegemm.dequantize(act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets))
+    rows = int(plan.a_offsets[-1])
+    assert rows > 0 and torch.equal(moegemm.dequantize(got)[:rows], want[:rows])
+    assert not moegemm.dequantize(got)[rows:].any()
+
+
+def test_a_token_form_runs_on_sm90_only():
+    """A token form is what one sm90 kernel reads: the call names `a` where the problem's kernel
+    reads another form, and where the call runs on another backend."""
+    offsets, ids = torch.tensor([0, 8], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    w = moegemm.quantize_weights(torch.randn(1, 32, 64), "mxfp4")
+    form = token_form("mxfp4", 32, 64, 8, 1)
+    assert form.kind == "e4m3"
+    scales = torch.ones(2, kb_major_columns(8, 1, form.column_block))
+    tokens = moegemm.QuantizedTensor(torch.zeros(8, 64, dtype=torch.float8_e4m3fn), scales, "mxfp4", "a", form, None,
+                                     offsets)
+    with pytest.raises(ValueError, match="^a: tokens in .* are read by the sm90 kernels only"):
+        moegemm.grouped_matmul(tokens, w, None, None, offsets, ids, fmt="mxfp4")
+    bf16_tokens = moegemm.QuantizedTensor(torch.zeros(8, 64).bfloat16(), None, "mxfp4", "a", TokenForm("bf16"), None,
+                                          offsets)
+    with pytest.raises(ValueError, match="^a: tokens in .* but the sm90 kernel of this problem reads"):
+        moegemm.grouped_matmul(bf16_tokens, w, None, None, offsets, ids, fmt="mxfp4")

@@ -1,4 +1,4 @@
-"""One test per bad-input rule of SPEC section 5: the error type, and a message that starts
+"""One test per bad-input rule of docs/contract.md section 8: the error type, and a message that starts
 with the argument's name."""
 
 import pytest
@@ -135,3 +135,15 @@ def test_zero_groups_is_a_no_op():
     out = torch.full((40, 16), 3.0, dtype=torch.bfloat16)
     call(args, dict(kwargs, out=out))
     assert bool((out == 3.0).all())
+
+
+def test_a_repeated_shape_still_checks_what_changed():
+    """A call with the shapes of an earlier one reuses its checked problem (ops._plan) but still
+    checks the values, and any change of dtype, device or layout in memory is a new problem."""
+    args, kwargs = good()
+    call(args, kwargs)
+    call(args, kwargs)
+    expect(ValueError, "a_offsets", dict(args), kwargs, a_offsets=torch.tensor([0, 30, 10], dtype=torch.int32))
+    expect(ValueError, "expert_ids", dict(args), kwargs, expert_ids=torch.tensor([0, 3], dtype=torch.int32))
+    expect(ValueError, "a", dict(args), kwargs, a=torch.zeros(64, 40, dtype=torch.float8_e4m3fn).t())
+    expect(TypeError, "a_scales", dict(args), kwargs, a_scales=args["a_scales"].float())
