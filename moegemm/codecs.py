@@ -1,6 +1,6 @@
 """Bit-exact element and scale codecs (pure PyTorch, any device).
 
-Rules (SPEC section 2), each tested against an exhaustive code table:
+Rules (docs/contract.md section 3), each tested against an exhaustive code table:
 - e2m1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; round to nearest, ties to the
   even code; saturate to +-6. Sign comes from the sign bit, so -0.0 encodes as 0x8.
 - e4m3 (float8_e4m3fn): round to nearest even, saturating to +-448 (the cast alone would

@@ -68,7 +68,7 @@ class OperandFormat:
 
     @property
     def accepted_scale_dtypes(self) -> tuple[torch.dtype, ...]:
-        """e8m0 scales may also come as uint8 holding the same bytes (SPEC section 4)."""
+        """e8m0 scales may also come as uint8 holding the same bytes (docs/contract.md section 3)."""
         if self.scale is None:
             return ()
         if self.scale == "e8m0":

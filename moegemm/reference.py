@@ -1,4 +1,4 @@
-"""The fp32 (or fp64) oracle of the grouped matmul: SPEC section 1, written plainly.
+"""The fp32 (or fp64) oracle of the grouped matmul: docs/contract.md sections 1 and 4, written plainly.
 
 Tests and benchmarks compare every backend against this one function. It decodes both
 operands with the bit-exact codecs (dequantize_operand; the weights one expert at a time, so

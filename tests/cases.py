@@ -1,4 +1,4 @@
-"""Shared test material: the token patterns of SPEC section 7, input builders, tolerances."""
+"""Shared test material: the token patterns (TOKEN_PATTERNS), input builders, tolerances."""
 
 from __future__ import annotations
 

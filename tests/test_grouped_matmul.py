@@ -1,7 +1,8 @@
 """The portable kernel (and the op around it) against the fp64 reference.
 
-Every format x scale layout x SPEC section 7 token pattern, on fresh random inputs, with the
-output poisoned before the call; rows outside valid groups must come back bit-identical.
+Every format x scale layout x token pattern (tests/cases.py TOKEN_PATTERNS), on fresh random
+inputs, with the output poisoned before the call; rows outside valid groups must come back
+bit-identical.
 CPU: the kernel under Triton's interpreter. GPU (marked gpu): the compiled kernel.
 """
 

@@ -1,5 +1,5 @@
-"""Scale layouts: positions checked against the SPEC formulas element by element, round
-trips, zero padding, a_scale_offsets."""
+"""Scale layouts: positions checked against the formulas of docs/contract.md section 5 element
+by element, round trips, zero padding, a_scale_offsets."""
 
 import math
 

@@ -31,7 +31,7 @@ def encode_naive(value: float, element: str) -> int:
 
 
 def naive_block(values: list[float], fmt: str, global_scale: float | None):
-    """(scale as stored: float or byte, element codes) of one block by the SPEC rules."""
+    """(scale as stored: float or byte, element codes) of one block by the rules of docs/contract.md section 3."""
     amax = max(abs(v) for v in values)
     if fmt == "fp8_block":
         scale = f32(amax / 448.0)

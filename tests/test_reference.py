@@ -1,6 +1,6 @@
-"""The reference against SPEC section 1 written out per element: sums over scale blocks in
-Python floats, scales read by the SPEC's index formulas (plain and swizzled), no shared
-dequantization code."""
+"""The reference against docs/contract.md sections 1 and 4 written out per element: sums over
+scale blocks in Python floats, scales read by the index formulas of section 5 (plain and
+swizzled), no shared dequantization code."""
 
 import math
 
@@ -49,7 +49,7 @@ def sfb(q, fmt, e, n, kb):
 
 
 @pytest.mark.parametrize("fmt,layout", FORMAT_LAYOUTS)
-def test_reference_is_the_spec_formula(fmt, layout):
+def test_reference_is_the_contract_formula(fmt, layout):
     f = FORMATS[fmt]
     k = 160 if fmt == "fp8_block" else 64  # fp8_block: a partial second 128-block
     e_count, n = 3, 5
