@@ -98,6 +98,17 @@ def _normal_(t: torch.Tensor, std: float) -> None:
         t.copy_(torch.randn(t.shape, dtype=torch.float32) * std)
 
 
+def _drawn(block, dtype: torch.dtype, *draws):
+    """The block with each (tensor, std) of `draws` drawn in order, in `dtype`, in eval mode."""
+    for t, std in draws:
+        _normal_(t, std)
+    return block.to(dtype).eval()
+
+
+# One decoder layer's attention sizes: the MoE block reads none of them, the configs want them.
+_ONE_LAYER = dict(num_hidden_layers=1, num_attention_heads=4)
+
+
 def build_qwen3_moe(
     *,
     hidden_size: int = 64,
@@ -121,16 +132,13 @@ def build_qwen3_moe(
         num_experts_per_tok=top_k,
         norm_topk_prob=norm_topk_prob,
         hidden_act="silu",
-        num_hidden_layers=1,
-        num_attention_heads=4,
         num_key_value_heads=2,
         experts_implementation=experts_implementation,
+        **_ONE_LAYER,
     )
     block = Qwen3MoeSparseMoeBlock(config)
-    _normal_(block.gate.weight, router_std)
-    _normal_(block.experts.gate_up_proj, std)
-    _normal_(block.experts.down_proj, std)
-    return block.to(dtype).eval()
+    return _drawn(block, dtype, (block.gate.weight, router_std), (block.experts.gate_up_proj, std),
+                  (block.experts.down_proj, std))
 
 
 def build_gpt_oss(
@@ -159,20 +167,16 @@ def build_gpt_oss(
         num_experts_per_tok=top_k,
         swiglu_alpha=swiglu_alpha,
         swiglu_limit=swiglu_limit,
-        num_hidden_layers=1,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         experts_implementation=experts_implementation,
+        **_ONE_LAYER,
     )
     block = GptOssMLP(config)
-    _normal_(block.router.weight, router_std)
-    _normal_(block.router.bias, bias_std)
-    _normal_(block.experts.gate_up_proj, std)
-    _normal_(block.experts.gate_up_proj_bias, bias_std)
-    _normal_(block.experts.down_proj, std)
-    _normal_(block.experts.down_proj_bias, bias_std)
-    return block.to(dtype).eval()
+    experts = block.experts
+    return _drawn(block, dtype, (block.router.weight, router_std), (block.router.bias, bias_std),
+                  (experts.gate_up_proj, std), (experts.gate_up_proj_bias, bias_std), (experts.down_proj, std),
+                  (experts.down_proj_bias, bias_std))
 
 
 def build_deepseek_v3(
@@ -212,19 +216,16 @@ def build_deepseek_v3(
         norm_topk_prob=norm_topk_prob,
         first_k_dense_replace=0,
         hidden_act="silu",
-        num_hidden_layers=1,
-        num_attention_heads=4,
         num_key_value_heads=4,
         experts_implementation=experts_implementation,
+        **_ONE_LAYER,
     )
     block = DeepseekV3MoE(config)
-    _normal_(block.gate.weight, router_std)
-    _normal_(block.gate.e_score_correction_bias, correction_bias_std)
-    _normal_(block.experts.gate_up_proj, std)
-    _normal_(block.experts.down_proj, std)
-    for lin in (block.shared_experts.gate_proj, block.shared_experts.up_proj, block.shared_experts.down_proj):
-        _normal_(lin.weight, std)
-    block = block.to(dtype).eval()
+    shared = block.shared_experts
+    block = _drawn(block, dtype, (block.gate.weight, router_std),
+                   (block.gate.e_score_correction_bias, correction_bias_std), (block.experts.gate_up_proj, std),
+                   (block.experts.down_proj, std), (shared.gate_proj.weight, std), (shared.up_proj.weight, std),
+                   (shared.down_proj.weight, std))
     block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.float()  # buffer stays registered
     return block
 
