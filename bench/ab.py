@@ -139,8 +139,7 @@ def _deepest(cfg, fmt):
     """The ring as deep as shared memory allows (up to 12 stages), as the config functions do."""
     from moegemm.formats import FORMATS
 
-    c = _config()
-    return c.deepest_ring(replace(cfg, stages=2), 1, 2, c.weight_bytes(FORMATS[fmt]))
+    return _config().deepest_ring(replace(cfg, stages=2), FORMATS[fmt])
 
 
 def library_variant(fmt, n, k, sizes):
@@ -154,23 +153,28 @@ def default_variant(fmt, n, k, sizes):
 
 def bf16_tile_variants(fmt, n, k, sizes):
     """The bf16 kernel's tile arrangements at ~128 tokens a slot (gpt-oss-120b at 4096 tokens)."""
+    from moegemm.formats import FORMATS
+
     c = _config()
     tiles = {"split-64x128": dict(block_n=64, split_n=True, group_m=4),
              "split-64x256": dict(block_n=128, split_n=True, group_m=4),
              "normal-128x128": dict(block_n=128, group_m=4),
              "normal-128x256": dict(block_n=256, group_m=4)}
     return {"default": default_config(fmt, n, k, sizes),
-            **{name: c.deepest_ring(c.Sm90Config(block_k=64, stages=2, **kw), 2, 2) for name, kw in tiles.items()}}
+            **{name: c.deepest_ring(c.DenseConfig(block_k=64, stages=2, **kw), FORMATS[fmt])
+               for name, kw in tiles.items()}}
 
 
 def bf16_fused_tile_variants(fmt, n, k, sizes):
     """The fused SwiGLU epilogue on each bf16 tile arrangement, its ring as deep as the fused
     scratch allows."""
+    from moegemm.formats import FORMATS
+
     c = _config()
     tiles = {"split-64x128": dict(block_n=64, split_n=True, group_m=4),
              "split-64x256": dict(block_n=128, split_n=True, group_m=4),
              "normal-128x128": dict(block_n=128, group_m=4), "normal-128x256": dict(block_n=256, group_m=4)}
-    return {name: c.deepest_ring(c.Sm90Config(block_k=64, stages=2, **kw), 2, 2, fused=True)
+    return {name: c.deepest_ring(c.DenseConfig(block_k=64, stages=2, **kw), FORMATS[fmt], fused=True)
             for name, kw in tiles.items()}
 
 
@@ -197,7 +201,7 @@ def e2m1_variants(fmt, n, k, sizes):
 def mxfp8_tile_variants(fmt, n, k, sizes):
     """128-token tiles (with the default's tails) or 64-token tiles (no tails: they are for 128)."""
     base = default_config(fmt, n, k, sizes)
-    narrow = replace(base, block_n=64, tail_tokens=0, short_tails=False, consumer_regs=232)
+    narrow = replace(base, token_tile=64, tail_tokens=0, short_tails=False, consumer_regs=232)
     return {"tokens-128": base, "tokens-64": _deepest(narrow, fmt)}
 
 
@@ -217,14 +221,14 @@ def short_tail_variants(fmt, n, k, sizes):
 
 def mxfp8_kernel_variants(fmt, n, k, sizes):
     """mxfp8 by fp8 wgmma and per-k32 promotion (the default) or by the bf16-decoding kernel."""
-    base = default_config(fmt, n, k, sizes)
-    tokens = base.token_tile
-    decoding = replace(base, fp8_mma=False, block_k=64, sub_steps=2 if tokens < 128 else 1, consumer_regs=192,
-                       chunk_walk=False, tail_tokens=0, short_tails=False, split_k=False, stages=2)
     from moegemm.formats import FORMATS
 
-    c = _config()  # (the decoding kernel's tokens are bf16 in the ring: 2 bytes an element)
-    return {"promotion": base, "decoding": c.deepest_ring(decoding, 2, 2, c.weight_bytes(FORMATS[fmt]))}
+    c = _config()
+    base = default_config(fmt, n, k, sizes)
+    tokens = base.token_tile
+    decoding = c.DecodeConfig(token_tile=tokens, stages=2, group_m=base.group_m, consumer_regs=192,
+                              sub_steps=2 if tokens < 128 else 1)
+    return {"promotion": base, "decoding": c.deepest_ring(decoding, FORMATS[fmt])}
 
 
 def stage_step_variants(fmt, n, k, sizes):
@@ -234,8 +238,7 @@ def stage_step_variants(fmt, n, k, sizes):
 
     c = _config()
     base = default_config(fmt, n, k, sizes)
-    return {f"steps-{s}": c.deepest_ring(replace(base, sub_steps=s, stages=2), 2, 2, c.weight_bytes(FORMATS[fmt]))
-            for s in (1, 2, 4)}
+    return {f"steps-{s}": c.deepest_ring(replace(base, sub_steps=s, stages=2), FORMATS[fmt]) for s in (1, 2, 4)}
 
 
 CLAIM_ROUNDS = (0, 2, 4, 8, 16, 1000)
@@ -332,6 +335,33 @@ KERNEL_PLANS = {
         ("mxfp8", "dsv3-up", _fixed([1024] * 32), default_variant),
         ("mxfp8", "dsv3-up", _poisson(256, 1024, 5, 32), default_variant),
         ("mxfp8", "dsv3-up", _poisson(64, 40, 6), default_variant),
+    ]),
+    "families": ("every sm90 kernel at the library's own config, decode to prefill (for two revisions)", [
+        ("bf16", "gptoss-up", _poisson(128, 2, 21), library_variant),  # dense, swapped 16
+        ("bf16", "gptoss-down", _poisson(128, 30, 22), library_variant),  # dense, swapped 64
+        ("bf16", "gptoss-up", _poisson(128, 128, 7), library_variant),  # dense, split-n
+        ("bf16", "gptoss-up", _fixed([4096] * 8), library_variant),  # dense, normal 128 x 256
+        ("fp8_block", "dsv3-down", _poisson(256, 16, 23), library_variant),  # fp8_block, swapped 32
+        ("fp8_block", "dsv3-up", _poisson(256, 128, 3), library_variant),  # fp8_block, split-n
+        ("fp8_block", "dsv3-up", _fixed([4096] * 8), library_variant),  # fp8_block, 128 x 256 halves
+        ("mxfp8", "dsv3-down", _poisson(256, 2, 24), library_variant),  # mxfp8, narrow 16
+        ("mxfp8", "dsv3-up", _poisson(256, 16, 25), library_variant),  # mxfp8, narrow 32, chunked walk
+        ("mxfp8", "dsv3-up", _poisson(64, 40, 6), library_variant),  # mxfp8, wide 64
+        ("mxfp8", "dsv3-up", _poisson(256, 128, 3), library_variant),  # mxfp8, wide 128 with tails
+        ("mxfp8", "dsv3-up", _fixed([4096] * 8), library_variant),  # mxfp8, wide 128
+        ("mxfp4", "gptoss-up", _poisson(128, 2, 1), library_variant),  # e2m1 split-K, 8 tokens
+        ("mxfp4", "gptoss-down", _poisson(128, 2, 2), library_variant),  # e2m1 split-K, half tiles
+        ("w4a8", "dsv3-up", _poisson(256, 8, 26), library_variant),  # e2m1 split-K, 16 tokens
+        ("nvfp4", "dsv3-down", _poisson(256, 16, 27), library_variant),  # decode kernel, 32 tokens
+        ("mxfp4", "gptoss-up", _poisson(128, 40, 28), library_variant),  # decode kernel, 64 tokens
+        ("nvfp4", "dsv3-up", _fixed([4096] * 8), library_variant),  # decode kernel, 128 tokens
+        ("w4a8", "gptoss-up", _poisson(128, 128, 7), library_variant),  # decode kernel, 128 tokens
+        ("bf16", "gptoss-up", _poisson(128, 32, 29), library_variant, "swiglu-fused"),  # fused, swapped
+        ("bf16", "gptoss-up", _fixed([4096] * 8), library_variant, "swiglu-fused"),  # fused, normal
+        ("mxfp8", "dsv3-up", _poisson(256, 16, 25), library_variant, "swiglu-fused"),  # fused, narrow
+        ("mxfp8", "dsv3-up", _fixed([4096] * 8), library_variant, "swiglu-fused"),  # fused, wide
+        ("mxfp4", "gptoss-up", _poisson(128, 0.2, 30), library_variant, "swiglu-fused"),  # fused, e2m1
+        ("mxfp4", "gptoss-up", _poisson(128, 128, 7), library_variant, "swiglu-fused"),  # fused, decode 128
     ]),
     "bf16-tiles": ("the bf16 kernel's tile arrangements at ~128 tokens a slot", [
         ("bf16", "gptoss-up", _poisson(128, 128, 7), bf16_tile_variants),
@@ -503,11 +533,12 @@ def _claims(rounds):
 
 
 def _walk(chunks):
-    return lambda fmt_name, cfg: replace(cfg, chunk_walk=chunks) if cfg.fp8_mma and not cfg.wide_promotion else cfg
+    return lambda fmt_name, cfg: (replace(cfg, chunk_walk=chunks) if isinstance(cfg, _config().Mxfp8Config)
+                                  and not cfg.wide else cfg)
 
 
 def _short_tails(short):
-    return lambda fmt_name, cfg: replace(cfg, short_tails=short) if cfg.tail_tokens == 32 else cfg
+    return lambda fmt_name, cfg: replace(cfg, short_tails=short) if getattr(cfg, "tail_tokens", 0) == 32 else cfg
 
 
 def _unchanged(fmt_name, cfg):

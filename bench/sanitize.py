@@ -27,7 +27,7 @@ hazard only when every access it names lies on that handoff's lines:
                (and ends) the worker warps before `barrier.sync 1` of all warps, the workers read
                it after theirs (code Triton attributes to the Gluon kernel function itself, whose
                own statements touch no shared data: they allocate it and call the partitions)
-    tile-id    kernels/sm90/pipeline.py _publish_tile / _receive_tile: the producer's next tile, written
+    tile-id    kernels/sm90/pipeline.py Schedule.publish / receive: the producer's next tile, written
                by the producer warp, read by the consumer warpgroups (id_ready / id_free)
     split-k    kernels/sm90/e2m1.py _reduce_split_k: one K half's partial sums, written by a
                warpgroup, read by the other (red_ready / red_free)
@@ -86,28 +86,28 @@ def _check(fmt, layout, pattern, n, k, config=None, with_scales=True, out_dtype=
 
 
 def workload_sm90():
-    from moegemm.config import Sm90Config
+    from moegemm.config import DenseConfig
 
     big = _groups(8, 300, 500, 1)  # ~25 token tiles x 16 weight tiles of 128
     small = _groups(64, 1, 30, 2)
     for fmt, bk in (("fp8_block", 128), ("bf16", 64)):
         if _racecheck():
-            _check(fmt, "plain", big, 2048, 128, Sm90Config(block_n=128, block_k=bk, stages=4, group_m=4))
-            _check(fmt, "plain", small, 1024, 128, Sm90Config(block_n=32, block_k=bk, stages=6, group_m=1, swap=True))
+            _check(fmt, "plain", big, 2048, 128, DenseConfig(block_n=128, block_k=bk, stages=4, group_m=4))
+            _check(fmt, "plain", small, 1024, 128, DenseConfig(block_n=32, block_k=bk, stages=6, group_m=1, swap=True))
             continue
-        _check(fmt, "plain", big, 2048, 256, Sm90Config(block_n=128, block_k=bk, stages=4, group_m=4))
-        _check(fmt, "plain", big, 2048, 256, Sm90Config(block_n=256, block_k=bk, stages=3, group_m=2))
-        _check(fmt, "plain", big, 2048, 256, Sm90Config(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True))
-        _check(fmt, "plain", small, 1024, 256, Sm90Config(block_n=32, block_k=bk, stages=6, group_m=1, swap=True))
+        _check(fmt, "plain", big, 2048, 256, DenseConfig(block_n=128, block_k=bk, stages=4, group_m=4))
+        _check(fmt, "plain", big, 2048, 256, DenseConfig(block_n=256, block_k=bk, stages=3, group_m=2))
+        _check(fmt, "plain", big, 2048, 256, DenseConfig(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True))
+        _check(fmt, "plain", small, 1024, 256, DenseConfig(block_n=32, block_k=bk, stages=6, group_m=1, swap=True))
         _check(fmt, "plain", small, 1024, 256, with_scales=False)
 
 
 def workload_mx_decoding():
-    from moegemm.config import Sm90Config
+    from moegemm.config import DecodeConfig
 
     for tokens, (lo, hi) in ((32, (10, 30)), (64, (30, 60)), (128, (60, 200))):
-        cfg = Sm90Config(block_n=tokens, block_k=64, stages=3, group_m=1 if tokens < 128 else 4, swap=True,
-                         consumer_regs=192, sub_steps=2 if tokens < 128 else 1)
+        cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4, consumer_regs=192,
+                           sub_steps=2 if tokens < 128 else 1)
         pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
         for fmt in ("mxfp4", "nvfp4", "w4a8", "mxfp8")[:1 if _racecheck() else 4]:
             _check(fmt, "swizzled" if fmt != "w4a8" else "plain", pattern, 1024, 256, cfg,
@@ -211,7 +211,7 @@ def workload_adversarial():
     import torch
 
     import moegemm
-    from moegemm.config import Sm90Config, override_config, sm90_mx_config
+    from moegemm.config import DecodeConfig, DenseConfig, override_config, sm90_mx_config
     from moegemm.formats import FORMATS
 
     assert os.environ.get("MOEGEMM_DEBUG", "0") in ("", "0")
@@ -219,9 +219,9 @@ def workload_adversarial():
     offsets = {"past M": [0, 100, 250, 400, 900], "decreasing": [0, 200, 120, 300, 180],
                "negative": [-50, 10, 40, 60, 70]}
     ids = {"ids >= E": [0, 7, 1, 99], "ids < -1": [-5, 2, -1000, 3], "mixed": [3, -2, 8, 0]}
-    configs = [("fp8_block", None), ("bf16", Sm90Config(block_n=32, block_k=64, stages=6, group_m=1, swap=True)),
-               ("mxfp4", None), ("nvfp4", Sm90Config(block_n=32, block_k=64, stages=3, group_m=1, swap=True,
-                                                    consumer_regs=192, sub_steps=2)),
+    configs = [("fp8_block", None), ("bf16", DenseConfig(block_n=32, block_k=64, stages=6, group_m=1, swap=True)),
+               ("mxfp4", None), ("nvfp4", DecodeConfig(token_tile=32, stages=3, group_m=1, consumer_regs=192,
+                                                      sub_steps=2)),
                ("mxfp8", sm90_mx_config(FORMATS["mxfp8"], n, k, 150)),
                ("mxfp4", sm90_mx_config(FORMATS["mxfp4"], n, k, 2))]
     for fmt, cfg in configs:

@@ -43,6 +43,12 @@ Epilogue (Output.store): C = acc * expert_scales[e] * row_scales[m] in fp32, rou
 output dtype; a warpgroup's 64 token rows that lie inside the group go out by TMA store
 (clipped at M and N), other rows and every swapped tile with masks: no row outside the group's
 [s, t) is written.
+
+The parts are Gluon aggregates (triton.language.core._aggregate, as in Triton's Gluon tutorials):
+a kernel allocates its buffers, builds a Ring, a Schedule, a Producer and one consumer role per
+warpgroup, and hands each partition (role, schedule). Aggregates have no inheritance and their
+constructor must assign every field, so the consumer roles' field lists and constructors repeat
+by shape across the kernel files; the logic they carry is written once, here.
 """
 
 
