@@ -54,7 +54,7 @@ def kernel(args):
 
 
 def _layer_inputs(args):
-    import moe_layer as L
+    import layer_models as L
 
     cfg = L.MODELS[args.model]
     m_index = list(L.MODELS).index(args.model)
@@ -73,13 +73,14 @@ def layer(args):
 def layer_steps(args) -> dict:
     """Each step of the layer alone (do_bench median, L2 flushed, eager), then the device time of
     each kernel in one graph replay of the whole layer (torch profiler, L2 warm)."""
-    import triton.testing
+    from timing import Timer
 
     L, cfg, weights, x, ids, topk_weights = _layer_inputs(args)
     fmt = args.fmt
+    timer = Timer(torch.device("cuda"))
 
     def bench(fn) -> float:
-        return float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")) * 1e3
+        return timer.bench(fn) * 1e3
 
     step = L.GateUpStep.build(cfg, x, ids, topk_weights, weights, fmt)
     plan, layout, aso = step.plan, step.layout, step.a_scale_offsets
@@ -102,8 +103,7 @@ def layer_steps(args) -> dict:
                                                           expert_bias=dn_bias)),
         "whole layer (eager)": bench(L.layer_call(cfg, x, ids, topk_weights, weights, fmt, fused=True)),
     }
-    kernels = L.Timer(torch.device("cuda")).kernel_times(L.layer_call(cfg, x, ids, topk_weights, weights, fmt,
-                                                                      fused=True))
+    kernels = timer.kernel_times(L.layer_call(cfg, x, ids, topk_weights, weights, fmt, fused=True))
     print(f"{args.model} {fmt} {args.tokens} tokens: each step alone (us, eager, L2 flushed)")
     for name, us in steps.items():
         print(f"  {name:<28} {us:10.1f}")
