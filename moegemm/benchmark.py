@@ -167,7 +167,7 @@ def _copy_ms(n: int, device) -> float:
 
 
 def measure_ceilings(device) -> dict:
-    """Copy bandwidth (bytes read + written) and dense 8192^3 GEMMs, measured now."""
+    """Copy bandwidth (bytes read + written) and dense 8192^3 GEMMs, measured in this run."""
     n = 1 << 30
     copy_ms = _copy_ms(n, device)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

@@ -90,14 +90,14 @@ TOLERANCES = {
 SM90_TOLERANCES = {
     "bf16": TOLERANCES["bf16"],
     "fp8_block": Tolerance(4e-3, 5e-4, 2e-4),
-    # mxfp8 with few tokens per expert runs fp8 wgmma per 32-wide block (kernels/sm90_mxfp8.py):
-    # the same fp8 accumulator, promoted 4x as often; first GPU run: 4.7e-6 of sum |a*b|, past
-    # the exact bound. The fp8_block bounds apply. They hold for data like the tests' (Gaussian
-    # values, then quantized), not for every input: weights drawn uniformly from all e4m3 codes
-    # reached 4.3e-4 of sum |a*b| (docs/perf-notes.md, eleventh session of issue 5).
+    # mxfp8 runs fp8 wgmma per 32-wide block (kernels/sm90/mxfp8.py): the same fp8 accumulator,
+    # promoted 4x as often; measured 4.7e-6 of sum |a*b| on an H100, past the exact bound. The
+    # fp8_block bounds apply. They hold for data like the tests' (Gaussian values, then
+    # quantized), not for every input: weights drawn uniformly from all e4m3 codes reached
+    # 4.3e-4 of sum |a*b| (docs/perf-notes.md, "Block formats", Numerics).
     "mxfp8": Tolerance(4e-3, 5e-4, 2e-4),
     # w4a8 at decode runs the same fp8 wgmma (e2m1 weights decoded to e4m3): e4m3 x e2m1 products
-    # need more bits than the accumulator keeps (first GPU run: 1e-5 of sum |a*b|). mxfp4 on the
+    # need more bits than the accumulator keeps (1e-5 of sum |a*b| on an H100). mxfp4 on the
     # same path stays exact: its products are multiples of 1/4 below 36, a k32 sum below 2^11.
     "w4a8": Tolerance(4e-3, 5e-4, 2e-4),
     # The other block formats run bf16 wgmma on exactly decoded operands: the bf16 kernel's bounds.

@@ -21,7 +21,7 @@ PLAIN_EPILOGUE = (0, 0, False, False, 32, False)
 
 def wgmma_sass(compiled) -> str:
     """The SASS of a wgmma kernel, checked: no instruction touches a register of a wgmma still
-    in flight (offline.wgmma_register_hazards; ptxas once moved an epilogue's accumulator reads
+    in flight (offline.wgmma_register_hazards; ptxas can move an epilogue's accumulator reads
     above the last wait, kernels/sm90/decode.py)."""
     text = offline.sass(compiled)
     hazards = offline.wgmma_register_hazards(text)
@@ -475,9 +475,9 @@ def test_chunk_walk_config_rules():
 def test_mxfp8_wide_loops_use_no_scale_load_in_its_own_iteration():
     # The next stage's weight scales are loaded a stage ahead; their decode must wait for the
     # next iteration: decoded right after the load, every stage waited for DRAM (Nsight long
-    # scoreboard, docs/perf-notes.md, twelfth session). The wide and tail loops, swizzled
-    # scales. (The narrow loop still moves its next token scales, and plain byte loads are
-    # packed, in the iteration of their load: not yet measured, so not asserted.) A copy of the
+    # scoreboard; docs/perf-notes.md, "Scales staged through the ring"). The wide and tail
+    # loops, swizzled scales. (The narrow loop moves its next token scales, and plain byte loads
+    # are packed, in the iteration of their load: unmeasured, so not asserted.) A copy of the
     # loaded register into the loop-carried one in the loop's last 32 instructions, a stage after
     # the load, is allowed: ptxas issues the load before the previous word's decode frees its
     # register.

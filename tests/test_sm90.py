@@ -225,8 +225,9 @@ LAYER_TOKENS = [(75, 80, 70, 77, 73, 76, 74, 75), (160, 0, 130, 97, 135, 128)]
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_sm90_block_formats_layer_shapes(fmt, tokens):
     # The MoE layer's gate/up shapes (tests/test_moe.py: N = 2 x 256, K = 256, ~75 tokens an
-    # expert), where 128-token tiles with two K steps a stage once gave wrong rows that the
-    # kernel tests above did not catch; the default config, run three times.
+    # expert), where 128-token tiles with two K steps a stage gave wrong rows that the kernel
+    # tests above do not catch (docs/perf-notes.md, "The wgmma-in-flight hazard"); the default
+    # config, run three times.
     from cases import TokenPattern
     for _ in range(3):
         run_sm90(fmt, TokenPattern("layer", tokens), n=512, k=256, layout="swizzled")

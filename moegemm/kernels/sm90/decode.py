@@ -21,7 +21,7 @@ kernel does the latter (docs/design.md records the measurements):
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
-(configs.DecodeConfig: one group's tokens at decode, 128 in prefill). Producer, barriers,
+(config.DecodeConfig: one group's tokens at decode, 128 in prefill). Producer, barriers,
 schedule and the masked epilogue are pipeline.py's.
 
 Steady state of one consumer (stage s = it % STAGES, steps j < SUB of it):

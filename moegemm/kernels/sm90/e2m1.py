@@ -14,7 +14,7 @@ when swizzled), so the loop issues no global load before its fence. mxfp4's k32 
 in the fp8 accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not,
 like mxfp8's.
 
-Tiles are swapped, 128 weight rows x 8 or 16 tokens (configs.E2m1Config). Split-K (SPLIT_K):
+Tiles are swapped, 128 weight rows x 8 or 16 tokens (config.E2m1Config). Split-K (SPLIT_K):
 four consumer warpgroups, WG % 2 picks the 64 weight rows, WG // 2 the K half of every stage;
 the two halves' partial sums meet through shared memory (_reduce_split_k) and the K halves take
 turns at running the epilogue. A last stage that stops within its first half (gpt-oss K = 2880)
@@ -205,7 +205,7 @@ def _promote_chain_fp4(w_bufs, t_bufs, a_bufs, ts_bufs, ws_bufs, ring, zero, w_s
     TOK_TILE] fp32 of the K-block-major copy) and, with swizzled weight scales, the weight
     tile's two 128x4 atoms, so the loop issues no global load. That matters because the fence
     (fence.proxy.async, a MEMBAR.ALL.CTA in SASS) waits for every memory access still in
-    flight, global loads included. Plain weight scales are still loaded from global memory, a
+    flight, global loads included. Plain weight scales are loaded from global memory instead, a
     stage ahead and after the fence (loaded before it, the kernel ran 1.7x slower than with no
     scale loads at all: gpt-oss up, 2 tokens an expert, H100). (K > 0: launcher.supports.)"""
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)

@@ -27,7 +27,7 @@ alternate: one half's wgmma runs while the other half's partial is promoted
 same warpgroups run them on a third [64, 32] accumulator over the same weight stream, its wgmma
 in turn with the halves' (_promote_chain_wide), instead of a nearly empty tile that streams the
 weight block again. A tail of up to 16 tokens runs on a [64, 16] accumulator over the tail
-buffers' first rows (configs.Mxfp8Config.short_tails). The weight scales of the next stage are
+buffers' first rows (config.Mxfp8Config.short_tails). The weight scales of the next stage are
 loaded a stage ahead and decoded only in the next iteration (_weight_scale_loads): decoded right
 after the load, every stage waited for DRAM.
 
@@ -251,8 +251,8 @@ def _promote_chain_wide(w_bufs, t_bufs, s_bufs, ring, zero, w_scale_rows, w_ok, 
     nan_bits = gl.zeros_like(w_ok.to(gl.int32))  # rows with a NaN weight scale (_nan_code_bits)
     for kk in range(k_steps):
         # The next stage's weight scales, loaded a stage ahead and used only in the next
-        # iteration: decoded right after their load (as before), the loop waited for it every
-        # stage (Nsight: long-scoreboard stalls).
+        # iteration: decoded right after their load, the loop would wait for DRAM every stage
+        # (Nsight: long-scoreboard stalls; docs/perf-notes.md, "Scales staged through the ring").
         word = _scale_words_of(loads, kk, NUM_KB, SWIZZLED)
         nan_bits = nan_bits | _nan_code_bits(word)
         loads = _weight_scale_loads(w_scale_rows, w_ok, kk + 1, NUM_KB, KB4, SWIZZLED)
@@ -340,7 +340,7 @@ class Mxfp8Consumer:
         WIDE: gl.constexpr = self.s_bufs is not None
         STAGE_K: gl.constexpr = self.t_bufs.shape[2]
         # Wide tiles with 2-byte outputs store them 16 bytes at a time (Output.store_swapped; the
-        # config leaves shared memory for that, configs.Mxfp8Config.swap_store_scratch).
+        # config leaves shared memory for that, config.Mxfp8Config.swap_store_scratch).
         VECTOR_STORE: gl.constexpr = WIDE and self.out.out_ptr.dtype.element_ty.primitive_bitwidth == 16
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, TOK_TILE, SCALE_BLOCK])

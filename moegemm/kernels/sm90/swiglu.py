@@ -14,17 +14,18 @@ scale buffer, so padding rows stay zero. Only rows [s, t) of the group are writt
 The accumulator of a swapped tile holds weights along its rows, whose pairs (2j, 2j+1) sit in
 lanes 4 apart. The wide mxfp8 tiles and their tails (SHUFFLE_PAIRS) bring them into one thread
 by a swap of two bases of the layout within each warp (_row_pairs_layout), i.e. shuffles, and
-run the activation there; only its output is converted (below). That freed the 32 KB a
-warpgroup of converting the whole fp32 tile through shared memory, which had cost the mxfp8 ring
-a stage: DeepSeek-V3's fused gate/up step went from 0.90 to 0.99 of the unfused chain. Other
-swapped tiles still convert the tile to a blocked layout of 8 consecutive weight rows a thread:
-with shuffles, gpt-oss-120b's mxfp4 step at ~16 tokens a slot (32-token tiles of the decoding
-kernel) took 1086 us against 994, the same at ~128 (H100, bench/ab_sm90.py fused-swiglu).
+run the activation there; only its output is converted (below). That saves the 32 KB a
+warpgroup that converting the whole fp32 tile through shared memory takes, which would cost the
+mxfp8 ring a stage: DeepSeek-V3's fused gate/up step runs at 0.99 of the unfused chain, 0.90
+with the conversion. Other swapped tiles convert the tile to a blocked layout of 8 consecutive
+weight rows a thread: with shuffles, gpt-oss-120b's mxfp4 step at ~16 tokens a slot (32-token
+tiles of the decoding kernel) took 1086 us against 994, the same at ~128 (H100;
+docs/perf-notes.md, "The fused SwiGLU epilogue and where it pays").
 Normal tiles already hold column pairs in one thread: the activation runs in the accumulator's
 layout. Then only the activation's output (half the columns; bf16, or fp32 before quantizing)
 is converted, to a blocked layout of 4 columns a thread, for the block maxima and the stores
-(the conversion of the whole fp32 accumulator of a normal tile first took 8 rounds through
-shared memory, 16 barriers a tile; quantizing in the shuffled layout instead, 16 tokens a
+(converting the whole fp32 accumulator of a normal tile takes 8 rounds through shared
+memory, 16 barriers a tile; quantizing in the shuffled layout instead, 16 tokens a
 thread with their maxima reduced over warps, made the wide mxfp8 kernel 11000 SASS
 instructions long against 9784, the plain epilogue 8792). The quantizer mirrors
 kernels/_codecs_tl.py (tl and Gluon cannot share a helper) and moegemm.quantize bit for
