@@ -347,8 +347,16 @@ def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: 
                 fused: bool = False) -> DenseConfig:
     """The dense kernel's config: a pure function of (format, N, K, token regime); the regime is
     M / G, known on the host. `fused`: the kernel runs the fused SwiGLU epilogue."""
-    config = _overrides.get("sm90") or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
-    if fused:  # (a forced config's swapped ring may be too deep for the fused scratch)
+    forced = _overrides.get("sm90")
+    config = forced or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
+    return _checked(config, fmt, out_bytes, fused)
+
+
+@functools.cache
+def _checked(config, fmt: Format, out_bytes: int, fused: bool):
+    """config, its ring shortened for the fused epilogue's scratch where need be (a forced
+    swapped config's may be too deep), checked; cached: a call of the op pays a lookup."""
+    if fused:
         config = with_epilogue_scratch(config, fmt)
     config.check(fmt, out_bytes, fused)
     return config
@@ -399,10 +407,7 @@ def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: b
     # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
     smallest = 8 if fmt.name in ("mxfp4", "w4a8") else 16
     config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot, smallest))
-    if fused:
-        config = with_epilogue_scratch(config, fmt)
-    config.check(fmt, fused=fused)
-    return config
+    return _checked(config, fmt, 2, fused)
 
 
 @functools.cache

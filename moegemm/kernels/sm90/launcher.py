@@ -150,6 +150,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=64)
+def _placeholder_descriptor(n: int, block_n: int, device: torch.device) -> TensorDescriptor:
+    """A [1, n] bf16 C descriptor of a kernel that never stores through it (made once)."""
+    return _descriptor(torch.empty(1, n, dtype=torch.bfloat16, device=device), (WG_ROWS.value, block_n))
+
+
 def _grid(p: GroupedProblem, cfg, device: torch.device) -> tuple[int, int]:
     """(programs, an upper bound of the tiles): every slot may end in a partial token tile."""
     upper_tiles = (math.ceil(p.m / cfg.token_tile) + p.num_groups) * math.ceil(p.n / cfg.weight_tile)
@@ -182,9 +188,10 @@ def _launch_dense(args: LaunchArgs) -> torch.Tensor:
     promote = p.fmt.name == "fp8_block"
     a_desc = _descriptor(args.a, (cfg.token_tile, cfg.block_k))
     b_desc = _descriptor(args.b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
-    # The fused epilogue stores with masks: its TMA descriptor only has to exist.
-    c_target = out if args.epilogue is None else torch.empty(1, p.n, dtype=torch.bfloat16, device=out.device)
-    c_desc = _descriptor(c_target, (WG_ROWS.value, cfg.epilogue_n(promote)))
+    if args.epilogue is None:
+        c_desc = _descriptor(out, (WG_ROWS.value, cfg.epilogue_n(promote)))
+    else:  # the fused epilogue stores with masks: its TMA descriptor only has to exist
+        c_desc = _placeholder_descriptor(p.n, cfg.epilogue_n(promote), out.device)
     dummy = args.a_offsets
     epi, epi_consts = _epilogue_args(args)
     dense_kernel[(num_programs, )](
