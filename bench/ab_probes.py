@@ -175,10 +175,11 @@ def run_scatter_check(plan: str, args) -> dict:
             slots = row_experts(route)
 
             def scatter(x=x, fmt=fmt, route=route, slots=slots, form=form):
-                return act.scatter_kernel_tokens(x, fmt, route.grouped_row, slots, form, route.a_offsets)
+                return act.scatter_quantize(x, fmt, route.grouped_row, slots, a_offsets=route.a_offsets,
+                                            scale_layout=form)
 
             def gather(x=x, fmt=fmt, route=route, form=form):
-                return act.gather_kernel_tokens(x, fmt, route.token_index, form, route.a_offsets)
+                return act.gather_quantize(x, fmt, route.token_index, a_offsets=route.a_offsets, scale_layout=form)
             sc, ga = scatter(), gather()
             torch.cuda.synchronize()
             valid = int(route.valid.sum())
@@ -227,18 +228,19 @@ def run_activation_sweep(plan: str, args) -> dict:
     route_g = moegemm.route(idsg, go["experts"], twg)
     gather_bytes = x.numel() * 2 + ids.numel() * 7168
     cases = {
-        "dsv3-scatter-mxfp8-e4m3form": (lambda: act.scatter_kernel_tokens(
-            x, "mxfp8", route.grouped_row, row_experts(route), TokenForm("e4m3"), route.a_offsets), gather_bytes),
+        "dsv3-scatter-mxfp8-e4m3form": (lambda: act.scatter_quantize(
+            x, "mxfp8", route.grouped_row, row_experts(route), a_offsets=route.a_offsets,
+            scale_layout=TokenForm("e4m3")), gather_bytes),
         "dsv3-scatter-fp8block": (lambda: act.scatter_quantize(
             x, "fp8_block", route.grouped_row, row_experts(route), a_offsets=route.a_offsets), gather_bytes),
-        "dsv3-swiglu-mxfp8-e4m3form": (lambda: act.swiglu_kernel_tokens(
-            h, "mxfp8", TokenForm("e4m3"), activation="swiglu", gate_up_layout="interleaved", bias=None,
-            a_offsets=route.a_offsets, expert_ids=route.expert_ids, alpha=1.702, limit=7.0),
+        "dsv3-swiglu-mxfp8-e4m3form": (lambda: act.swiglu_quantize(
+            h, "mxfp8", activation="swiglu", gate_up_layout="interleaved", bias=None, a_offsets=route.a_offsets,
+            expert_ids=route.expert_ids, scale_layout=TokenForm("e4m3"), alpha=1.702, limit=7.0),
             h.numel() * 2 + h.numel() // 2),
         "dsv3-swiglu-fp8block-concat": (lambda: act.swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),
                                         h.numel() * 2 + h.numel() // 2),
-        "gptoss-gather-mxfp4-bf16form": (lambda: act.gather_kernel_tokens(
-            xg, "mxfp4", route_g.token_index, TokenForm("bf16"), route_g.a_offsets),
+        "gptoss-gather-mxfp4-bf16form": (lambda: act.gather_quantize(
+            xg, "mxfp4", route_g.token_index, a_offsets=route_g.a_offsets, scale_layout=TokenForm("bf16")),
             xg.numel() * 2 + idsg.numel() * 2880 * 2),
     }
     original = (act.CUDA_BLOCK_M, act.CUDA_WARPS, act._out_code)

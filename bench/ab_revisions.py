@@ -220,9 +220,9 @@ def dump_sass(tree: Path, folder: Path, timeout: float) -> dict:
     try:
         run = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         log, rc = run.stdout + run.stderr, run.returncode
-    except subprocess.TimeoutExpired as exc:
-        log, rc = (exc.stdout or "") + "\n[timed out]", None
-        log = log if isinstance(log, str) else log.decode(errors="replace")
+    except subprocess.TimeoutExpired as exc:  # (its output comes as bytes, text=True or not)
+        out = exc.stdout or b""
+        log, rc = (out if isinstance(out, str) else out.decode(errors="replace")) + "\n[timed out]", None
     (folder.parent / f"{folder.name}.log").write_text(log)
     origin = (folder / "_origin.txt").read_text().strip() if (folder / "_origin.txt").exists() else None
     summary = next((line for line in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed|error)", line)), "")
