@@ -7,6 +7,10 @@ the layer's steps timed one by one.
                                                          moe_forward of bench/moe_layer.py's models
     python bench/profiling.py layer --steps [--out DIR]    each step of the layer timed alone, and
                                                          the device time of each kernel of one replay
+    python bench/profiling.py host [--out DIR]             where an eager call's host time goes:
+                                                         grouped_matmul and the layer at decode sizes
+                                                         beside their graph time and their launches'
+                                                         floor (bench/host_time.py)
 
 `kernel` and `layer` run their call --warmup times (compiling it), synchronize, then --runs more
 times inside an NVTX range "profile": e.g.
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
     p_layer.add_argument("--tokens", type=int, default=64)
     p_layer.add_argument("--steps", action="store_true")
     p_layer.add_argument("--out", type=Path, default=None, help="--steps: folder of the JSON record")
+    p_host = sub.add_parser("host", help="host time of eager calls, graph time, launch floors")
+    p_host.add_argument("--out", type=Path, default=None, help="folder of the JSON record")
     for p in (p_kernel, p_layer):
         p.add_argument("--warmup", type=int, default=3)
         p.add_argument("--runs", type=int, default=1)
@@ -135,21 +141,31 @@ def main(argv=None) -> int:
         print("profile: needs a CUDA GPU", file=sys.stderr)
         return 1
     with torch.no_grad():
-        if args.target == "kernel":
+        if args.target == "host":
+            import host_time
+
+            rows = host_time.measure()
+            if args.out:
+                _write(args.out, "host-time", "bench/profiling.py host", dict(rows=rows))
+        elif args.target == "kernel":
             kernel(args)
         elif not args.steps:
             layer(args)
         else:
             result = layer_steps(args)
             if args.out:
-                args.out.mkdir(parents=True, exist_ok=True)
-                name = torch.cuda.get_device_name().replace(" ", "-")
-                record = dict(benchmark.provenance("bench/profiling.py layer --steps"),
-                              gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-                path = args.out / f"profile-layer-{name}.json"
-                path.write_text(json.dumps(dict(record=record, **result), indent=1))
-                print(f"wrote {path}")
+                _write(args.out, "profile-layer", "bench/profiling.py layer --steps", result)
     return 0
+
+
+def _write(out: Path, stem: str, command: str, result: dict):
+    """out/<stem>-<GPU>.json with the record naming the command and the commit of the tree."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().replace(" ", "-")
+    record = dict(benchmark.provenance(command), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    path = out / f"{stem}-{name}.json"
+    path.write_text(json.dumps(dict(record=record, **result), indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

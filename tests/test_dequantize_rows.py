@@ -50,7 +50,7 @@ def test_dequantize_rows(device, fmt, layout, pattern):
 
 def check_decode_row_scales(layout, pattern, device):
     """The mxfp8 promotion kernel's token-scale pre-pass: fp32 values of A's e8m0 scales in the
-    plain layout, columns padded to whole stages plus one with 2^-127 (kernels/sm90_mxfp8.py)."""
+    plain layout, columns padded to whole stages plus one with 2^-127 (kernels/sm90/mxfp8.py reads them)."""
     p = make_problem("mxfp8", layout, pattern, 64, 608, device)
     problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
     got = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True)
