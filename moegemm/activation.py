@@ -217,7 +217,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
         if form.kind == "e4m3":
             data = data.view(torch.float8_e4m3fn)
         return QuantizedTensor(data, scales, f.name, "a", form, None, a_offsets)
-    return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets)
+    return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
 
 
 def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):

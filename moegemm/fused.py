@@ -96,4 +96,4 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
                                 tokens=tokens))
     if out_form is not None:
         return QuantizedTensor(data, None, f.name, "a", out_form, None, a_offsets)
-    return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets)
+    return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets, a_scale_offsets)

@@ -83,18 +83,15 @@ _PLANS_MAX = 4096
 def _plan_key(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, fmt, out_dtype,
               backend) -> tuple | None:
     """The key of a call's plan, or None where an argument is not a tensor (validation names it)."""
-    if not (isinstance(fmt, str) and isinstance(backend, str) and isinstance(operands.scale_layout, str)):
+    if not (type(fmt) is str and type(backend) is str and type(operands.scale_layout) is str):
         return None
-    key = [fmt, operands.scale_layout, operands.a_form, out_dtype, backend]
-    for t in (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, a_scale_offsets,
-              operands.expert_scales, row_scales, out, operands.quantized_a_offsets):
-        if t is None:
-            key.append(None)
-        elif isinstance(t, torch.Tensor):
-            key.append((t.shape, t.dtype, t.device, t.is_contiguous()))
-        else:
-            return None
-    return tuple(key)
+    tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, a_scale_offsets,
+               operands.expert_scales, row_scales, out, operands.quantized_a_offsets)
+    try:
+        return (fmt, operands.scale_layout, operands.a_form, out_dtype, backend,
+                *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
+    except (AttributeError, TypeError):
+        return None
 
 
 def _plan(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, *, fmt, out_dtype,
@@ -123,6 +120,16 @@ def _plan(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales
             _PLANS.clear()
         _PLANS[key] = problem, chosen
     return problem, chosen
+
+
+def _scale_offsets(a_scale_offsets, operands: Operands, a_offsets):
+    """The call's a_scale_offsets, else those a QuantizedTensor made with its swizzled scales (for
+    as many slots as the call has: other offsets are named by validation, as placed elsewhere)."""
+    if a_scale_offsets is not None or operands.a_scale_offsets is None:
+        return a_scale_offsets
+    if isinstance(a_offsets, torch.Tensor) and a_offsets.shape == (operands.a_scale_offsets.shape[0] + 1,):
+        return operands.a_scale_offsets
+    return None
 
 
 def _not_traced(operands: Operands):
@@ -174,6 +181,7 @@ def grouped_matmul(
     reads that form: it runs no pre-pass over A. scale_layout is then b's.
     """
     operands = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
+    a_scale_offsets = _scale_offsets(a_scale_offsets, operands, a_offsets)
     if torch.compiler.is_compiling() and out is None:  # traced as one opaque op (moegemm/library.py)
         _not_traced(operands)
         return torch.ops.moegemm.grouped_matmul(operands.a, operands.b, operands.a_scales, operands.b_scales,
@@ -272,6 +280,7 @@ def grouped_matmul_swiglu(
     """
     check_activation(activation, gate_up_layout)
     operands = operands_of(a, b, a_scales, b_scales, fmt=fmt, scale_layout=scale_layout, expert_scales=expert_scales)
+    a_scale_offsets = _scale_offsets(a_scale_offsets, operands, a_offsets)
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
         out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"

@@ -47,6 +47,8 @@ class QuantizedTensor:
                    scales fp32 K-block-major or None, placed by a_offsets
     global_scale:  nvfp4 only: fp32 scalar (A) or [E] (B); fold into expert_scales
     a_offsets:     swizzled A and token forms: the group offsets the rows were placed by
+    a_scale_offsets: swizzled A: where each slot's scale tiles start (layouts.a_scale_offsets of
+                   a_offsets), so that the products need not derive them again
     """
 
     data: torch.Tensor
@@ -56,6 +58,7 @@ class QuantizedTensor:
     scale_layout: str | TokenForm = "plain"
     global_scale: torch.Tensor | None = None
     a_offsets: torch.Tensor | None = None
+    a_scale_offsets: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -202,7 +205,9 @@ def quantize(
         if a_offsets is None:
             raise ValueError("a_offsets: required to place activation scales in the swizzled layout")
         scales = layouts.swizzle_a_scales(scales, a_offsets, num_scale_blocks)
-    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale, a_offsets)
+        return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale, a_offsets,
+                               layouts.a_scale_offsets(a_offsets))
+    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale)
 
 
 def quantize_weights(
@@ -303,6 +308,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         q.operand,
         scale_layout=q.scale_layout,
         a_offsets=q.a_offsets,
+        a_scale_offsets=q.a_scale_offsets,
         global_scale=q.global_scale,
         dtype=dtype,
     )
@@ -334,8 +340,10 @@ def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_sca
     return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
 
 
-def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets) -> QuantizedTensor:
-    """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor."""
+def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets,
+                 a_scale_offsets=None) -> QuantizedTensor:
+    """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor (swizzled
+    scales placed by a_offsets, their slots' tiles starting at a_scale_offsets)."""
     f = get_format(fmt_name)
     op = f.a
     if op.element is E4M3:
@@ -346,7 +354,7 @@ def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_of
         scales = scales.view(torch.float8_e4m3fn)
     layout = "swizzled" if swizzled else "plain"
     return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.global_scale else None,
-                           a_offsets if swizzled else None)
+                           a_offsets if swizzled else None, a_scale_offsets if swizzled else None)
 
 
 def quantized_to_op(q: QuantizedTensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

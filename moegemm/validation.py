@@ -68,6 +68,7 @@ class Operands:
     expert_scales: torch.Tensor | None
     quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
     a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
+    a_scale_offsets: torch.Tensor | None = None  # those of a's swizzled scales, where a QuantizedTensor has them
 
 
 def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -> Operands:
@@ -80,7 +81,7 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
     if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
         return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None)
     layouts_seen = {}
-    a_form = None
+    a_form = a_scale_offsets = None
     global_scale = None
     quantized_a_offsets = None
     for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
@@ -102,7 +103,7 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
         if q.global_scale is not None:
             global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
         if operand == "a" and q.scale_layout == "swizzled":
-            quantized_a_offsets = q.a_offsets
+            quantized_a_offsets, a_scale_offsets = q.a_offsets, q.a_scale_offsets
     for name, layout in layouts_seen.items():
         if layout is not None and scale_layout is not None and layout != scale_layout:
             raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
@@ -118,7 +119,8 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
             expert_scales = torch.ones(experts, dtype=torch.float32, device=b.device) * global_scale
         elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
             expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
-    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form)
+    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
+                    a_scale_offsets)
 
 
 def check_no_grad(without_backward: str, **tensors):
