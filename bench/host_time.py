@@ -143,8 +143,8 @@ def _down_operands(weights, fmt: str, cfg: dict, device):
     return a, w_down, a_offsets, expert_ids
 
 
-def measure(layer_tokens=(1, 64)) -> list[dict]:
-    """The rows of the module docstring, printed as they come."""
+def measure(layer_tokens=(1, 64), models=None, fmts=None) -> list[dict]:
+    """The rows of the module docstring, printed as they come; `models`, `fmts`: only these."""
     import layer_models as L
 
     device = torch.device("cuda")
@@ -155,8 +155,12 @@ def measure(layer_tokens=(1, 64)) -> list[dict]:
         print(row, flush=True)
 
     for m_index, (model, cfg) in enumerate(L.MODELS.items()):
+        if models and model not in models:
+            continue
         weights = L.build_weights(cfg, m_index, device)
         for fmt in cfg["fmts"]:
+            if fmts and fmt not in fmts:
+                continue
             for tokens in layer_tokens:
                 x, ids, topk_weights = L.routing_inputs(cfg, tokens, 7, device)
                 call = L.layer_call(cfg, x, ids, topk_weights, weights, fmt, True)

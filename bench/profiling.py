@@ -133,6 +133,9 @@ def main(argv=None) -> int:
     p_layer.add_argument("--out", type=Path, default=None, help="--steps: folder of the JSON record")
     p_host = sub.add_parser("host", help="host time of eager calls, graph time, launch floors")
     p_host.add_argument("--out", type=Path, default=None, help="folder of the JSON record")
+    p_host.add_argument("--model", action="append", help="only this model (repeatable; default all)")
+    p_host.add_argument("--fmt", action="append", help="only this format (repeatable; default all)")
+    p_host.add_argument("--tokens", type=int, action="append", help="layer tokens (repeatable; default 1 and 64)")
     for p in (p_kernel, p_layer):
         p.add_argument("--warmup", type=int, default=3)
         p.add_argument("--runs", type=int, default=1)
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
         if args.target == "host":
             import host_time
 
-            rows = host_time.measure()
+            rows = host_time.measure(tuple(args.tokens or (1, 64)), args.model, args.fmt)
             if args.out:
                 _write(args.out, "host-time", "bench/profiling.py host", dict(rows=rows))
         elif args.target == "kernel":
