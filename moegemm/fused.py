@@ -41,7 +41,8 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
       depth made no difference, 64-token promotion tiles took 8.88 ms fused. With the tails of
       the unfused kernel (up to 32 more tokens on a slot's last tile; 4 stages instead of 5) the
       fused step was 0.94-0.95x the unfused one, and the layer 0.96x; with the row pairs by
-      shuffles and the ring's fifth stage (twentieth session), 0.99x (5148 against 5094 us).
+      shuffles and the ring's fifth stage, 0.99x (5148 against 5094 us; docs/perf-notes.md, the fused
+      SwiGLU epilogue).
     - e2m1 weights on the split-K promotion kernel (mxfp4/w4a8 at decode) from half a token a
       slot on: gpt-oss-120b's gate/up step at 64 tokens (2 a slot) took 428 us fused, 404 us
       unfused; on 8-token tiles the epilogue's layout conversions and quantization cost about a

@@ -1,5 +1,5 @@
-"""Calls a new user makes that once answered wrong without an error: each now answers right or
-raises, naming the argument. CPU (reference backend, or Triton's interpreter)."""
+"""Calls a new user makes that could go wrong without an error: each answers right or raises,
+naming the argument. CPU (reference backend, or Triton's interpreter)."""
 
 import pytest
 import torch

@@ -410,7 +410,6 @@ def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue)
 
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", epilogue)
     sass = wgmma_sass(compiled)
-    ops = offline.opcode_counts(sass)
     check_wgmma_pipelining(sass, fmt, tokens_per_slot)
     check_spills(sass, fmt, tokens_per_slot, fused=True)
     assert compiled.metadata.shared <= SM90_SMEM_BYTES

@@ -349,7 +349,7 @@ def reference_layer(x, ids, weights, gate, up, down, activation="swiglu", gate_u
 
 # Relative error of the layer against reference_layer on the DEQUANTIZED weights: what is left is
 # the quantization of the tokens and of the intermediate. Weighed against the unquantized weights,
-# one token's error was a coin toss near the old bounds (sm90, 120 draws of one token: mxfp4 median
+# one token's error was a coin toss near bounds of 0.4 (mxfp4) and 0.3 (nvfp4) (sm90, 120 draws of one token: mxfp4 median
 # 0.30, max 0.54 against 0.4; nvfp4 0.23, 0.34 against 0.3). On the dequantized weights (sm90, one
 # H100, bench/results/layer-error-distribution-*.json; the CPU's reference backend agrees): median
 # and max of one token's 120 draws mxfp4 0.224 / 0.342 (a long tail: the CPU's 300 draws had sd

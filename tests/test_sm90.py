@@ -1,5 +1,5 @@
-"""The Hopper Gluon kernels (backend="sm90") against the fp64 reference: every SPEC section 7
-token pattern, every format and scale layout, every tile arrangement (normal, split-n and
+"""The Hopper Gluon kernels (backend="sm90") against the fp64 reference: every token pattern of
+tests/cases.py TOKEN_PATTERNS, every format and scale layout, every tile arrangement (normal, split-n and
 swapped for fp8_block/bf16; token tiles of 16..256 for the block formats; the mxfp8 promotion
 kernel), partial K and N blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
 

@@ -11,7 +11,7 @@ Like _portable_tl.py this file is executed twice (compiled and interpreted), so 
 @triton.jit function of Triton's standard library (tl.max, tl.sigmoid, ...), only builtins,
 the helpers below and those of the files it loads beside it for the same mode: the codecs of
 _codecs_tl.py, which work on integer bits, so that the interpreter and the GPU produce the
-same bytes as moegemm.quantize (SPEC section 2; the tests check them bit for bit), and
+same bytes as moegemm.quantize (docs/contract.md section 3; the tests check them bit for bit), and
 _portable_tl.py's kb_major_column.
 
 Program (i, j) takes rows [i*BLOCK_M, (i+1)*BLOCK_M) and output columns

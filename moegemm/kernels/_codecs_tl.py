@@ -5,7 +5,7 @@ _portable_tl.py and _activation_tl.py call these. A @triton.jit function calls o
 built for its own mode (compiled or interpreted), so they load this file with
 tl_source.load_beside, which builds it for the mode they are being built for; and like them it
 calls no @triton.jit function of Triton's standard library, only builtins. Integer bits give the
-interpreter and the GPU the same results, the bytes of moegemm.codecs (SPEC section 2).
+interpreter and the GPU the same results, the bytes of moegemm.codecs (docs/contract.md section 3).
 """
 
 import triton

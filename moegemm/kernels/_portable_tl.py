@@ -16,7 +16,7 @@ input can make a program write outside `out`; stores are masked to the slot's ro
 Numerics: every element is decoded from its bits to fp32 (exact), MX/NV block scales (powers
 of two, or e4m3 times e2m1) are folded into the operands, which stay exact in bf16, and the
 dot accumulates in fp32. fp8_block multiplies each K step's partial product by its fp32
-scales (promotion; a step never straddles a 128-wide scale block), as SPEC section 1 writes it.
+scales (promotion; a step never straddles a 128-wide scale block), as docs/contract.md section 4 writes it.
 """
 
 import triton
