@@ -49,7 +49,7 @@ def gpu_env(timer) -> dict:
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_tbps=round(timer.copy_tbps(), 4), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                library=str(TREE))
+                library="this tree" if TREE.resolve() == ROOT.resolve() else f"the tree {TREE.name}")
 
 
 def library_only() -> bool:

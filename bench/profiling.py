@@ -7,7 +7,8 @@ the layer's steps timed one by one.
                                                          moe_forward of bench/moe_layer.py's models
     python bench/profiling.py layer --steps [--out DIR]    each step of the layer timed alone, and
                                                          the device time of each kernel of one replay
-    python bench/profiling.py host [--out DIR]             where an eager call's host time goes:
+    python bench/profiling.py host [--model M] [--fmt F] [--tokens T] [--out DIR]
+                                                         where an eager call's host time goes:
                                                          grouped_matmul and the layer at decode sizes
                                                          beside their graph time and their launches'
                                                          floor (bench/host_time.py)

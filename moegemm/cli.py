@@ -11,6 +11,7 @@ import torch
 
 from . import __version__, ops, reference
 from .formats import FORMATS
+from .moe import MoE, moe_forward
 from .quantize import quantize, quantize_weights
 from .validation import validate_grouped_matmul
 
@@ -89,8 +90,6 @@ DEMO_LAYER_CPU = dict(hidden=128, width=64, experts=8, top_k=2, tokens=12)
 
 def _demo_layer(device: torch.device, backend: str):
     """The whole routed-expert layer (moe_forward) in every format against fp32 math."""
-    from .moe import MoE, moe_forward
-
     cfg = DEMO_LAYER_GPU if device.type == "cuda" else DEMO_LAYER_CPU
     h, i, e, k, t = cfg["hidden"], cfg["width"], cfg["experts"], cfg["top_k"], cfg["tokens"]
     gate, up, down = (torch.randn(e, i, h, device=device) / h**0.5, torch.randn(e, i, h, device=device) / h**0.5,

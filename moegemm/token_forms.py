@@ -2,7 +2,7 @@
 
 The sm90 kernels for mxfp8, mxfp4 and w4a8 do not read the format's A operand as it is:
 
-    promotion kernels (config fp8_mma: kernels/sm90/mxfp8.py, kernels/sm90/e2m1.py)
+    promotion kernels (Mxfp8Config, E2m1Config: kernels/sm90/mxfp8.py, kernels/sm90/e2m1.py)
         e4m3 tokens: mxfp4's e2m1 values times 2^6 (every such product is an e4m3 value, so
         the k32 sums stay exact); with e2m1 weights each group of 8 elements of K in the
         order 0 2 4 6 1 3 5 7, the order the kernel decodes the weights into.

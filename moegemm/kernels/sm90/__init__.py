@@ -3,15 +3,17 @@ file per kernel on the shared pipeline layer (pipeline.py), one launch entry (la
 
     pipeline.py   ring, tile schedule, producer, plain epilogue stores, scale addressing
     dense.py      bf16 and fp8_block
-    decode.py     block formats by decoding the weights to bf16 (mxfp4, nvfp4, w4a8 at prefill)
+    decode.py     block formats by decoding the weights to bf16 (nvfp4; mxfp4, w4a8 above 12
+                  tokens a slot)
     mxfp8.py      mxfp8 by fp8 wgmma and fp32 promotion per 32-wide K block
     e2m1.py       e2m1 weights (mxfp4, w4a8) at decode: decoded to e4m3, fp8 wgmma, split-K
     promotion.py  the promotion parts mxfp8.py and e2m1.py share
     swiglu.py     the fused SwiGLU epilogue with output requantization
     launcher.py   LaunchArgs, EpilogueSpec, supports, launch: the one launch entry
 
-A new kernel is a new file here built on pipeline.py's Ring, Schedule, walk, Producer and Output,
-its config in config.py, and one branch in launcher.launch.
+A new kernel is a new file here built on pipeline.py's Ring, Schedule, walk, Producer and Output;
+its config class in moegemm/config.py, chosen per shape there; and a _launch_<kernel> function
+with one branch in launcher.launch (docs/architecture.md, where a new kernel goes).
 """
 
 from .launcher import EpilogueSpec, LaunchArgs, fused_supports, launch, supports

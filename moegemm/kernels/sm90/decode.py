@@ -1,5 +1,5 @@
-"""The sm90 kernel of the block formats `mxfp8`, `mxfp4`, `nvfp4` and `w4a8` by decoding the weights
-to bf16 in the consumers.
+"""The sm90 kernel of the block formats by decoding the weights to bf16 in the consumers: nvfp4
+everywhere, mxfp4 and w4a8 above 12 tokens a slot (mxfp8 only when a DecodeConfig is forced).
 
 Hopper has no block-scaled tensor-core instruction. Every 32- (nvfp4: 16-) wide K block
 carries a scale per weight row AND one per token, so the exact math is either fp8 wgmma per
@@ -9,8 +9,8 @@ or bf16 wgmma on operands decoded with their scales folded in, which is exact: e
 times a power of two, and e2m1 times an e4m3 scale, have at most 5 significant bits. This
 kernel does the latter (docs/design.md records the measurements):
 
-    tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows) into a bf16
-             [M, K] buffer, TMA-loaded as the wgmma B operand (the narrow N side)
+    tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows), or written in
+             that form by the layer's kernels (token_forms.py), into a bf16 [M, K] buffer, TMA-loaded as the wgmma B operand (the narrow N side)
     weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, 128
              bytes of each weight row per stage at decode (SUB = 2 steps of 64 K; 128-token tiles one step,
              config._sm90_mx_config says why: one step, 32 or 64

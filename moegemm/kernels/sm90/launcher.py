@@ -122,7 +122,9 @@ def launch(args: LaunchArgs) -> torch.Tensor:
             return _launch_decode(args, cfg)
         if isinstance(cfg, Mxfp8Config):
             return _launch_mxfp8(args, cfg)
-        return _launch_e2m1(args, cfg)
+        if isinstance(cfg, E2m1Config):
+            return _launch_e2m1(args, cfg)
+        raise TypeError(f"config: no sm90 kernel runs {type(cfg).__name__}")
     return _launch_dense(args)
 
 

@@ -4,7 +4,7 @@ TMA producer, the plain epilogue stores and the weight-scale addressing.
 A kernel of the family is a persistent, warp-specialized Gluon kernel, one CTA per SM:
 
     role         warps  registers          does
-    producer     1      40 .. 120          walks the tiles, TMA-loads each K stage into the ring
+    producer     1      24 .. 120          walks the tiles, TMA-loads each K stage into the ring
                                            (Producer.tile); with claimed tiles, also claims the
                                            next tile and publishes it (Schedule.publish)
     consumer w   4      CONSUMER_REGS      one warpgroup: waits a stage, runs its wgmmas on it,
@@ -39,7 +39,7 @@ HBM read serves them through L2; the claimed last rounds even out the tail of th
 (docs/perf-notes.md). Within a slot, tiles go in bands of GROUP_M token blocks, token blocks
 fastest. Offsets are clamped to [0, M]; a slot whose expert id is outside [0, E) has no tiles.
 
-Epilogue (Output.store): C = acc * expert_scales[e] * row_scales[m] in fp32, rounded to the
+Epilogue (Output.store_tile, Output.store_swapped_tile): C = acc * expert_scales[e] * row_scales[m] in fp32, rounded to the
 output dtype; a warpgroup's 64 token rows that lie inside the group go out by TMA store
 (clipped at M and N), other rows and every swapped tile with masks: no row outside the group's
 [s, t) is written.
@@ -57,7 +57,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-# Field types of optional aggregate members: absent ones are constexpr None (_optional).
+# Field types of optional aggregate members: absent ones are constexpr None (optional).
 OPTIONAL_DESC = (tma.tensor_descriptor, gl.constexpr)
 OPTIONAL_SMEM = (gl.shared_memory_descriptor, gl.constexpr)
 

@@ -89,7 +89,7 @@ def _decode_e2m1(code):
 @gluon.jit
 def _e8m0_value(stored):
     """e8m0 byte (int32) -> fp32 2^(b-127): 2^-127 (subnormal) for 0, NaN for 255, as
-    portable._decode_e8m0 (what dequantize_rows multiplies by)."""
+    kernels/_codecs_tl.decode_e8m0 (what dequantize_rows multiplies by)."""
     bits = gl.where(stored == 0, 0x00400000, stored << 23)
     return gl.where(stored == 255, 0x7FC00000, bits).to(gl.float32, bitcast=True)
 
