@@ -18,8 +18,9 @@ endif
 demo: $(SETUP)
 	$(PY) -m moegemm demo
 
+# Two pytest workers (pytest-xdist): the CPU suite is compile- and interpreter-bound, one core a worker.
 test: $(SETUP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-gpu: $(SETUP)
 	$(PY) -m pytest -q -m gpu
