@@ -60,16 +60,12 @@ def host_us(fn, reps: int = 200) -> float:
 
 
 def graph_us(fn, reps: int = 200) -> float:
-    """Median device time of one replay of fn captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Median device time of one replay of fn captured in a CUDA graph (timing.capture)."""
+    from timing import capture
+
+    for _ in range(3):
         fn()
+    graph = capture(fn)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
