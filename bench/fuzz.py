@@ -113,7 +113,8 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     import torch
 
     import moegemm
-    from moegemm.ops import resolve_backend, sm90_supports
+    from moegemm.kernels import sm90
+    from moegemm.ops import resolve_backend
     from moegemm.validation import validate_grouped_matmul
 
     from cases import TokenPattern, check_output, make_problem, poison_like, tolerance
@@ -128,7 +129,7 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     record = dict(problem, m=p.m, results={})
     valid = p.valid_rows().to(device)
     for backend in backends_for(device):
-        if only_backend not in (None, backend) or (backend == "sm90" and not sm90_supports(checked)):
+        if only_backend not in (None, backend) or (backend == "sm90" and not sm90.supports(checked)):
             continue
         outs, note = [], "ok"
         try:

@@ -33,10 +33,6 @@ __all__ = ["grouped_matmul", "grouped_matmul_swiglu", "BACKENDS", "available_bac
 BACKENDS = ("auto", "reference", "triton", "sm90")
 
 
-def sm90_supports(problem: GroupedProblem) -> bool:
-    return sm90.supports(problem)
-
-
 def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -59,11 +55,11 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        return "sm90" if _is_hopper(device) and sm90_supports(problem) else "triton"
+        return "sm90" if _is_hopper(device) and sm90.supports(problem) else "triton"
     if backend not in available_backends(device):
         raise ValueError(f"backend: {backend!r} cannot run tensors on {device}; available: {available_backends(device)}"
                          + (interpreter_note(device) if backend == "triton" else ""))
-    if backend == "sm90" and not sm90_supports(problem):
+    if backend == "sm90" and not sm90.supports(problem):
         raise ValueError(
             f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block) or K % 32 == 0 "
             f"(mxfp8, mxfp4, nvfp4, w4a8); got fmt="
