@@ -5,6 +5,10 @@ Each operand format says how its elements are encoded and how its scale factors 
 out along K (and, for the DeepSeek 128x128 weight blocks, along N). Every other module
 (quantizers, layouts, validation, kernels, reference) reads these descriptors instead of
 re-deriving the numbers.
+
+The weight-only formats (bf16_mxfp4, bf16_nvfp4, bf16_mxfp8) pair unscaled bf16 activations
+with a block format's weights, so code that asks about scales must ask about the operand it
+reads: `Format.a_scaled` for the activations, `Format.scaled` for the weights.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ __all__ = [
     "OperandFormat",
     "Format",
     "FORMATS",
+    "SWIZZLE_FORMATS",
     "E2M1",
     "E4M3",
     "BF16",
@@ -61,6 +66,12 @@ class OperandFormat:
     scale: str | None = None  # key of SCALE_DTYPES, or None for unscaled bf16
     block_k: int = 1  # elements along K that share one scale
     block_n: int = 1  # rows (tokens for A, output columns for B) that share one scale
+    # NVFP4's second level: one fp32 factor over the whole tensor (A) or per expert (B).
+    global_scale: bool = False
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale is not None
 
     @property
     def scale_dtype(self) -> torch.dtype | None:
@@ -92,26 +103,44 @@ class Format:
     b: OperandFormat
     k_multiple: int  # K must be a multiple of this (scale block, or 16 for TMA alignment)
     swizzle_capable: bool  # the 128x4 swizzled layout is defined for the MX/NV block formats
-    global_scale: bool = False  # NVFP4: a per-expert fp32 factor that goes into expert_scales
 
     @property
     def scaled(self) -> bool:
-        return self.a.scale is not None
+        """The weights carry block scales: every format but bf16. The activations do too unless
+        the format is weight-only (a_scaled)."""
+        return self.b.scaled
+
+    @property
+    def a_scaled(self) -> bool:
+        """The activations carry block scales (a_scales): the block formats but not the weight-only ones."""
+        return self.a.scaled
+
+    @property
+    def weight_only(self) -> bool:
+        """bf16 activations, read as they are, against block-scaled weights."""
+        return self.b.scaled and not self.a.scaled
+
+    @property
+    def global_scale(self) -> bool:
+        """NVFP4: the weights carry a per-expert fp32 factor, which goes into expert_scales (the
+        activations' tensor-wide one too where a.global_scale)."""
+        return self.b.global_scale
 
     @property
     def scale_vec(self) -> int:
-        """Elements along K per scale (same for A and B in every format)."""
-        return self.a.block_k
+        """Elements along K per weight scale; where the activations are scaled, theirs is the same."""
+        return self.b.block_k
 
 
 _MXFP8 = OperandFormat(E4M3, "e8m0", block_k=32)
 _MXFP4 = OperandFormat(E2M1, "e8m0", block_k=32)
-_NVFP4 = OperandFormat(E2M1, "e4m3", block_k=16)
+_NVFP4 = OperandFormat(E2M1, "e4m3", block_k=16, global_scale=True)
+_BF16 = OperandFormat(BF16)
 
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("bf16", OperandFormat(BF16), OperandFormat(BF16), k_multiple=16, swizzle_capable=False),
+        Format("bf16", _BF16, _BF16, k_multiple=16, swizzle_capable=False),
         Format(
             "fp8_block",
             OperandFormat(E4M3, "fp32", block_k=128, block_n=1),
@@ -121,10 +150,18 @@ FORMATS: dict[str, Format] = {
         ),
         Format("mxfp8", _MXFP8, _MXFP8, k_multiple=32, swizzle_capable=True),
         Format("mxfp4", _MXFP4, _MXFP4, k_multiple=32, swizzle_capable=True),
-        Format("nvfp4", _NVFP4, _NVFP4, k_multiple=16, swizzle_capable=True, global_scale=True),
+        Format("nvfp4", _NVFP4, _NVFP4, k_multiple=16, swizzle_capable=True),
         Format("w4a8", _MXFP8, _MXFP4, k_multiple=32, swizzle_capable=True),
+        # Weight-only: bf16 activations against the weights of mxfp4, nvfp4 and mxfp8 (gpt-oss
+        # runs its MXFP4 experts this way).
+        Format("bf16_mxfp4", _BF16, _MXFP4, k_multiple=32, swizzle_capable=True),
+        Format("bf16_nvfp4", _BF16, _NVFP4, k_multiple=16, swizzle_capable=True),
+        Format("bf16_mxfp8", _BF16, _MXFP8, k_multiple=32, swizzle_capable=True),
     )
 }
+
+# The formats whose block scales may come in the swizzled layout (docs/contract.md section 5).
+SWIZZLE_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable)
 
 
 def get_format(fmt: str | Format) -> Format:

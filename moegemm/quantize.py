@@ -16,6 +16,8 @@ Encodings per docs/contract.md section 3 (codecs.py holds the element rules):
 - nvfp4: global = amax(tensor or expert) / (448 * 6) (1 if that amax is 0, or user given);
   block scale = e4m3(amax_block / (6 * global)); element = e2m1(x / (scale * global)).
   `global_scale` is returned so the caller can fold A's and B's into `expert_scales`.
+- bf16 and the activations of the weight-only formats (bf16_mxfp4, bf16_nvfp4, bf16_mxfp8):
+  the values rounded to bf16, no scales. Their weights are those of mxfp4, nvfp4 and mxfp8.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import math
 import torch
 
 from . import codecs, layouts
-from .formats import E2M1, E4M3, Format, OperandFormat, get_format
+from .formats import E2M1, E4M3, SWIZZLE_FORMATS, Format, OperandFormat, get_format
 from .token_forms import TokenForm, dequantize_tokens
 
 __all__ = ["QuantizedTensor", "quantize", "quantize_weights", "dequantize", "dequantize_operand",
@@ -41,7 +43,7 @@ class QuantizedTensor:
     """A quantized operand exactly as `grouped_matmul` consumes it.
 
     data:          A [M, K] / packed [M, K/2];  B [E, N, K] / packed [E, N, K/2]
-    scales:        None for bf16; otherwise in `scale_layout`
+    scales:        None for bf16 (and a weight-only format's A); otherwise in `scale_layout`
     scale_layout:  "plain" or "swizzled" (docs/contract.md section 5); for A also a TokenForm,
                    the form an sm90 kernel reads (token_forms.py): data e4m3 or bf16 [M, K],
                    scales fp32 K-block-major or None, placed by a_offsets
@@ -147,8 +149,9 @@ def _quantize_fp8_block_weights(w: torch.Tensor, operand: OperandFormat):
 
 
 def _prepared(x, name: str, fmt: str, which: str, scale_layout: str):
-    """(format, operand format, x as fp32, the QuantizedTensor when the operand is unscaled bf16)
-    of a quantizer's checked input: activations (which "a", [M, K]) or weights ("b", [E, N, K])."""
+    """(format, operand format, x as fp32, the QuantizedTensor when the operand is unscaled bf16:
+    bf16's, and a weight-only format's activations) of a quantizer's checked input: activations
+    (which "a", [M, K]) or weights ("b", [E, N, K])."""
     f = get_format(fmt)
     operand = f.a if which == "a" else f.b
     _check_float_input(x, name, 2 if which == "a" else 3, f, operand)
@@ -192,13 +195,14 @@ def quantize(
     scale_layout="swizzled" places each group's scale rows by `a_offsets` (required); rows
     outside every slot get no scales. num_scale_blocks may give the first dimension (an upper
     bound) so that no device value is read. nvfp4 uses one global scale for the whole tensor
-    (computed, or `global_scale`).
+    (computed, or `global_scale`). bf16 and the weight-only formats (bf16 activations) return
+    x rounded to bf16, without scales.
     """
     f, operand, x, bf16 = _prepared(x, "x", fmt, "a", scale_layout)
     if bf16 is not None:
         return bf16
     gscale = None
-    if f.global_scale:
+    if operand.global_scale:
         gscale = _nvfp4_global(x, ()) if global_scale is None else _check_global_scale(global_scale, 1, x.device)
     data, scales = _quantize_rows(x, operand, gscale)
     if scale_layout == "swizzled":
@@ -219,7 +223,9 @@ def quantize_weights(
 ) -> QuantizedTensor:
     """Quantize expert weights [E, N, K] into the B operand of `fmt`.
 
-    nvfp4 uses one global scale per expert (computed from the expert's amax, or given as [E]).
+    nvfp4 and bf16_nvfp4 use one global scale per expert (computed from the expert's amax, or
+    given as [E]). A weight-only format's weights are the bytes of its block format's (bf16_mxfp4
+    those of mxfp4, ...).
     """
     f, operand, w, bf16 = _prepared(w, "w", fmt, "b", scale_layout)
     if bf16 is not None:
@@ -228,7 +234,7 @@ def quantize_weights(
         data, scales = _quantize_fp8_block_weights(w, operand)
         return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", scale_layout)
     gscale = None
-    if f.global_scale:
+    if operand.global_scale:
         e = w.shape[0]
         gscale = _nvfp4_global(w, (1, 2)) if global_scale is None else _check_global_scale(global_scale, e, w.device)
     data, scales = _quantize_rows(w, operand, None if gscale is None else gscale.reshape(-1, 1, 1))
@@ -241,9 +247,7 @@ def _check_layout(f: Format, scale_layout: str):
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
     if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:
-        raise ValueError(
-            f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'"
-        )
+        raise ValueError(f"scale_layout: 'swizzled' is defined for {', '.join(SWIZZLE_FORMATS)}; {f.name} uses 'plain'")
 
 
 def dequantize_operand(
@@ -353,7 +357,7 @@ def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_of
     elif scales is not None and op.scale == "e4m3":
         scales = scales.view(torch.float8_e4m3fn)
     layout = "swizzled" if swizzled else "plain"
-    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.global_scale else None,
+    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.a.global_scale else None,
                            a_offsets if swizzled else None, a_scale_offsets if swizzled else None)
 
 
@@ -370,6 +374,6 @@ def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets) -> Quantized
     data, scales, global_scale = outputs
     f = get_format(fmt)
     scales = scales if f.a.scale is not None else None
-    global_scale = global_scale if f.global_scale else None
+    global_scale = global_scale if f.a.global_scale else None
     layout = "swizzled" if swizzled and scales is not None else "plain"
     return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if layout == "swizzled" else None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import layouts
-from .formats import Format, get_format
+from .formats import SWIZZLE_FORMATS, Format, get_format
 from .quantize import QuantizedTensor
 from .token_forms import TokenForm, kb_major_columns, token_form
 
@@ -186,9 +186,7 @@ def validate_grouped_matmul(
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
     if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:
-        raise ValueError(
-            f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'"
-        )
+        raise ValueError(f"scale_layout: 'swizzled' is defined for {', '.join(SWIZZLE_FORMATS)}; {f.name} uses 'plain'")
 
     a = _tensor(a, "a")
     device = a.device
@@ -261,13 +259,20 @@ def _validate_form(p: GroupedProblem, form: TokenForm, a_scales, device):
 
 
 def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, device, a_form: bool = False):
-    """The scales of a (unless a_form: a token form's, checked by _validate_form) and b."""
+    """The scales of a (unless a_form: a token form's, checked by _validate_form) and b. A
+    weight-only format's a is bf16 without scales."""
     f = p.fmt
     if not f.scaled:
         for name, s in (("a_scales", a_scales), ("b_scales", b_scales), ("a_scale_offsets", a_scale_offsets)):
             if s is not None:
                 raise ValueError(f"{name}: bf16 takes no scales, got a {type(s).__name__}")
         return
+    if not f.a_scaled:
+        for name, s in (("a_scales", a_scales), ("a_scale_offsets", a_scale_offsets)):
+            if s is not None:
+                raise ValueError(f"{name}: {f.name} is weight-only (bf16 activations, no scales), got a "
+                                 f"{type(s).__name__}")
+    a_scaled = f.a_scaled and not a_form
     nkb = p.num_k_scales
     if p.scale_layout == "plain":
         a_shape = (p.m, nkb)
@@ -276,13 +281,13 @@ def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, dev
         else:
             b_shape = (p.num_experts, p.n, nkb)
         b_what = "plain layout [E, ceil(N/128), ceil(K/128)]" if f.b.block_n > 1 else "plain layout [E, N, K/vec]"
-        if not a_form:
+        if a_scaled:
             _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device, a_shape, "plain layout [M, K/vec]")
         _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device, b_shape, b_what)
         if a_scale_offsets is not None:
             raise ValueError("a_scale_offsets: only used with scale_layout='swizzled', got a tensor with 'plain'")
         return
-    if not a_form:
+    if a_scaled:
         a_scales = _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device)
         atom = layouts.swizzled_a_shape(0, nkb)[1:]
         if a_scales.dim() != 5 or tuple(a_scales.shape[1:]) != atom:
@@ -314,7 +319,7 @@ def validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_s
         raise ValueError(f"expert_ids: expected ids < E={p.num_experts} (or < 0 to skip), got {int(ids.max())}")
     if expert_scales is not None and not bool(torch.isfinite(expert_scales).all()):
         raise ValueError("expert_scales: expected finite values, got NaN or inf")
-    if p.fmt.scaled and p.scale_layout == "swizzled" and p.num_groups and a_form is None:
+    if p.fmt.a_scaled and p.scale_layout == "swizzled" and p.num_groups and a_form is None:
         _, scale_rows, slot = layouts.a_scale_rows(
             a_offsets.cpu(), None if a_scale_offsets is None else a_scale_offsets.cpu()
         )

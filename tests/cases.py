@@ -81,6 +81,11 @@ TOLERANCES = {
     "mxfp4": Tolerance(4e-3, 1e-5, 2e-6),
     "nvfp4": Tolerance(4e-3, 1e-5, 2e-6),
     "w4a8": Tolerance(4e-3, 1e-5, 2e-6),
+    # Weight-only: bf16 activations as they are, the weights decoded exactly, fp32 sums: the
+    # same bounds as the formats above.
+    "bf16_mxfp4": Tolerance(4e-3, 1e-5, 2e-6),
+    "bf16_nvfp4": Tolerance(4e-3, 1e-5, 2e-6),
+    "bf16_mxfp8": Tolerance(4e-3, 1e-5, 2e-6),
 }
 
 # The sm90 kernel multiplies fp8 on Hopper's tensor cores, whose fp8 accumulator keeps fewer
@@ -101,7 +106,8 @@ SM90_TOLERANCES = {
     # same path stays exact: its products are multiples of 1/4 below 36, a k32 sum below 2^11.
     "w4a8": Tolerance(4e-3, 5e-4, 2e-4),
     # The other block formats run bf16 wgmma on exactly decoded operands: the bf16 kernel's bounds.
-    **{name: TOLERANCES[name] for name in ("mxfp4", "nvfp4")},
+    # So do the weight-only ones on the decoding kernel (bf16 tokens as they are).
+    **{name: TOLERANCES[name] for name in ("mxfp4", "nvfp4", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")},
 }
 
 
@@ -169,9 +175,11 @@ def make_problem(fmt: str, layout: str, pattern: TokenPattern, n: int, k: int, d
     expert_scales = None
     if with_scales:
         expert_scales = torch.rand(e, device=device) + 0.5
-    if qa.global_scale is not None:  # nvfp4: the global scales ride in expert_scales
+    if qw.global_scale is not None:  # nvfp4's global scales (bf16_nvfp4: the weights') ride in expert_scales
         base = expert_scales if expert_scales is not None else torch.ones(e, device=device)
-        expert_scales = base * qa.global_scale * qw.global_scale
+        expert_scales = base * qw.global_scale
+        if qa.global_scale is not None:
+            expert_scales = expert_scales * qa.global_scale
     row_scales = torch.rand(m, device=device) + 0.5 if with_scales else None
     return Problem(fmt, layout, qa, qw, a_offsets, expert_ids, expert_scales, row_scales, m, n)
 

@@ -78,13 +78,19 @@ def test_activation_quantizer_matches_naive_oracle(fmt):
             assert codes[m, cols].tolist() == want, f"elements of row {m} block {kb}"
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "w4a8"])
+# The block format whose weights each format's weights are (w4a8 and the weight-only formats
+# borrow theirs).
+WEIGHTS_OF = {"w4a8": "mxfp4", "bf16_mxfp4": "mxfp4", "bf16_nvfp4": "nvfp4", "bf16_mxfp8": "mxfp8"}
+WEIGHT_ONLY = ("bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "w4a8", *WEIGHT_ONLY])
 def test_weight_quantizer_matches_naive_oracle(fmt):
     w = random_input(3, 5, 64)
     q = moegemm.quantize_weights(w, fmt)
     op = FORMATS[fmt].b
     codes = stored_codes(q, op.element.name)
-    oracle_fmt = "mxfp4" if fmt == "w4a8" else fmt
+    oracle_fmt = WEIGHTS_OF.get(fmt, fmt)
     for e in range(3):
         g = float(q.global_scale[e]) if q.global_scale is not None else None
         for n in range(5):
@@ -137,7 +143,30 @@ def test_dequantize_round_trip_error(fmt):
         assert float((dq - ref).norm() / ref.norm()) < QUANTIZATION_ERROR[fmt]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "w4a8"])
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY)
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_weight_only_formats_are_bf16_tokens_and_block_weights(fmt, layout):
+    """A weight-only format's weights are its block format's bytes (scales, global scale and
+    layout included); its activations are the bf16 rounding of x, without scales or global."""
+    x = torch.randn(40, 64) * 10
+    w = torch.randn(3, 130, 64)
+    a_offsets = torch.tensor([0, 10, 30], dtype=torch.int32)
+    qw, rw = moegemm.quantize_weights(w, fmt, scale_layout=layout), moegemm.quantize_weights(w, WEIGHTS_OF[fmt],
+                                                                                              scale_layout=layout)
+    assert (qw.fmt, qw.operand, qw.scale_layout) == (fmt, "b", layout)
+    assert torch.equal(qw.data.view(torch.uint8), rw.data.view(torch.uint8))
+    assert torch.equal(qw.scales.view(torch.uint8), rw.scales.view(torch.uint8))
+    assert (qw.global_scale is None) == (rw.global_scale is None)
+    if rw.global_scale is not None:
+        assert torch.equal(qw.global_scale, rw.global_scale)
+    assert torch.equal(moegemm.dequantize(qw), moegemm.dequantize(rw))
+    qa = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets)
+    assert qa.data.dtype == torch.bfloat16 and qa.scales is None and qa.global_scale is None
+    assert torch.equal(qa.data, x.to(torch.bfloat16))
+    assert torch.equal(moegemm.dequantize(qa), x.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "w4a8", "bf16_mxfp4", "bf16_mxfp8"])
 def test_power_of_two_formats_are_idempotent(fmt):
     # With power-of-two (or no) scales, decoded values re-quantize to themselves exactly.
     x = torch.randn(8, 128) * 100
@@ -189,6 +218,7 @@ def test_output_dtypes_are_what_the_op_consumes():
         "bf16": (torch.bfloat16, None), "fp8_block": (torch.float8_e4m3fn, torch.float32),
         "mxfp8": (torch.float8_e4m3fn, torch.float8_e8m0fnu), "mxfp4": (torch.uint8, torch.float8_e8m0fnu),
         "nvfp4": (torch.uint8, torch.float8_e4m3fn), "w4a8": (torch.float8_e4m3fn, torch.float8_e8m0fnu),
+        **{fmt: (torch.bfloat16, None) for fmt in WEIGHT_ONLY},
     }
     for fmt, (data_dtype, scale_dtype) in expect.items():
         qa = moegemm.quantize(x, fmt)
@@ -196,6 +226,10 @@ def test_output_dtypes_are_what_the_op_consumes():
         assert qa.k == 64
     assert moegemm.quantize_weights(w, "w4a8").data.shape == (2, 8, 32)
     assert moegemm.quantize_weights(w, "w4a8").scales.dtype == torch.float8_e8m0fnu
+    for fmt, weights_of in ((f, WEIGHTS_OF[f]) for f in WEIGHT_ONLY):
+        got, want = moegemm.quantize_weights(w, fmt), moegemm.quantize_weights(w, weights_of)
+        assert (got.data.dtype, got.data.shape, got.scales.dtype) == (want.data.dtype, want.data.shape,
+                                                                      want.scales.dtype), fmt
 
 
 def test_quantizer_bad_input():

@@ -30,6 +30,8 @@ def scale_value(raw: torch.Tensor, kind: str) -> float:
 
 def sfa(q, fmt, m, kb, a_offsets):
     op = FORMATS[fmt].a
+    if op.scale is None:  # weight-only formats: bf16 activations
+        return 1.0
     if q.scale_layout == "plain":
         return scale_value(q.scales[m, kb], op.scale)
     bounds = a_offsets.tolist()
@@ -66,7 +68,7 @@ def test_reference_is_the_contract_formula(fmt, layout):
     )
     a_vals = element_values(qa.data, f.a.element.name)
     b_vals = element_values(qw.data, f.b.element.name)
-    vec = f.a.block_k
+    vec = f.scale_vec
     bounds = a_offsets.tolist()
     want = torch.zeros(m_rows, n, dtype=torch.float64)
     for g, e in enumerate(expert_ids.tolist()):

@@ -104,6 +104,29 @@ CASES = {
     "out non-contiguous": (ValueError, "out", dict(out=torch.zeros(16, 40, dtype=torch.bfloat16).t()), "mxfp8", "plain"),
     "out_dtype fp16": (TypeError, "out_dtype", dict(out_dtype=torch.float16), "mxfp8", "plain"),
     "unknown backend": (ValueError, "backend", dict(backend="cutlass"), "mxfp8", "plain"),
+    # Weight-only formats: bf16 activations without scales, the block format's weights.
+    "weight-only takes no a_scales": (ValueError, "a_scales",
+                                      dict(a_scales=torch.zeros(40, 2, dtype=torch.float8_e8m0fnu)), "bf16_mxfp4",
+                                      "plain"),
+    "weight-only swizzled takes no a_scales": (ValueError, "a_scales",
+                                               dict(a_scales=torch.zeros(1, 1, 32, 4, 4, dtype=torch.float8_e8m0fnu)),
+                                               "bf16_mxfp8", "swizzled"),
+    "weight-only takes no a_scale_offsets": (ValueError, "a_scale_offsets",
+                                             dict(a_scale_offsets=torch.zeros(2, dtype=torch.int32)), "bf16_nvfp4",
+                                             "swizzled"),
+    "weight-only a is bf16": (TypeError, "a", dict(a=torch.zeros(40, 32, dtype=torch.uint8)), "bf16_mxfp4", "plain"),
+    "weight-only a of fp8": (TypeError, "a", dict(a=torch.zeros(40, 64, dtype=torch.float8_e4m3fn)), "bf16_mxfp8",
+                             "plain"),
+    "weight-only b_scales missing": (TypeError, "b_scales", dict(b_scales=None), "bf16_mxfp4", "plain"),
+    "bf16_nvfp4 scales must be e4m3": (TypeError, "b_scales", dict(b_scales=torch.zeros(3, 16, 4, dtype=torch.uint8)),
+                                       "bf16_nvfp4", "plain"),
+    "weight-only swizzled B scales in the plain shape": (ValueError, "b_scales",
+                                                         dict(b_scales=torch.zeros(3, 16, 2,
+                                                                                   dtype=torch.float8_e8m0fnu)),
+                                                         "bf16_mxfp4", "swizzled"),
+    "weight-only K not a multiple of the block": (ValueError, "a", dict(a=torch.zeros(40, 48, dtype=torch.bfloat16),
+                                                                        b=torch.zeros(3, 16, 24, dtype=torch.uint8)),
+                                                  "bf16_mxfp4", "plain"),
 }
 
 
@@ -119,6 +142,18 @@ def test_messages_say_expected_and_given():
     args["a_offsets"] = torch.tensor([0, 10, 41], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^a_offsets: expected a_offsets\[G\] <= M=40, got 41"):
         call(args, kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8"])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_weight_only_good_call_passes(fmt, layout):
+    args, kwargs = good(fmt, layout)
+    assert args["a"].dtype == torch.bfloat16 and args["a_scales"] is None
+    assert call(args, kwargs).shape == (40, 16)
+    # a QuantizedTensor of another format's activations is named
+    with pytest.raises(ValueError, match="^fmt:"):
+        moegemm.grouped_matmul(moegemm.quantize(torch.randn(40, 64), "mxfp8"), args["b"], None, args["b_scales"],
+                               args["a_offsets"], args["expert_ids"], **kwargs)
 
 
 def test_uint8_e8m0_scales_are_accepted():
