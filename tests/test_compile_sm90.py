@@ -49,7 +49,8 @@ def test_portable_kernel_compiles_for_sm90(fmt, layout):
             continue
         if name.endswith("_ptr"):
             signature[name] = POINTERS.get(name, "*bf16" if name in ("out_ptr", "a_ptr", "b_ptr") and fmt == "bf16"
-                                           else "*bf16" if name == "out_ptr" else "*u8")
+                                           else "*bf16" if name == "out_ptr" or (name == "a_ptr" and f.weight_only)
+                                           else "*u8")
             if name in ("a_scale_ptr", "b_scale_ptr") and fmt == "fp8_block":
                 signature[name] = "*fp32"
         else:

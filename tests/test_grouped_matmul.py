@@ -52,7 +52,10 @@ def test_portable_cpu_fp32_output_no_scales(fmt, layout):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fmt,layout", [("mxfp4", "swizzled"), ("nvfp4", "plain"), ("w4a8", "swizzled"), ("bf16", "plain")])
+@pytest.mark.parametrize("fmt,layout", [
+    ("mxfp4", "swizzled"), ("nvfp4", "plain"), ("w4a8", "swizzled"), ("bf16", "plain"),
+    ("bf16_mxfp4", "swizzled"), ("bf16_nvfp4", "plain"), ("bf16_mxfp8", "swizzled"),
+])
 def test_portable_cpu_small_tiles(fmt, layout):
     # 16x32 tiles with 32-wide K steps: many M and N tiles per group, two K steps, five programs
     # striding over them.

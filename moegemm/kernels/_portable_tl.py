@@ -17,6 +17,8 @@ Numerics: every element is decoded from its bits to fp32 (exact), MX/NV block sc
 of two, or e4m3 times e2m1) are folded into the operands, which stay exact in bf16, and the
 dot accumulates in fp32. fp8_block multiplies each K step's partial product by its fp32
 scales (promotion; a step never straddles a 128-wide scale block), as docs/contract.md section 4 writes it.
+bf16 operands (the bf16 format's, and the activations of the weight-only formats, which have
+no scales: A_SCALE is SCALE_NONE while B_SCALE is the weights') go to the dot as they are loaded.
 """
 
 import triton
@@ -51,7 +53,8 @@ def _decode_e4m3(byte, BY_BITS: tl.constexpr):
 @triton.jit
 def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   INTERPRETED: tl.constexpr):
-    """Rows `rows` (int64) x columns [k0, k0 + BLOCK_K) of a row-major operand, decoded to fp32.
+    """Rows `rows` (int64) x columns [k0, k0 + BLOCK_K) of a row-major operand, decoded to fp32
+    (bf16 elements: as loaded, bf16).
 
     Out-of-range rows and columns read as zero.
     """
@@ -70,7 +73,7 @@ def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.co
         if ELEM == ELEM_E4M3:
             return _decode_e4m3(x, INTERPRETED)
         else:
-            return x.to(tl.float32)
+            return x
 
 
 @triton.jit
@@ -107,19 +110,22 @@ def grouped_matmul_kernel(
     expert_scales_ptr, row_scales_ptr, out_ptr,
     M, N, K, E, G,
     NUM_KB, KB4, NUM_SCALE_ROWS,
-    A_ELEM: tl.constexpr, B_ELEM: tl.constexpr, SCALE: tl.constexpr, VEC: tl.constexpr,
-    SWIZZLED: tl.constexpr, HAS_EXPERT_SCALES: tl.constexpr, HAS_ROW_SCALES: tl.constexpr,
+    A_ELEM: tl.constexpr, B_ELEM: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
+    VEC: tl.constexpr, SWIZZLED: tl.constexpr, HAS_EXPERT_SCALES: tl.constexpr, HAS_ROW_SCALES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """C[s:t] = decode(A[s:t]) @ decode(B[e]).T * expert_scales[e] * row_scales[s:t] per valid slot."""
+    """C[s:t] = decode(A[s:t]) @ decode(B[e]).T * expert_scales[e] * row_scales[s:t] per valid slot.
+
+    A_SCALE and B_SCALE are the scale kinds of A and B: equal, or A's SCALE_NONE (weight-only
+    formats: bf16 activations); SWIZZLED applies to the scales that exist."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     b_row_elems = K // 2 if B_ELEM == ELEM_E2M1 else K
     # Per-expert strides of the B scales: plain [E, N, NUM_KB] (fp8_block: [E, ceil(N/128), NUM_KB]),
     # swizzled [E, ceil(N/128), KB4, 512].
-    if SCALE == SCALE_FP32_BLOCK:
+    if B_SCALE == SCALE_FP32_BLOCK:
         b_scale_expert_stride = ((N + 127) // 128) * NUM_KB
     elif SWIZZLED:
         b_scale_expert_stride = ((N + 127) // 128) * KB4 * 512
@@ -136,7 +142,7 @@ def grouped_matmul_kernel(
         m_tiles = tl.where((e >= 0) & (e < E), (t - s + BLOCK_M - 1) // BLOCK_M, 0)
         group_tiles = m_tiles * n_tiles
         first = tile_base + (pid - tile_base % nprog + nprog) % nprog
-        if SWIZZLED:
+        if SWIZZLED and A_SCALE != SCALE_NONE:
             scale_row_base = 128 * (tl.load(a_scale_offsets_ptr + g) + s // 128) - s
         else:
             scale_row_base = s * 0
@@ -159,12 +165,13 @@ def grouped_matmul_kernel(
             for k0 in range(0, K, BLOCK_K):
                 a = _load_operand(a_ptr, rows, row_mask, k0, K, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED)
                 b = _load_operand(b_base, cols, col_mask, k0, K, B_ELEM, BLOCK_N, BLOCK_K, INTERPRETED)
-                if SCALE == SCALE_E8M0 or SCALE == SCALE_E4M3:
+                if A_SCALE == SCALE_E8M0 or A_SCALE == SCALE_E4M3:
                     a = _apply_block_scales(a, a_scale_ptr, a_scale_rows, a_scale_mask, k0, NUM_KB, KB4,
-                                            SCALE, SWIZZLED, VEC, BLOCK_M, BLOCK_K, INTERPRETED)
+                                            A_SCALE, SWIZZLED, VEC, BLOCK_M, BLOCK_K, INTERPRETED)
+                if B_SCALE == SCALE_E8M0 or B_SCALE == SCALE_E4M3:
                     b = _apply_block_scales(b, b_scale_ptr + expert * b_scale_expert_stride, cols, col_mask,
-                                            k0, NUM_KB, KB4, SCALE, SWIZZLED, VEC, BLOCK_N, BLOCK_K, INTERPRETED)
-                if SCALE == SCALE_FP32_BLOCK:
+                                            k0, NUM_KB, KB4, B_SCALE, SWIZZLED, VEC, BLOCK_N, BLOCK_K, INTERPRETED)
+                if B_SCALE == SCALE_FP32_BLOCK:
                     part = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), input_precision=DOT_PRECISION,
                                   out_dtype=tl.float32)
                     kb = k0 // 128  # BLOCK_K divides 128: the step lies inside one scale block

@@ -60,7 +60,7 @@ def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
     f = p.fmt
     return dict(
         A_ELEM=_elem_code(f.a.element, module), B_ELEM=_elem_code(f.b.element, module),
-        SCALE=_scale_code(f.a.scale, module), VEC=max(f.scale_vec, 1),
+        A_SCALE=_scale_code(f.a.scale, module), B_SCALE=_scale_code(f.b.scale, module), VEC=max(f.scale_vec, 1),
         SWIZZLED=f.scaled and p.scale_layout == "swizzled",
         # The CPU interpreter's bf16 dot multiplies raw bits: it gets fp32 operands, which hold
         # the same (exactly decoded) values.
@@ -80,9 +80,9 @@ def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, exper
     module = kernel_module(interpret)
     cfg = portable_config(p.fmt, p.n, p.k, a.device.type)
     constexprs = kernel_constexprs(p, cfg, interpret)
-    swizzled = constexprs["SWIZZLED"]
+    a_swizzled = constexprs["SWIZZLED"] and p.fmt.a_scaled  # (weight-only: the weights' scales only)
     num_kb = p.num_k_scales
-    if swizzled and a_scale_offsets is None:
+    if a_swizzled and a_scale_offsets is None:
         a_scale_offsets = layouts.a_scale_offsets(a_offsets)  # device ops, no host read
     # Valid tiles <= sum_g ceil(tokens_g / BLOCK_M) * n_tiles <= (ceil(M / BLOCK_M) + G) * n_tiles.
     upper_tiles = (math.ceil(p.m / cfg.block_m) + p.num_groups) * math.ceil(p.n / cfg.block_n)
@@ -98,7 +98,7 @@ def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, exper
         row_scales if row_scales is not None else dummy,
         out,
         p.m, p.n, p.k, p.num_experts, p.num_groups,
-        num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if swizzled else p.m,
+        num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if a_swizzled else p.m,
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         **constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -109,7 +109,10 @@ def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, exper
 def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale_offsets) -> torch.Tensor:
     """bf16 [M, K]: the rows of every valid slot of A decoded and scaled (exact, see
     dequantize_rows_kernel); rows outside them are left unwritten. The MX/NV sm90 kernel reads
-    its tokens from here."""
+    its tokens from here. Unscaled bf16 activations (the weight-only formats') are those tokens
+    already: `a` itself is returned."""
+    if not p.fmt.a_scaled:
+        return a
     out = torch.empty(p.m, p.k, dtype=torch.bfloat16, device=a.device)
     if p.num_groups == 0 or p.m == 0:
         return out
