@@ -14,6 +14,10 @@ that file is present (a source checkout, or MOEGEMM_PEERS naming one); an instal
 without it leaves those columns empty. Group sizes are drawn +-30% around the nominal count and
 nudged off multiples of 128. The result files name the command and the git commit of the tree
 that made them (MOEGEMM_COMMIT overrides it, for a copy of the tree without its history).
+
+Named presets (PRESETS, `--preset NAME`) pick other rows: `model-formats` is every format of
+FORMATS on the DeepSeek-V3 and gpt-oss expert shapes at decode and prefill token counts, with a
+summary per shape (ms, xtorch, xfp8b) at the end.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,8 +41,14 @@ from . import __version__, layouts
 from .formats import FORMATS
 from .ops import grouped_matmul
 
-# the formats whose scales sit in 32- or 16-wide K blocks (the swizzled layout is theirs)
-BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable)
+# the formats whose A and B both carry scales in 32- or 16-wide K blocks (the swizzled layout is theirs)
+BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable and f.a.scale is not None)
+# weight-only formats: bf16 activations without scales times block-scaled weights
+WEIGHT_ONLY_FORMATS = tuple(name for name, f in FORMATS.items() if f.a.scale is None and f.b.scale is not None)
+# The formats compared with BF16 torch._grouped_mm on the same groups: PyTorch has no grouped
+# product of them on Hopper.
+BF16_BASELINE_FORMATS = BLOCK_FORMATS + WEIGHT_ONLY_FORMATS
+DEFAULT_FORMATS = ("fp8_block", "bf16") + BLOCK_FORMATS
 
 # (N, K) of real expert projections.
 MODEL_SHAPES = {
@@ -60,7 +71,7 @@ PREFILL = [(4, 8192), (8, 4096), (32, 256), (64, 128)]
 DECODE = [(256, 16), (32, 32)]
 
 
-def default_rows(fmts=("fp8_block", "bf16") + BLOCK_FORMATS) -> list[tuple[str, str, int, int]]:
+def default_rows(fmts=DEFAULT_FORMATS) -> list[tuple[str, str, int, int]]:
     """(format, shape name, groups, nominal tokens per group)."""
     rows = []
     for fmt in fmts:
@@ -69,6 +80,60 @@ def default_rows(fmts=("fp8_block", "bf16") + BLOCK_FORMATS) -> list[tuple[str, 
         rows += [(fmt, name, 8, 4096) for name in MODEL_SHAPES if name not in ("dsv3-up",)]
         rows += [(fmt, name, g, t) for name in ("k2.5-tp8-up", "gptoss-up", "gptoss-down", "qwen3-tp8-up")
                  for g, t in DECODE]
+    return rows
+
+
+# The model-formats preset: the expert projections of DeepSeek-V3 and gpt-oss-120b at decode
+# (256 x 16, 32 x 32) and prefill (64 x 128, 8 x 4096) groups x nominal tokens.
+MODEL_FORMAT_SHAPES = ("dsv3-up", "dsv3-down", "gptoss-up", "gptoss-down")
+MODEL_FORMAT_REGIMES = ((256, 16), (32, 32), (64, 128), (8, 4096))
+
+
+def model_format_rows(fmts=None) -> list[tuple[str, str, int, int]]:
+    """Every format of `fmts` (default: all of FORMATS) on each (shape, groups, tokens) of the
+    preset, key by key. Within a key fp8_block comes first, so that every other row of the key
+    finds its time for vs_fp8_block, then FORMATS' order (bf16 next: its row times the BF16
+    torch baseline the block and weight-only rows of the key reuse)."""
+    chosen = set(FORMATS if fmts is None else fmts)
+    order = [f for f in dict.fromkeys(("fp8_block", *FORMATS)) if f in chosen]
+    return [(fmt, shape, g, t) for shape in MODEL_FORMAT_SHAPES for g, t in MODEL_FORMAT_REGIMES for fmt in order]
+
+
+@dataclass(frozen=True)
+class Preset:
+    about: str
+    rows: Callable  # rows(fmts or None for the preset's default formats) -> [(fmt, shape, groups, nominal)]
+    warmup_ms: float  # do_bench's warm-up time per timed call
+
+
+WARMUP_MS = 25  # do_bench's default
+PRESETS = {
+    # 16 keys x every format (144 rows with nine formats): at do_bench's 25 ms of warm-up a call,
+    # warm-up alone would take about 9 s of the run. Before its warm-up do_bench has already made
+    # six calls (one, then five to estimate the time), and a graph is timed right after the eager
+    # call it captures, so one warm-up call suffices; the 100 ms of timed calls, their median and
+    # the L2 flush before each stay.
+    "model-formats": Preset("every format on DeepSeek-V3 and gpt-oss expert shapes, decode and prefill",
+                            model_format_rows, warmup_ms=1),
+}
+
+
+def select_rows(preset: str = "", formats: str = "", only: str = "") -> list[tuple[str, str, int, int]]:
+    """The rows of `python -m moegemm bench`: the preset's (its default formats: all of FORMATS)
+    or default_rows' (DEFAULT_FORMATS), in `formats` (comma-separated) when given, and matching a
+    word of `only` (comma-separated substrings of 'fmt shape GxT') when given."""
+    fmts = tuple(f for f in formats.split(",") if f) or None
+    unknown = [f for f in fmts or () if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"formats: {', '.join(unknown)} not in FORMATS ({', '.join(FORMATS)})")
+    if preset:
+        if preset not in PRESETS:
+            raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+        rows = PRESETS[preset].rows(fmts)
+    else:
+        rows = default_rows(fmts or DEFAULT_FORMATS)
+    if only:
+        rows = [r for r in rows if any(word in f"{r[0]} {r[1]} {r[2]}x{r[3]}" for word in only.split(","))]
     return rows
 
 
@@ -137,27 +202,28 @@ class Row:
     vs_deepgemm: float = math.nan
     peer_figure: float = math.nan  # the quoted peer's figure (TFLOP/s; decode rows TB/s), if any
     vs_peer: float = math.nan  # ours over it, in the same unit
-    vs_fp8_block: float = math.nan  # our fp8_block time on the same shape / ours (block formats)
+    vs_fp8_block: float = math.nan  # our fp8_block time on the same shape / ours (other formats)
     notes: list = field(default_factory=list)
 
 
-def _bench(fn) -> float:
+def _bench(fn, warmup_ms: float = WARMUP_MS) -> float:
+    """do_bench's median (ms) over 100 ms of calls, L2 flushed before each."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=100, return_mode="median"))
 
 
-def _bench_graph(fn) -> float:
+def _bench_graph(fn, warmup_ms: float = WARMUP_MS) -> float:
     """Kernel time: one call captured in a CUDA graph, replayed (fn must have run once)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _bench(graph.replay)
+    return _bench(graph.replay, warmup_ms)
 
 
-def _time_both(fn) -> tuple[float, float]:
-    eager = _bench(fn)
-    return _bench_graph(fn), eager
+def _time_both(fn, warmup_ms: float = WARMUP_MS) -> tuple[float, float]:
+    eager = _bench(fn, warmup_ms)
+    return _bench_graph(fn, warmup_ms), eager
 
 
 def _copy_ms(n: int, device) -> float:
@@ -206,7 +272,8 @@ class Inputs:
         self.expert_ids = torch.arange(g, dtype=torch.int32, device=device)
         self.torch_offs = self.a_offsets[1:].contiguous()
         self.scale_layout = "plain"
-        if fmt in BLOCK_FORMATS:
+        self.expert_scales = None
+        if fmt in BF16_BASELINE_FORMATS:
             self._block_format_inputs(m, g, n, k, device)
         elif fmt == "fp8_block":
             self.a = _random_fp8((m, k), device)
@@ -223,9 +290,11 @@ class Inputs:
 
     def _block_format_inputs(self, m, g, n, k, device):
         """Random codes and scales in the swizzled layout (what checkpoints and quantize() give):
-        e8m0 scales around 2^0, nvfp4 e4m3 scales in [1, 2)."""
+        e8m0 scales around 2^0, nvfp4 e4m3 scales in [1, 2). A weight-only format's A is bf16
+        without scales. NVFP4 weights' global scales (each expert's, times A's where A is nvfp4)
+        come as expert_scales, where grouped_matmul folds those of quantize / quantize_weights."""
         f = FORMATS[self.fmt]
-        self.scale_layout = "swizzled"
+        self.scale_layout = "swizzled" if f.swizzle_capable else "plain"
 
         def elements(rows, op):
             if op.element.packed:
@@ -237,15 +306,24 @@ class Inputs:
                 return torch.randint(122, 132, shape, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
             return (torch.rand(shape, device=device) + 1).to(torch.float8_e4m3fn)
 
-        nkb = k // f.scale_vec
-        self.a = elements((m, ), f.a)
+        if f.a.scale is None:
+            self.a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            self.a_scales = None
+        else:
+            self.a = elements((m, ), f.a)
+            a_blocks = sum(math.ceil(s / 128) for s in self.sizes)
+            self.a_scales = scales(layouts.swizzled_a_shape(a_blocks, k // f.a.block_k), f.a)
         self.b = elements((g, n), f.b)
-        self.a_scales = scales(layouts.swizzled_a_shape(sum(math.ceil(s / 128) for s in self.sizes), nkb), f.a)
-        self.b_scales = scales(layouts.swizzled_b_shape(g, n, nkb), f.b)
+        b_kb = k // f.b.block_k
+        b_shape = layouts.swizzled_b_shape(g, n, b_kb) if self.scale_layout == "swizzled" else (g, n, b_kb)
+        self.b_scales = scales(b_shape, f.b)
+        if f.global_scale:
+            self.expert_scales = torch.rand(g, device=device) + 0.5
 
     def ours(self):
         return grouped_matmul(self.a, self.b, self.a_scales, self.b_scales, self.a_offsets, self.expert_ids,
-                              fmt=self.fmt, out=self.out, scale_layout=self.scale_layout)
+                              fmt=self.fmt, out=self.out, scale_layout=self.scale_layout,
+                              expert_scales=self.expert_scales)
 
     def torch_baseline(self):
         if self.fmt == "fp8_block":
@@ -254,14 +332,14 @@ class Inputs:
         return torch._grouped_mm(self.a, self.b.transpose(-2, -1), offs=self.torch_offs, out_dtype=torch.bfloat16)
 
     def bytes_moved(self) -> float:
-        """Weights of the experts used, activations and output once each, compressed: block
-        formats count their elements (1 or 1/2 byte) and their scales (1 byte per block)."""
+        """Weights of the experts used, activations and output once each, compressed: block and
+        weight-only formats count their elements (2, 1 or 1/2 byte) and their scales (1 byte
+        per block; a weight-only format's bf16 A has none)."""
         m = sum(self.sizes)
         used = len([s for s in self.sizes if s > 0])
-        if self.fmt in BLOCK_FORMATS:
+        if self.fmt in BF16_BASELINE_FORMATS:
             f = FORMATS[self.fmt]
-            a_elem = f.a.element.bits / 8 + 1 / f.scale_vec
-            b_elem = f.b.element.bits / 8 + 1 / f.scale_vec
+            a_elem, b_elem = (op.element.bits / 8 + (1 / op.block_k if op.scale else 0) for op in (f.a, f.b))
         else:
             a_elem = b_elem = 1 if self.fmt == "fp8_block" else 2
         return used * self.n * self.k * b_elem + m * self.k * a_elem + m * self.n * 2
@@ -294,7 +372,7 @@ def _deepgemm_runner(inp: Inputs):
 
 
 def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progress: bool = True,
-        peers: dict | None = None) -> list[Row]:
+        peers: dict | None = None, warmup_ms: float = WARMUP_MS) -> list[Row]:
     device = torch.device("cuda")
     rows = rows or default_rows()
     peers = load_peers() if peers is None else peers
@@ -302,7 +380,8 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
     env = {**provenance("python -m moegemm bench (moegemm/benchmark.py)"),
            "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "moegemm": __version__, "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), **{k: round(v, 3) for k, v in ceilings.items()},
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "warmup_ms": warmup_ms,
+           **{k: round(v, 3) for k, v in ceilings.items()},
            "peer": {k: v for k, v in peers.items() if k != "figures"} or None}
     print(f"# {env['gpu']} | torch {env['torch']} | triton {env['triton']} | copy {ceilings['copy_tbps']:.2f} TB/s"
           f" | dense bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s | dense fp8 {ceilings['fp8_rowwise_tflops']:.0f} TFLOP/s",
@@ -318,7 +397,7 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
         torch.cuda.empty_cache()  # one row's operands on the GPU at a time (decode weights are GBs)
         inp = Inputs(fmt, n, k, sizes, device)
         try:
-            row.ms, row.eager_ms = _time_both(inp.ours)
+            row.ms, row.eager_ms = _time_both(inp.ours, warmup_ms)
         except Exception as exc:  # recorded, the run goes on
             row.notes.append(f"ours failed: {type(exc).__name__}: {str(exc)[:120]}")
         flops = 2.0 * row.valid_tokens * n * k
@@ -327,20 +406,20 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
         row.pct_copy_bw = 100 * row.gbps / 1e3 / ceilings["copy_tbps"]
         dense = ceilings["fp8_rowwise_tflops" if fmt == "fp8_block" else "bf16_tflops"]
         row.pct_dense = 100 * row.tflops / dense
-        # Block formats compare with BF16 torch._grouped_mm on the same groups (PyTorch has no
-        # grouped product of these formats on Hopper): the bf16 row of the same shape measured
-        # it already, else it is timed here.
+        # Block and weight-only formats compare with BF16 torch._grouped_mm on the same groups
+        # (PyTorch has no grouped product of these formats on Hopper): the bf16 row of the same
+        # key, or the first such format's row, measured it already, else it is timed here.
         key = (shape, groups, nominal)
         try:
-            if fmt in BLOCK_FORMATS and key in bf16_torch:
+            if fmt in BF16_BASELINE_FORMATS and key in bf16_torch:
                 row.torch_ms, row.torch_eager_ms = bf16_torch[key]
             else:
-                if fmt in BLOCK_FORMATS:
+                if fmt in BF16_BASELINE_FORMATS:
                     del inp
                     torch.cuda.empty_cache()
                     inp = Inputs("bf16", n, k, sizes, device)
-                row.torch_ms, row.torch_eager_ms = _time_both(inp.torch_baseline)
-                if fmt in BLOCK_FORMATS or fmt == "bf16":
+                row.torch_ms, row.torch_eager_ms = _time_both(inp.torch_baseline, warmup_ms)
+                if fmt in BF16_BASELINE_FORMATS or fmt == "bf16":
                     bf16_torch[key] = (row.torch_ms, row.torch_eager_ms)
             row.vs_torch = row.torch_ms / row.ms
         except Exception as exc:
@@ -353,7 +432,7 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
         if deepgemm is not None:
             try:
                 deepgemm()  # its JIT compiles on the first call, outside the capture
-                row.deepgemm_ms = _bench_graph(deepgemm)
+                row.deepgemm_ms = _bench_graph(deepgemm, warmup_ms)
                 row.vs_deepgemm = row.deepgemm_ms / row.ms
             except Exception as exc:
                 row.notes.append(f"deep_gemm failed: {type(exc).__name__}: {str(exc)[:120]}")
@@ -373,6 +452,7 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
     if progress:
         print(file=sys.stderr)
     print_table(results, peer=peers.get("peer"))
+    print_summary(results)
     write_results(results, env, Path(out_dir), tag)
     return results
 
@@ -380,18 +460,42 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
 def print_table(results: list[Row], peer: str | None = None):
     """The rows as a text table; the peer columns only when peer figures were loaded."""
     print("ms: kernel (graph replay); eager: one Python call; xtorch, xDG: speedup over them (kernel time;"
-          " block formats: over BF16 torch._grouped_mm); xfp8b: over our fp8_block on the same shape"
+          " block and weight-only formats: over BF16 torch._grouped_mm); xfp8b: over our fp8_block on the same shape"
           + (f"; peer: {peer}'s quoted figure (TFLOP/s, decode TB/s), xpeer: ours over it" if peer else ""))
-    head = (f"{'fmt':<9} {'shape':<15} {'N':>5} {'K':>5} {'groups':>9} {'ms':>8} {'eager':>7} {'TFLOP/s':>8} "
+    head = (f"{'fmt':<10} {'shape':<15} {'N':>5} {'K':>5} {'groups':>9} {'ms':>8} {'eager':>7} {'TFLOP/s':>8} "
             f"{'GB/s':>7} {'%bw':>5} {'%dense':>6} {'torch ms':>8} {'xtorch':>6} {'xDG':>5}"
             + (f" {'peer':>7} {'xpeer':>6}" if peer else "") + f" {'xfp8b':>5}")
     print(head)
     for r in results:
-        print(f"{r.fmt:<9} {r.shape:<15} {r.n:>5} {r.k:>5} {f'{r.groups}x{r.nominal}':>9} {r.ms:>8.3f} "
+        print(f"{r.fmt:<10} {r.shape:<15} {r.n:>5} {r.k:>5} {f'{r.groups}x{r.nominal}':>9} {r.ms:>8.3f} "
               f"{r.eager_ms:>7.3f} {r.tflops:>8.1f} {r.gbps:>7.0f} {r.pct_copy_bw:>5.1f} {r.pct_dense:>6.1f} "
               f"{r.torch_ms:>8.3f} {r.vs_torch:>6.2f} {r.vs_deepgemm:>5.2f}"
               + (f" {r.peer_figure:>7.2f} {r.vs_peer:>6.2f}" if peer else "")
               + f" {r.vs_fp8_block:>5.2f}" + (f"  {'; '.join(r.notes)}" if r.notes else ""))
+
+
+def _cell(value: float, width: int, prec: int) -> str:
+    return f"{value:>{width}.{prec}f}" if math.isfinite(value) else f"{'-':>{width}}"
+
+
+def print_summary(results: list[Row]):
+    """Per shape, each format's kernel ms, xtorch and xfp8b in each groups x tokens regime."""
+    print("\nsummary by shape: ms (kernel), xtorch (fp8_block: over torch's FP8 rowwise; bf16, block and "
+          "weight-only formats: over BF16 torch._grouped_mm), xfp8b (over our fp8_block), per groups x tokens")
+    for shape in dict.fromkeys(r.shape for r in results):
+        rows = [r for r in results if r.shape == shape]
+        regimes = list(dict.fromkeys((r.groups, r.nominal) for r in rows))
+        by_key = {(r.fmt, r.groups, r.nominal): r for r in rows}
+        print(f"\n{shape} (N {rows[0].n}, K {rows[0].k})")
+        print(f"{'':<10}" + "".join(f"{f'{g}x{t}':>22}" for g, t in regimes))
+        print(f"{'fmt':<10}" + f" {'ms':>8} {'xtorch':>6} {'xfp8b':>5}" * len(regimes))
+        for fmt in dict.fromkeys(r.fmt for r in rows):
+            cells = []
+            for g, t in regimes:
+                r = by_key.get((fmt, g, t))
+                cells.append(f" {_cell(r.ms, 8, 3)} {_cell(r.vs_torch, 6, 2)} {_cell(r.vs_fp8_block, 5, 2)}"
+                             if r else " " * 22)
+            print(f"{fmt:<10}" + "".join(cells))
 
 
 def write_results(results: list[Row], env: dict, out_dir: Path, tag: str):
@@ -418,8 +522,9 @@ def plot(results: list[Row], env: dict, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 6, figsize=(40, 6))
-    for ax, fmt in zip(axes, ("fp8_block", "bf16") + BLOCK_FORMATS):
+    fmts = list(dict.fromkeys(r.fmt for r in results))
+    fig, axes = plt.subplots(1, len(fmts), figsize=(6.5 * len(fmts), 6), squeeze=False)
+    for ax, fmt in zip(axes[0], fmts):
         rows = [r for r in results if r.fmt == fmt]
         labels = [f"{r.shape}\n{r.groups}x{r.nominal}" for r in rows]
         x = range(len(rows))

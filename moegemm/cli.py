@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import __version__, ops, reference
+from . import __version__, benchmark, ops, reference
 from .formats import FORMATS
 from .moe import MoE, moe_forward
 from .quantize import quantize, quantize_weights
@@ -155,19 +155,29 @@ def info(args) -> int:
 
 
 def bench(args) -> int:
+    try:
+        rows = benchmark.select_rows(args.preset or "", args.formats, args.only)
+    except ValueError as exc:
+        print(f"bench: {exc}")
+        return 2
+    if not rows:
+        print("bench: no rows match --formats / --only")
+        return 2
+    if args.dry_run:
+        for fmt, shape, groups, nominal in rows:
+            print(f"{fmt} {shape} {groups}x{nominal}")
+        print(f"{len(rows)} rows")
+        return 0
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (the CPU path is `python -m moegemm demo`)")
         return 2
-    from . import benchmark
-
-    rows = benchmark.default_rows(tuple(args.formats.split(",")))
-    if args.only:
-        rows = [r for r in rows if any(word in f"{r[0]} {r[1]} {r[2]}x{r[3]}" for word in args.only.split(","))]
+    warmup_ms = benchmark.PRESETS[args.preset].warmup_ms if args.preset else benchmark.WARMUP_MS
     peers = {} if args.peers == "none" else benchmark.load_peers(args.peers or None)
     if args.peers not in ("", "none") and not peers:
         print(f"bench: no peer figures at {args.peers}")
         return 2
-    benchmark.run(rows, out_dir=args.out, tag=args.tag, peers=peers)
+    # A preset's results go to files of their own (bench-<GPU>-<preset>), not over the default run's.
+    benchmark.run(rows, out_dir=args.out, tag=args.tag or args.preset, peers=peers, warmup_ms=warmup_ms)
     return 0
 
 
@@ -179,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.set_defaults(func=demo)
     sub.add_parser("info", help="versions, devices, backends").set_defaults(func=info)
     p_bench = sub.add_parser("bench", help="grouped products on model shapes vs baselines and ceilings (GPU)")
-    p_bench.add_argument("--formats", default="fp8_block,bf16,mxfp8,mxfp4,nvfp4,w4a8")
+    p_bench.add_argument("--preset", choices=list(benchmark.PRESETS),
+                         help="named rows instead of the default ones: "
+                         + "; ".join(f"{name}: {p.about}" for name, p in benchmark.PRESETS.items()))
+    p_bench.add_argument("--formats", default="", help="comma-separated formats (default: "
+                         f"{','.join(benchmark.DEFAULT_FORMATS)}; with --preset, every format)")
     p_bench.add_argument("--only", default="", help="comma-separated substrings of 'fmt shape GxT' to keep")
+    p_bench.add_argument("--dry-run", action="store_true", help="print the rows and exit (no GPU needed)")
     p_bench.add_argument("--out", default="bench/results")
     p_bench.add_argument("--tag", default="")
     p_bench.add_argument("--peers", default="", help="JSON of quoted peer figures (default: bench/data/peers.json "
