@@ -20,11 +20,15 @@ sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve(
 import moegemm
 from moegemm import layouts
 
+# "fmts": the formats every script times the model in. "table_fmts": formats moe_layer.py's
+# table also times, at these token counts only; gpt-oss's weight-only MXFP4 (bf16 activations,
+# the same e2m1 weights and e8m0 scales), where this tree's FORMATS has it.
 MODELS = {
     "DeepSeek-V3": {"hidden": 7168, "width": 2048, "experts": 256, "top_k": 8, "activation": "swiglu",
                     "family": "fp8", "fmts": ("fp8_block", "mxfp8")},
     "gpt-oss-120b": {"hidden": 2880, "width": 2880, "experts": 128, "top_k": 4, "activation": "swiglu_oai",
-                     "family": "mxfp4", "fmts": ("mxfp4", "bf16")},
+                     "family": "mxfp4", "fmts": ("mxfp4", "bf16"),
+                     "table_fmts": {"bf16_mxfp4": (64, 4096)} if "bf16_mxfp4" in moegemm.FORMATS else {}},
 }
 # moe_layer.py --cpu-smoke: the same two families at toy sizes.
 SMOKE_MODELS = {
@@ -118,7 +122,8 @@ class Fp8Weights:
 
 class Mxfp4Weights:
     """gpt-oss-like: packed e2m1 codes (random bytes) with e8m0 scales per 1x32 block, gate/up
-    rows interleaved, biases; the bf16 row and the baseline use the exact bf16 decoding."""
+    rows interleaved, biases; the bf16 row and the baseline use the exact bf16 decoding. The
+    weight-only bf16_mxfp4 rows read the same codes and scales as the mxfp4 rows."""
 
     def __init__(self, cfg: dict, device, gen):
         e, h, i = cfg["experts"], cfg["hidden"], cfg["width"]
@@ -131,7 +136,8 @@ class Mxfp4Weights:
 
         self.gu_data, self.gu_sbytes = operand(2 * i, h)
         self.dn_data, self.dn_sbytes = operand(h, i)
-        self._mx = None
+        self._mx_scales = None
+        self._mx: dict = {}  # fmt -> (gate/up, down) QuantizedTensors
         self._bf16 = (self._decode(self.gu_data, self.gu_sbytes), self._decode(self.dn_data, self.dn_sbytes))
         # bf16-representable values, so that ours (fp32 bias) and the baseline (bf16) add the same bias
         self.gu_bias = (torch.randn(e, 2 * i, device=device, generator=gen) * 0.1).bfloat16().float()
@@ -149,14 +155,16 @@ class Mxfp4Weights:
         if fmt == "bf16":
             return (moegemm.QuantizedTensor(self._bf16[0], None, "bf16", "b", "plain"),
                     moegemm.QuantizedTensor(self._bf16[1], None, "bf16", "b", "plain"))
-        if fmt == "mxfp4":
-            if self._mx is None:
+        if fmt in ("mxfp4", "bf16_mxfp4"):
+            if self._mx_scales is None:  # one swizzled copy, read by both formats
                 def swz(sb):
                     return layouts.swizzle_b_scales(sb).view(torch.float8_e8m0fnu)
 
-                self._mx = (moegemm.QuantizedTensor(self.gu_data, swz(self.gu_sbytes), "mxfp4", "b", "swizzled"),
-                            moegemm.QuantizedTensor(self.dn_data, swz(self.dn_sbytes), "mxfp4", "b", "swizzled"))
-            return self._mx
+                self._mx_scales = (swz(self.gu_sbytes), swz(self.dn_sbytes))
+            if fmt not in self._mx:
+                self._mx[fmt] = (moegemm.QuantizedTensor(self.gu_data, self._mx_scales[0], fmt, "b", "swizzled"),
+                                 moegemm.QuantizedTensor(self.dn_data, self._mx_scales[1], fmt, "b", "swizzled"))
+            return self._mx[fmt]
         raise ValueError(fmt)
 
     def rowwise(self):

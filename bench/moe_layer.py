@@ -7,8 +7,11 @@ both) and run routing, gather (+ quantize), the gate/up product, SwiGLU (+ requa
 down product and the weighted combine. Models (tokens 1, 64, 512, 4096):
 
     DeepSeek-V3   H 7168, I 2048, 256 experts, top-8, swiglu        fp8_block, mxfp8
-    gpt-oss-120b  H 2880, I 2880, 128 experts, top-4, swiglu_oai    mxfp4, bf16
-                  (gate_up bias [E, 2I], down bias [E, H])
+    gpt-oss-120b  H 2880, I 2880, 128 experts, top-4, swiglu_oai    mxfp4, bf16; bf16_mxfp4
+                  (gate_up bias [E, 2I], down bias [E, H])           at 64 and 4096 tokens
+
+bf16_mxfp4 is the weight-only MXFP4 format (bf16 activations, the mxfp4 rows' e2m1 weights and
+e8m0 scales), timed where moegemm.FORMATS has it (layer_models.MODELS' table_fmts).
 
 Ours: moegemm.moe_forward(fused=True, backend="auto"); the mxfp8, mxfp4 and bf16 rows also time the
 unfused chain (fused=False) and the gate/up step alone (grouped_matmul_swiglu fused vs
@@ -29,7 +32,8 @@ The two DeepSeek-V3 formats share one set of e4m3 codes and one set of power-of-
 constant along K and over 128-row blocks, so fp8_block (128x128 blocks), mxfp8 (1x32 blocks)
 and the rowwise baseline all hold the same real weights (only the gate/up row order differs:
 [gate; up] for fp8_block, interleaved for mxfp8; the baseline splits the product the same way).
-gpt-oss: mxfp4 codes and scales; the bf16 row and the baseline use their exact bf16 decoding.
+gpt-oss: mxfp4 codes and scales (bf16_mxfp4 reads the same); the bf16 row and the baseline use
+their exact bf16 decoding.
 
 Timing: medians, L2 flushed before every run. *_us: one call captured in a CUDA graph and
 replayed (kernel time, no host launch cost, as moegemm/benchmark.py reports), at least 30
@@ -37,8 +41,8 @@ samples a call, a row's calls a sample each a round in a shuffled order (bench/t
 *_eager_us: the Python call, triton.testing.do_bench on its own. If any capture of a row
 fails, that row reports eager times everywhere (timing = "eager"). The copy bandwidth (1 GiB
 device-to-device, bytes read + written) is measured in the same run; read_time_us = bytes of
-the weights and scales of the experts present in topk_ids / copy bandwidth; ratio_to_read =
-ours_us / read_time_us.
+the weights and scales of the experts present in topk_ids / copy bandwidth (bf16_mxfp4: its
+e2m1 codes and e8m0 scales, as mxfp4); ratio_to_read = ours_us / read_time_us.
 
 Checks (outside timing): every output must be finite; at 64 tokens ours is compared with the
 baseline (relative Frobenius error; tolerances in TOL) and the unfused chain with the fused
@@ -94,7 +98,21 @@ FUSED_FMTS = ("mxfp8", "mxfp4", "bf16")  # the fused-epilogue targets: fused vs 
 # rounding differs. fp8/mxfp8: the activations' 8-bit quantization (ours per 1x128 / 1x32
 # block, the baseline per row). mxfp4: ours also quantizes the activations to e2m1 (the
 # baseline keeps them bf16), about 0.2 measured at gpt-oss sizes; tests/test_moe.py allows 0.4.
-TOL = {"bf16": 2e-2, "fp8_block": 0.1, "mxfp8": 0.1, "mxfp4": 0.3}
+# bf16_mxfp4: the baseline's bf16 weights are the exact decoding of ours and both keep the
+# activations bf16, so only rounding differs, as for bf16.
+TOL = {"bf16": 2e-2, "fp8_block": 0.1, "mxfp8": 0.1, "mxfp4": 0.3, "bf16_mxfp4": 2e-2}
+
+
+def layer_fmts(cfg: dict) -> tuple[str, ...]:
+    """The formats of a model in the table: those every script times, then the table's own."""
+    return tuple(cfg["fmts"]) + tuple(cfg.get("table_fmts", {}))
+
+
+def table_rows(cfg: dict, fmts, tokens) -> list[tuple[str, int]]:
+    """(format, tokens) of a model's rows: each of `fmts` at `tokens`, a format of the model's
+    table_fmts only at its own token counts among them."""
+    only = cfg.get("table_fmts", {})
+    return [(fmt, t) for fmt in fmts for t in tokens if t in only.get(fmt, tokens)]
 
 
 def log(msg: str, start: float):
@@ -275,7 +293,7 @@ def run(models: dict, tokens, fmts_per_model, device, out_dir: Path, budget_s: f
     rows: list[Row] = []
     for m_index, (model, cfg) in enumerate(models.items()):
         fmts = fmts_per_model(cfg)
-        plan = [(fmt, t) for fmt in fmts for t in tokens]
+        plan = table_rows(cfg, fmts, tokens)
         if not plan:
             continue
         if time.time() - start > budget_s:
@@ -331,12 +349,12 @@ def print_table(rows: list[Row], env: dict):
           "calls in shuffled turns (L2 flushed).\n"
           "xbase = baseline/ours; xfuse = unfused/fused (layer); xgu = unfused/fused (gate/up step); "
           "read = touched weight bytes / copy BW; ratio = ours/read (64-token target <= 1.25)")
-    head = (f"{'model':<13} {'fmt':<9} {'T':>5} {'ours':>9} {'unfused':>9} {'xfuse':>6} {'gu fused':>9} "
+    head = (f"{'model':<13} {'fmt':<10} {'T':>5} {'ours':>9} {'unfused':>9} {'xfuse':>6} {'gu fused':>9} "
             f"{'gu unf':>9} {'xgu':>5} {'baseline':>9} {'xbase':>6} {'read':>8} {'ratio':>6} {'error':>8} "
             f"{'timing':<6} check / baseline kind")
     print(head)
     for r in rows:
-        print(f"{r.model:<13} {r.fmt:<9} {r.tokens:>5} {_f(r.ours_us, 9, 1)} {_f(r.ours_unfused_us, 9, 1)} "
+        print(f"{r.model:<13} {r.fmt:<10} {r.tokens:>5} {_f(r.ours_us, 9, 1)} {_f(r.ours_unfused_us, 9, 1)} "
               f"{_f(r.fused_speedup, 6, 2)} {_f(r.gate_up_fused_us, 9, 1)} {_f(r.gate_up_unfused_us, 9, 1)} "
               f"{_f(r.gate_up_speedup, 5, 2)} {_f(r.baseline_us, 9, 1)} {_f(r.speedup, 6, 2)} "
               f"{_f(r.read_time_us, 8, 1)} {_f(r.ratio_to_read, 6, 2)} {_f(r.error, 8, 4)} {r.timing:<6} "
@@ -387,7 +405,7 @@ def main(argv=None) -> int:
             return 1
         device, models, name = torch.device("cuda"), MODELS, ""
         tokens = QUICK_TOKENS if args.quick else TOKENS
-    fmts_per_model = (lambda cfg: cfg["fmts"][:1]) if args.quick else (lambda cfg: cfg["fmts"])
+    fmts_per_model = (lambda cfg: cfg["fmts"][:1]) if args.quick else layer_fmts
     if args.model:  # (the other models' rows are recorded as skipped: seeds stay those of a full run)
         chosen_fmts = fmts_per_model
         fmts_per_model = lambda cfg: chosen_fmts(cfg) if cfg["name"] in args.model.split(",") else ()  # noqa: E731
