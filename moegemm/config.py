@@ -50,7 +50,9 @@ class PortableConfig:
 
 
 SM90_SMEM_BYTES = 232448  # per block on H100/H200 (227 KiB)
-MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # the block formats (kernels/sm90: decode, mxfp8, e2m1)
+# The formats of block-scaled weights (kernels/sm90: decode, mxfp8, e2m1): the block formats and
+# the weight-only ones (bf16 activations, which only the decoding kernel takes).
+MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 _RING_BARRIERS = 2 * 8  # a stage's ready and empty mbarriers
 _SCHEDULE = 128  # the tile-id words and their barriers, with room to spare
 
@@ -157,10 +159,12 @@ class DecodeConfig:
     def smem_bytes(self, fmt: Format, out_bytes: int = 2, fused: bool = False) -> int:
         """The ring (bf16 tokens, compressed weights), the decoded-weight operand buffers (two of
         [64, 64] bf16 a warpgroup), and the fused epilogue's conversion of each warpgroup's fp32
-        accumulator when fused (the plain epilogue stores with masks)."""
+        accumulator (of a 128-token half at most) when fused (the plain epilogue stores with
+        masks)."""
         stage = int((self.token_tile * 2 + self.weight_tile * weight_bytes(fmt)) * self.stage_k)
         operands = 2 * 2 * 64 * self.block_k * 2
-        epilogue = 2 * self.token_tile * 64 * 4 if fused else 0
+        # (a 256-token tile stores its two 128-token halves one after the other)
+        epilogue = 2 * min(self.token_tile, 128) * 64 * 4 if fused else 0
         return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + _SCHEDULE
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
@@ -419,7 +423,7 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
         # were faster than two 32-token promotion tiles. The slot walk from chunks of slots pays
         # on 32-token tiles only (docs/perf-notes.md, block formats; slot walk).
         cfg = Mxfp8Config(token_tile=regime, stages=2, group_m=1, consumer_regs=192, chunk_walk=regime == 32)
-    elif fmt_name == "mxfp8":
+    elif fmt_name == "mxfp8" and regime in (64, 192):
         # More tokens an expert: 64- (regime 64) or 128-token tiles, the token scales through the
         # ring. Up to 192 tokens a slot, a slot's last 128-token tile takes a tail of up to 32 more
         # tokens (not at ~1024 tokens an expert, where an expert's tiles share weight blocks
@@ -438,13 +442,16 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
         cfg = E2m1Config(token_tile=regime, stages=2, group_m=1, consumer_regs=112, split_k=True)
     else:
         # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand);
-        # the tokens (bf16) the N side: one group's tokens at decode, else 128. A 256-token tile
-        # spilled over 100 registers in every format. A stage carries two 64-wide K steps below
-        # 128 tokens (1.2-1.3x faster than one in every format and regime, four no better);
-        # 128-token tiles keep one, their ring twice as deep (docs/perf-notes.md, block formats).
-        tokens = regime if regime in (16, 32, 64) else 128
+        # the tokens (bf16) the N side: one group's tokens at decode, 128 for small groups, 256
+        # (two 128-token halves on one decoded operand: the decode paid once for 256 tokens) for
+        # many; mxfp8 too at many tokens an expert, where its 256-token tiles ran 1.14-1.16x the
+        # promotion kernel's 128-token tiles. A stage carries two 64-wide K steps below 128 tokens
+        # (1.2-1.3x faster than one in every format and regime, four no better); 128- and
+        # 256-token tiles keep one, an iteration taking two stages. Wide tiles need 240
+        # registers a consumer (the producer then 24) (docs/perf-notes.md, block formats).
+        tokens = regime if regime in (16, 32, 64) else 128 if regime == 192 else 256
         cfg = DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
-                           consumer_regs=192, sub_steps=2 if tokens < 128 else 1)
+                           consumer_regs=192 if tokens < 128 else 240, sub_steps=2 if tokens < 128 else 1)
     cfg = deepest_ring(cfg, fmt)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
     return cfg

@@ -80,46 +80,88 @@ def _decode_weights(w_smem, scales, raw_layout: gl.constexpr, dec_layout: gl.con
     return gl.reshape(w, [w.shape[0], w.shape[1] * w.shape[2]])
 
 
+@gluon.constexpr_function
+def _left_in_flight(step, steps, halves):
+    """wgmmas left in flight after `step` of an iteration: its own (one a half), none after the last."""
+    step, steps, halves = (getattr(v, "value", v) for v in (step, steps, halves))
+    return 0 if step == steps - 1 else halves
+
+
+@gluon.jit
+def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.constexpr, scales, acc0, acc1, WG: gl.constexpr, SUB: gl.constexpr,
+                 NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr, HALVES: gl.constexpr,
+                 raw_layout: gl.constexpr, dec_layout: gl.constexpr):
+    """Decode 64-wide K step j of ring stage `stage` into operand buffer `step % 2` and issue its
+    wgmmas (one a 128-token half of the tile), left in flight."""
+    TOK_HALF: gl.constexpr = t_bufs.shape[1] // HALVES
+    raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
+    w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)
+    operand = a_bufs.index(WG * 2 + step % 2)
+    operand.store(w)
+    fence_async_shared()
+    tokens = t_bufs.index(stage * SUB + j)
+    acc0 = warpgroup_mma(operand, tokens.slice(0, TOK_HALF).permute((1, 0)), acc0, is_async=True)
+    if HALVES == 2:
+        acc1 = warpgroup_mma(operand, tokens.slice(TOK_HALF, TOK_HALF).permute((1, 0)), acc1, is_async=True)
+    return acc0, acc1
+
+
 @gluon.jit
 def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
                   WG: gl.constexpr, SUB: gl.constexpr, NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr,
-                  NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, raw_layout: gl.constexpr,
+                  NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HALVES: gl.constexpr, raw_layout: gl.constexpr,
                   dec_layout: gl.constexpr):
-    """acc = sum_k decode(W_k) * scales_k @ T_k^T over k_steps stages of SUB 64-wide steps.
+    """acc_h = sum_k decode(W_k) * scales_k @ T_k,h^T over k_steps stages of SUB 64-wide steps,
+    for the tile's HALVES 128-token halves (one accumulator each, the same decoded operand).
 
-    Each step's decoded tile is stored to one of this warpgroup's two bf16 operand buffers (step
-    j of a stage: buffer j) and the wgmma reads it from there, so a stage's next step is decoded
-    while the previous step's wgmma runs. (A register operand cannot stay in flight: ptxas
-    reuses its registers once the wgmma is issued, though the wgmma reads them until its wait.)
+    Each step's decoded tile is stored to one of this warpgroup's two bf16 operand buffers
+    (alternating) and the wgmmas read it from there, so the next step is decoded while the
+    previous step's wgmmas run. (A register operand cannot stay in flight: ptxas reuses its
+    registers once the wgmma is issued, though the wgmma reads them until its wait.) With one
+    step a stage (SUB == 1), an iteration takes two stages, so that every other step overlaps.
 
-    The last step of every stage waits for all its wgmmas, then releases the stage: no wgmma
-    is in flight across the loop's back edge. With one carried across it (a wait for all but
+    No wgmma is in flight across the loop's back edge: the last step of an iteration waits for
+    all of them, then releases its stages. With one carried across it (a wait for all but
     one), ptxas moved the epilogue's reads of the accumulator above the wait after the loop
     (sm_90 SASS of the specialization without expert and row scales: F2FP of the accumulator
     registers before WARPGROUP.DEPBAR.LE gsb0, 0x0), so the tile's output missed 1 to 3 of
     the last step's four k16 wgmmas, differently each run (DeepSeek-V3 shapes at ~12 tokens an
     expert: 6-12% off; offline.wgmma_register_hazards finds such reads in SASS)."""
     scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
-    acc = zero
+    PAIR: gl.constexpr = 2 if SUB == 1 else 1  # stages an iteration
+    STEPS: gl.constexpr = PAIR * SUB  # 64-wide steps an iteration
+    acc0 = zero
+    acc1 = zero
     scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE)
-    for kk in range(k_steps):
-        stage = ring.wait_ready(it)
-        for j in gl.static_range(SUB):
-            next_scales = _load_scales(scale_rows, row_ok, kk * SUB + j + 1, NUM_KB, scale_layout, NKB, SWIZZLED,
-                                       NV_SCALE)
-            raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
-            w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)
-            # The buffer was last read by the wgmma two steps back (in this stage or the one
-            # before), retired by a wait since.
-            operand = a_bufs.index(WG * 2 + j % 2)
-            operand.store(w)
-            fence_async_shared()
-            acc = warpgroup_mma(operand, t_bufs.index(stage * SUB + j).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0 if j == SUB - 1 else 1, deps=(acc, ))
-            scales = next_scales
-        ring.release(stage)
-        it += 1
-    return acc, it
+    for kk in range(k_steps // PAIR):
+        first = ring.wait_ready(it)
+        stage = first
+        for p in gl.static_range(PAIR):
+            if p > 0:
+                stage = ring.wait_ready(it + p)
+            for j in gl.static_range(SUB):
+                # (p * SUB + j: the step's index in the iteration, static: a variable assigned in the
+                # loop would be carried by it as a runtime value)
+                next_scales = _load_scales(scale_rows, row_ok, kk * STEPS + p * SUB + j + 1, NUM_KB, scale_layout,
+                                           NKB, SWIZZLED, NV_SCALE)
+                # The buffer was last read by the wgmmas two steps back, retired by a wait since.
+                acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, j, p * SUB + j, scales, acc0, acc1, WG, SUB,
+                                          NKB, BYTES, FP4, HALVES, raw_layout, dec_layout)
+                acc0, acc1 = warpgroup_mma_wait(_left_in_flight(p * SUB + j, STEPS, HALVES), deps=(acc0, acc1))
+                scales = next_scales
+        ring.release(first)
+        if PAIR == 2:
+            ring.release(stage)
+        it += PAIR
+    if PAIR == 2:
+        if k_steps % 2 == 1:  # an odd last stage, alone
+            stage = ring.wait_ready(it)
+            acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, 0, 0, scales, acc0, acc1, WG, SUB, NKB, BYTES,
+                                      FP4, HALVES, raw_layout, dec_layout)
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+            ring.release(stage)
+            it += 1
+    return acc0, acc1, it
 
 
 @aggregate
@@ -170,31 +212,44 @@ class DecodeConsumer:
         BLOCK_K: gl.constexpr = self.t_bufs.shape[2]
         FP4: gl.constexpr = self.w_bufs.dtype == gl.uint8
         VEC: gl.constexpr = self.VEC
+        # A 256-token tile runs as two 128-token halves on one decoded operand: the decode is
+        # paid once for 256 tokens, and each half's epilogue is the 128-token tile's.
+        HALVES: gl.constexpr = 2 if TOK_TILE == 256 else 1
+        TOK_HALF: gl.constexpr = TOK_TILE // HALVES
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, TOK_TILE, 16])
+                                                             instr_shape=[16, TOK_HALF, 16])
         NKB: gl.constexpr = BLOCK_K // VEC
         BYTES: gl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K  # of a weight row per 64-wide step
         raw_layout: gl.constexpr = gl.BlockedLayout([1, BYTES // 2], [16, 2], [4, 1], [1, 0])
         dec_layout: gl.constexpr = gl.BlockedLayout([1, NKB // 2, VEC], [16, 2, 1], [4, 1, 1], [2, 1, 0])
         N = sched.N
         k_steps = gl.cdiv(self.K, BLOCK_K * self.SUB)
-        zero = gl.zeros([WG_ROWS, TOK_TILE], gl.float32, acc_layout)
-        tok_offsets = gl.arange(0, TOK_TILE, layout=gl.SliceLayout(0, acc_layout))
+        zero = gl.zeros([WG_ROWS, TOK_HALF], gl.float32, acc_layout)
+        tok_offsets = gl.arange(0, TOK_HALF, layout=gl.SliceLayout(0, acc_layout))
         w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
         w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, dec_layout)))
-        toks = slot.s + tok_block * TOK_TILE + tok_offsets
-        tok_mask = toks < slot.t
+        tok0 = slot.s + tok_block * TOK_TILE
         ns_op = w_block * W_TILE + w_offsets_op
         scale_rows = self.b_scale_ptr + scale_row_offsets(slot.e, ns_op, N, self.NUM_KB, self.KB4, self.SWIZZLED)
-        acc, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
-                                self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE, self.SWIZZLED,
-                                raw_layout, dec_layout)
-        if self.swiglu.ACT != 0:
-            self.swiglu.store(acc, self.out, slot, slot.s + tok_block * TOK_TILE, w_block * W_TILE + WG * WG_ROWS, N,
-                              True)
-        else:
-            self.out.store_swapped_tile(acc, slot.e, toks, tok_mask, w_block * W_TILE + w_offsets, N, 0, 0, slot.t)
+        acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
+                                       self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
+                                       self.SWIZZLED, HALVES, raw_layout, dec_layout)
+        ns = w_block * W_TILE + w_offsets
+        self.epilogue(acc0, slot, tok0, tok_offsets, w_block * W_TILE + WG * WG_ROWS, ns, N)
+        if HALVES == 2:
+            if tok0 + TOK_HALF < slot.t:
+                self.epilogue(acc1, slot, tok0 + TOK_HALF, tok_offsets, w_block * W_TILE + WG * WG_ROWS, ns, N)
         return it
+
+    @gluon.jit
+    def epilogue(self, acc, slot, tok0, tok_offsets, w0, ns, N):
+        """Store a 128-token (or narrower) half of the tile: tokens from tok0, this warpgroup's
+        weight rows ns (from w0)."""
+        if self.swiglu.ACT != 0:
+            self.swiglu.store(acc, self.out, slot, tok0, w0, N, True)
+        else:
+            toks = tok0 + tok_offsets
+            self.out.store_swapped_tile(acc, slot.e, toks, toks < slot.t, ns, N, 0, 0, slot.t)
 
 
 @gluon.jit
@@ -237,8 +292,9 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
                                NV_SCALE, SWIZZLED)
     producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB)
-    # ptxas pipelines the wgmmas only if the SMALLEST setmaxnreg in the kernel leaves room for
-    # the loop (about accumulator + 64 registers); with the producer at 40 it serialized every
-    # HGMMA (C7512). Producer 120, consumers 192 each (the default partition gets the rest).
+    # The default partition (consumer 0) gets the registers the workers leave: 512 a thread
+    # slot less theirs, so the producer takes 504 - 2 * CONSUMER_REGS and both consumers get
+    # about CONSUMER_REGS. (A 256-token tile with the producer at 120 left consumer 0 152: it
+    # spilled its accumulator in the K loop and ptxas serialized every HGMMA, C7512.)
     gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
-                       [4, 1], [CONSUMER_REGS, 120])
+                       [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
