@@ -153,7 +153,7 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
         if PAIR == 2:
             ring.release(stage)
         it += PAIR
-    if PAIR == 2:
+    if PAIR == 2:  # noqa: SIM102 (a static test around a runtime one: they do not mix in one `and`)
         if k_steps % 2 == 1:  # an odd last stage, alone
             stage = ring.wait_ready(it)
             acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, 0, 0, scales, acc0, acc1, WG, SUB, NKB, BYTES,
@@ -236,7 +236,7 @@ class DecodeConsumer:
                                        self.SWIZZLED, HALVES, raw_layout, dec_layout)
         ns = w_block * W_TILE + w_offsets
         self.epilogue(acc0, slot, tok0, tok_offsets, w_block * W_TILE + WG * WG_ROWS, ns, N)
-        if HALVES == 2:
+        if HALVES == 2:  # noqa: SIM102 (a static test around a runtime one)
             if tok0 + TOK_HALF < slot.t:
                 self.epilogue(acc1, slot, tok0 + TOK_HALF, tok_offsets, w_block * W_TILE + WG * WG_ROWS, ns, N)
         return it
