@@ -8,6 +8,8 @@
 
 The quantizers run one Triton kernel (kernels/_activation_tl.py) on CUDA and, through
 Triton's interpreter, on the CPU; their bytes equal `moegemm.quantize` of the same fp32 rows.
+The A operand of bf16 and of the weight-only formats (bf16_mxfp4, bf16_nvfp4, bf16_mxfp8) is
+the rows rounded to bf16, without scales.
 Given a TokenForm as scale_layout they write the tokens in the form the next product's sm90
 kernel reads instead (token_forms.py), as a QuantizedTensor of that layout.
 Activations (SwiGLU, docs/contract.md section 6):
@@ -27,7 +29,7 @@ import torch
 import triton
 
 from . import layouts
-from .formats import E2M1, E4M3, get_format
+from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
 from .kernels import tl_source
 from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantize, quantized_from_op
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
@@ -227,7 +229,7 @@ def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_of
     elif scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain', 'swizzled' or a TokenForm, got {scale_layout!r}")
     if scale_layout == "swizzled" and f.a.scale is not None and not f.swizzle_capable:
-        raise ValueError(f"scale_layout: 'swizzled' is defined for mxfp8, mxfp4, nvfp4 and w4a8; {f.name} uses 'plain'")
+        raise ValueError(f"scale_layout: 'swizzled' is defined for {', '.join(SWIZZLE_FORMATS)}; {f.name} uses 'plain'")
     _check_index(a_offsets, "a_offsets", device)
     _check_index(expert_ids, "expert_ids", device)
     _check_index(a_scale_offsets, "a_scale_offsets", device)
@@ -290,7 +292,7 @@ def gather_quantize(
     k = x.shape[1]
     if k % f.k_multiple:
         raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
-    if f.global_scale and global_scale is None:
+    if f.a.global_scale and global_scale is None:
         global_scale = _nvfp4_global_of(x)
     rows = x.shape[0] if src_rows is None else src_rows.numel()
     if not _kernel_usable(x.device):
@@ -347,7 +349,7 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
                                a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
-    if f.global_scale and global_scale is None:
+    if f.a.global_scale and global_scale is None:
         global_scale = _nvfp4_global_of(x)  # (over x, as gather_quantize's)
     module = _kernels(x.device.type != "cuda")
     return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
@@ -394,7 +396,7 @@ def swiglu_quantize(
         raise ValueError(f"h: the activation's width {k_out} must be a multiple of {f.k_multiple} for {f.name}")
     bias = _checked_bias(bias, h)
     y = None  # the activation in torch, computed once if the global scale or the CPU path needs it
-    if f.global_scale and global_scale is None:
+    if f.a.global_scale and global_scale is None:
         # amax over the rows of valid slots only: the others are unspecified (an unfilled h)
         y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         valid, _ = _slot_rows(a_offsets, expert_ids, h.shape[0], h.device)

@@ -17,7 +17,8 @@ from .token_forms import TokenForm
 
 
 def out_kind(out_fmt: str) -> tuple[int, int]:
-    """(OUT code, scale block) of out_fmt's A operand; OUT -1 when the epilogue cannot produce it."""
+    """(OUT code, scale block) of out_fmt's A operand (bf16 for bf16 and the weight-only formats);
+    OUT -1 when the epilogue cannot produce it."""
     op = get_format(out_fmt).a
     if op.scale is None:
         return sm90.OUT_BF16.value, 32
@@ -77,7 +78,7 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
         data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
                                                           p.num_groups, b.device)
     nkb = math.ceil(p.n // 2 / vec) if f.a.scale is not None else 0
-    if f.global_scale:
+    if f.a.global_scale:
         if out_global_scale is None:
             raise ValueError("out_global_scale: nvfp4 output from the fused epilogue needs a static global scale")
         out_global_scale = torch.as_tensor(out_global_scale, dtype=torch.float32, device=b.device).reshape(())

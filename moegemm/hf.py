@@ -26,7 +26,8 @@ __all__ = ["from_transformers"]
 
 @torch.no_grad()
 def from_transformers(block, fmt: str = "bf16", *, backend: str = "auto", fused: bool = True) -> MoE:
-    """A moegemm.MoE computing `block`'s output, its experts quantized into `fmt`."""
+    """A moegemm.MoE computing `block`'s output, its experts quantized into `fmt` (any format; the
+    weight-only ones, e.g. "bf16_mxfp4" for gpt-oss, keep the activations in bf16)."""
     name = type(block).__name__
     device = next(block.parameters()).device
     dtype = next(block.parameters()).dtype if name != "DeepseekV3MoE" else block.experts.gate_up_proj.dtype

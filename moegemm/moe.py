@@ -149,7 +149,8 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     num_experts = w_gate_up.data.shape[0]
     plan = route(topk_ids, num_experts, topk_weights)
     bound = plan.scale_blocks_bound
-    aso = plan.a_scale_offsets if layout == "swizzled" else None  # only the swizzled layout has them
+    # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
+    aso = plan.a_scale_offsets if layout == "swizzled" and get_format(fmt).a_scaled else None
     shapes = (fmt, layout, plan.num_grouped_rows, plan.expert_ids.shape[0], x.shape[1], w_gate_up.data.shape[1],
               num_experts, gate_up_layout, backend, x.device, bool(fused), intermediate_global_scale is not None)
     steps = _steps(*shapes) if isinstance(backend, str) else _steps.__wrapped__(*shapes)
@@ -186,10 +187,11 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
     fused: where the fused SwiGLU epilogue measured faster (fused.fused_pays), and for nvfp4 only
     with a static intermediate global scale. Token forms: only where both products run on the
     sm90 block-format kernels, gate/up interleaved; the fused epilogue writes the down product's
-    form only where it is the bf16 one, the format's operand otherwise."""
+    form only where it is the bf16 one, the format's operand otherwise. The weight-only formats
+    have none: their tokens are bf16 as they are, as the bf16 format's."""
     f = get_format(fmt)
     fused = fused and fused_pays(fmt, two_i, hidden, rows / max(groups, 1)) and (
-        static_intermediate or not f.global_scale)
+        static_intermediate or not f.a.global_scale)
     up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
     down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
     if gate_up_layout != "interleaved" or rows == 0 or groups == 0:
@@ -244,17 +246,20 @@ class MoE(torch.nn.Module):
     Expert weights are buffers in the format's layout (see the module docstring); load them with
     load_experts (float weights, per-expert or fused gate_up), load_fp8_block (DeepSeek FP8,
     128x128 scale_inv) or load_mxfp4 (gpt-oss blocks and scales). forward(x [..., H]) -> [..., H].
+
+    fmt None (the default) leaves the format to the loader: "bf16_mxfp4" for load_mxfp4 (gpt-oss's
+    MXFP4 weights kept as they are, bf16 activations: how gpt-oss runs), "bf16" for the others.
+    A format given here is the layer's, whichever loader runs.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
-                 fmt: str = "bf16", activation: str = "swiglu", router: str = "softmax_topk",
+                 fmt: str | None = None, activation: str = "swiglu", router: str = "softmax_topk",
                  norm_topk_prob: bool = True, router_bias: bool = False, expert_bias: bool = False,
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  correction_bias: bool = False, shared_intermediate_size: int = 0,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, backend: str = "auto",
                  fused: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        f = get_format(fmt)
         act.check_activation(activation)
         if router not in ROUTERS:
             raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
@@ -267,18 +272,16 @@ class MoE(torch.nn.Module):
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(f"n_group, topk_group: need n_group | num_experts and 1 <= topk_group <= n_group, "
                              f"got {n_group}, {topk_group}")
-        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if size % f.k_multiple:
-                raise ValueError(f"{name}: must be a multiple of {f.k_multiple} for {fmt}, got {size}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
-        self.fmt, self.activation, self.router = f.name, activation, router
+        # The format the caller chose, None: the loader's (_use_format); until a loader runs, bf16's.
+        self._chosen_fmt = None if fmt is None else get_format(fmt).name
+        self._use_format(fmt or "bf16")
+        self.activation, self.router = activation, router
         self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.backend, self.fused = backend, fused
-        self.gate_up_layout = _gate_up_layout(f.name)
-        self.scale_layout = _weight_scale_layout(f.name)
         factory = {"device": device, "dtype": dtype}
         # Inference only: the kernels have no backward, so the router is frozen too.
         self.router_weight = torch.nn.Parameter(torch.zeros(num_experts, hidden_size, **factory), requires_grad=False)
@@ -302,6 +305,16 @@ class MoE(torch.nn.Module):
             })
 
     # ---- loading -------------------------------------------------------------------------
+
+    def _use_format(self, fmt: str):
+        """Set the experts' format and the weight layouts it implies (sizes checked against it)."""
+        f = get_format(fmt)
+        for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+            if size % f.k_multiple:
+                raise ValueError(f"{name}: must be a multiple of {f.k_multiple} for {f.name}, got {size}")
+        self.fmt = f.name
+        self.gate_up_layout = _gate_up_layout(f.name)
+        self.scale_layout = _weight_scale_layout(f.name)
 
     def _store(self, prefix: str, q: QuantizedTensor):
         setattr(self, f"{prefix}_data", q.data)
@@ -398,8 +411,14 @@ class MoE(torch.nn.Module):
                    down_bias=None):
         """gpt-oss MXFP4 experts: blocks uint8 [E, out, in/32, 16] (two e2m1 a byte, element 2i in
         the low nibble), scales uint8 e8m0 [E, out, in/32]; gate_up rows interleaved (gate 0::2,
-        up 1::2), biases [E, 2I] and [E, H]. Exact for fmt "mxfp4" and "w4a8" (the same weight
-        bytes); other formats dequantize and requantize."""
+        up 1::2), biases [E, 2I] and [E, H].
+
+        The layer's format: "bf16_mxfp4" unless the layer was built with another fmt, i.e. the
+        weight bytes kept and bf16 activations, as gpt-oss runs. MoE(..., fmt="mxfp4") keeps the
+        bytes too and quantizes the activations to MXFP4 as well (so does "w4a8", to MXFP8);
+        other formats dequantize and requantize the weights."""
+        if self._chosen_fmt is None:
+            self._use_format("bf16_mxfp4")
         e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
         self._check_weight("gate_up_blocks", gate_up_blocks, (e, 2 * i, h // 32, 16))
         self._check_weight("gate_up_scales", gate_up_scales, (e, 2 * i, h // 32))
@@ -409,7 +428,7 @@ class MoE(torch.nn.Module):
         dn_data = down_blocks.reshape(e, h, i // 2).view(torch.uint8).contiguous()
         gu_scales = gate_up_scales.view(torch.uint8).contiguous()
         dn_scales = down_scales.view(torch.uint8).contiguous()
-        if self.fmt in ("mxfp4", "w4a8"):
+        if get_format(self.fmt).b == get_format("mxfp4").b:  # (mxfp4, w4a8, bf16_mxfp4: MXFP4 weights)
             self.gate_up_data, self.down_data = gu_data, dn_data
             swz = self.scale_layout == "swizzled"
             gu_s = layouts.swizzle_b_scales(gu_scales) if swz else gu_scales

@@ -19,6 +19,7 @@ import torch
 from . import fused as fused_epilogue
 from . import reference
 from .activation import check_activation, swiglu_quantize
+from .config import MX_FORMATS
 from .formats import get_format
 from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
@@ -62,7 +63,7 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
     if backend == "sm90" and not sm90.supports(problem):
         raise ValueError(
             f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block) or K % 32 == 0 "
-            f"(mxfp8, mxfp4, nvfp4, w4a8); got fmt="
+            f"({', '.join(MX_FORMATS)}) and runs no other format; got fmt="
             f"{problem.fmt.name}, K={problem.k}, N={problem.n}, out_dtype={problem.out_dtype}"
         )
     return backend
@@ -163,7 +164,8 @@ def grouped_matmul(
     b_scales are None: theirs are used; nvfp4's global scales are folded into expert_scales; the
     a_offsets that a's swizzled scales were placed by must be the call's, checked where values
     are checked: always on the CPU, on the GPU under MOEGEMM_DEBUG=1), or raw tensors: a [M, K]
-    (packed fp4: [M, K/2] uint8), b [E, N, K] (packed: [E, N, K/2]) with their scales, and then
+    (packed fp4: [M, K/2] uint8; the weight-only formats bf16_mxfp4, bf16_nvfp4 and bf16_mxfp8: bf16
+    without scales, a_scales None), b [E, N, K] (packed: [E, N, K/2]) with their scales, and then
     the caller answers for what cannot be checked: nvfp4's global scales go in expert_scales,
     and swizzled a_scales must have been made for this call's a_offsets. a_offsets int32
     [G+1], expert_ids int32 [G]. Scales in `scale_layout` ("plain" or "swizzled", see
@@ -258,7 +260,8 @@ def grouped_matmul_swiglu(
         y = swiglu(h) or swiglu_oai(h)         [M, I]
         return quantize(y, out_fmt)            a QuantizedTensor, the down product's A operand
 
-    out_fmt is any format's A operand ("bf16", "mxfp8", "nvfp4", ...). Its scales go in
+    out_fmt is any format's A operand ("bf16", "mxfp8", "nvfp4", ...; a weight-only format's is
+    bf16, as for "bf16"). Its scales go in
     `out_scale_layout` (default: swizzled for the block formats, else plain); the swizzled
     layout pads every group to 128 scale rows, padding zero, and `num_scale_blocks` bounds
     its first dimension (default ceil(M/128) + G). nvfp4 output needs `out_global_scale`

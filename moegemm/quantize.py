@@ -47,7 +47,7 @@ class QuantizedTensor:
     scale_layout:  "plain" or "swizzled" (docs/contract.md section 5); for A also a TokenForm,
                    the form an sm90 kernel reads (token_forms.py): data e4m3 or bf16 [M, K],
                    scales fp32 K-block-major or None, placed by a_offsets
-    global_scale:  nvfp4 only: fp32 scalar (A) or [E] (B); fold into expert_scales
+    global_scale:  nvfp4 only (bf16_nvfp4: B only): fp32 scalar (A) or [E] (B); fold into expert_scales
     a_offsets:     swizzled A and token forms: the group offsets the rows were placed by
     a_scale_offsets: swizzled A: where each slot's scale tiles start (layouts.a_scale_offsets of
                    a_offsets), so that the products need not derive them again

@@ -38,6 +38,8 @@ from .formats import get_format
 __all__ = ["KernelTokens", "TokenForm", "token_form", "dequantize_tokens"]
 
 # Formats whose A operand has e8m0 scales a token-making kernel can write in a kernel's form.
+# The weight-only formats need none: their A operand is bf16 tokens as they are, the content of
+# the bf16 form.
 FORM_FORMATS = ("mxfp8", "mxfp4", "w4a8")
 # e2m1 tokens enter the promotion kernel times 2^6 (kernels/sm90/e2m1.py, E2M1_WEIGHT_EXP).
 E2M1_TOKEN_EXP = 6

@@ -162,6 +162,9 @@ def test_token_form_follows_the_kernel_config():
     assert token_form("mxfp8", 4096, 7168, 512, 256) is None
     assert token_form("nvfp4", 4096, 7168, 32768, 256) is None
     assert token_form("mxfp4", 5760, 2880, 0, 128) is None
+    for fmt in ("bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8"):  # their A operand is the bf16 tokens already
+        assert token_form(fmt, 5760, 2880, 16384, 128) is None
+        assert token_form(fmt, 5760, 2880, 256, 128) is None
 
 
 def test_scatter_into_a_token_form_rejects_bad_rows():
@@ -180,6 +183,7 @@ def test_scatter_into_a_token_form_rejects_bad_rows():
 
 @pytest.mark.parametrize("form,fmt,name", [(TokenForm("bf16"), "nvfp4", "scale_layout"),
                                            (TokenForm("bf16"), "fp8_block", "scale_layout"),
+                                           (TokenForm("bf16"), "bf16_mxfp4", "scale_layout"),
                                            (TokenForm("fp8"), "mxfp8", "scale_layout"),
                                            (TokenForm("e4m3", column_block=8), "mxfp8", "column_block")])
 def test_token_forms_reject_what_no_kernel_reads(form, fmt, name):
