@@ -19,10 +19,10 @@ def _routed(fmt, t=9, h=64, e=4, k=2):
     return x, ids, plan
 
 
-@pytest.mark.parametrize("fmt", ("bf16", "fp8_block", "mxfp8", "nvfp4"))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8_block", "mxfp8", "nvfp4", "bf16_nvfp4"))
 def test_quantizer_ops(fmt):
     x, _, plan = _routed(fmt)
-    layout = "swizzled" if fmt in ("mxfp8", "nvfp4") else "plain"
+    layout = "swizzled" if moegemm.get_format(fmt).swizzle_capable else "plain"
     torch.library.opcheck(torch.ops.moegemm.gather_quantize,
                           (x, fmt, plan.token_index, plan.a_offsets, None, layout, plan.scale_blocks_bound, None),
                           test_utils=CHECKS)
@@ -33,10 +33,10 @@ def test_quantizer_ops(fmt):
                            1.702, 7.0), test_utils=CHECKS)
 
 
-@pytest.mark.parametrize("fmt", ("bf16", "mxfp8"))
+@pytest.mark.parametrize("fmt", ("bf16", "mxfp8", "bf16_mxfp4"))
 def test_matmul_ops(fmt):
     x, _, plan = _routed(fmt)
-    layout = "swizzled" if fmt == "mxfp8" else "plain"
+    layout = "swizzled" if moegemm.get_format(fmt).swizzle_capable else "plain"
     a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=layout)
     b = moegemm.quantize_weights(torch.randn(4, 128, 64), fmt, scale_layout=layout)
     # torch's schema checker compares input values with CPU ops that have no fp8 kernels.

@@ -534,7 +534,7 @@ def _gpu_problem(fmt, counts, ids, n, k, device="cuda"):
     e = max(max(ids) + 1, 1)
     x = torch.randn(m, k, device=device)
     w = torch.randn(e, n, k, device=device) * 0.1
-    layout = "swizzled" if fmt in ("mxfp8", "mxfp4", "nvfp4", "w4a8") else "plain"
+    layout = "swizzled" if moegemm.get_format(fmt).swizzle_capable else "plain"
     a = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=offsets)
     b = moegemm.quantize_weights(w, fmt, scale_layout=layout)
     return offsets, torch.tensor(ids, dtype=torch.int32, device=device), a, b, layout, m, e
@@ -593,7 +593,7 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ("bf16", "mxfp8", "nvfp4", "w4a8", "mxfp4"))
+@pytest.mark.parametrize("fmt", ("bf16", "mxfp8", "nvfp4", "w4a8", "mxfp4", "bf16_mxfp4", "bf16_nvfp4"))
 @pytest.mark.parametrize("out_fmt", FUSED_OUT)
 @pytest.mark.parametrize("case", range(len(FUSED_CASES)))
 def test_fused_swiglu_epilogue_matches_unfused(fmt, out_fmt, case):
@@ -607,8 +607,8 @@ def test_fused_swiglu_epilogue_matches_unfused(fmt, out_fmt, case):
     kw = dict(fmt=fmt, out_fmt=out_fmt, gate_up_layout="interleaved", activation=activation, expert_scales=scales,
               bias=bias, scale_layout=layout,
               a_scale_offsets=None, out_global_scale=nvfp4_global)
-    if b.global_scale is not None:
-        kw["expert_scales"] = scales * b.global_scale * a.global_scale
+    if b.global_scale is not None:  # (bf16_nvfp4: the weights' global scale only)
+        kw["expert_scales"] = scales * b.global_scale * (a.global_scale if a.global_scale is not None else 1.0)
     fused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=True,
                                           backend="sm90", **kw)
     unfused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=False,
@@ -658,9 +658,8 @@ def test_moe_forward_sm90_matches_reference(fmt, tokens):
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)]).to(torch.int32).cuda()
     weights = torch.rand(tokens, k, device="cuda")
     w_gate_up, w_down = layer.weights()
-    # (the weight-only formats on auto: the sm90 kernels where they run them, the portable kernel elsewhere)
     y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
-                            backend="auto" if fmt == "fp8_block" or fmt in WEIGHT_ONLY else "sm90")
+                            backend="sm90" if fmt != "fp8_block" else "auto")
     want = reference_layer(x.cpu(), ids.cpu(), weights.cpu(), *(w.cpu() for w in dequantized_experts(layer)))
     assert _rel_err(y.cpu(), want) < MOE_TOL[fmt]
 
