@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of a change, one mode a device call (each fits its 10 minutes on one H100):
-#   bash bench/gpu_check.sh tests      the GPU test suite, 8 pytest workers (pytest-xdist)
+#   bash bench/gpu_check.sh tests      the GPU test suite, 8 pytest workers (pytest-xdist; WORKERS=n)
 #   bash bench/gpu_check.sh fuzz       bench/fuzz.py: >= 500 random problems, twice each
 #   bash bench/gpu_check.sh sanitize   bench/sanitize.py: memcheck, racecheck, synccheck
 # Logs and result files go to $OUT (default gpu-out); each names this script and the commit of the
@@ -19,7 +19,7 @@ case "$mode" in
   tests)
     echo "# bash bench/gpu_check.sh tests (python3 -m pytest -q -m gpu -n 8 tests), one $gpu, commit $commit" \
       > "$OUT/gpu-tests.log"
-    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n 8 tests >> "$OUT/gpu-tests.log" 2>&1
+    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n ${WORKERS:-8} tests >> "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -5
     grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -30 ;;
   fuzz)

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.gpu
 
 SM90_FORMATS = ("fp8_block", "bf16")
 MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
+# the decoding kernel's formats: the block formats and the weight-only ones (bf16 activations)
+DECODING_FORMATS = MX_FORMATS + ("bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 
 
 ARRANGEMENTS = ["normal128", "normal256", "split_n", "swapped"]
@@ -42,16 +44,47 @@ def test_sm90_matches_reference(fmt, pattern, arrangement):
 
 
 def mx_config(token_tile: int) -> DecodeConfig:
-    return DecodeConfig(token_tile=token_tile, stages=4, group_m=1 if token_tile < 128 else 4, consumer_regs=192)
+    # (256-token tiles need 240 registers a consumer: config._sm90_mx_config)
+    return DecodeConfig(token_tile=token_tile, stages=4, group_m=1 if token_tile < 128 else 4,
+                        consumer_regs=240 if token_tile == 256 else 192)
 
 
-@pytest.mark.parametrize("token_tile", [16, 128])
+@pytest.mark.parametrize("token_tile", [16, 128, 256])
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
-@pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.parametrize("fmt", DECODING_FORMATS)
 def test_sm90_block_formats_match_reference(fmt, layout, pattern, token_tile):
-    # N=320: a partial last weight tile; K=608: a partial last K step (9.5 x 64).
+    # N=320: a partial last weight tile; K=608: a partial last K step (9.5 x 64), an even number
+    # of one-step stages (128/256-token tiles take them in pairs); K=544 below: an odd number.
     run_sm90(fmt, pattern, n=320, k=608, config=mx_config(token_tile), layout=layout)
+
+
+WIDE_TILE_TOKENS = TokenPattern("wide_tiles", (1000, 130, 300, 257, 129, 2000, 5, 700, 384, 256),
+                                (3, 0, 5, 1, 2, 4, 0, -1, 7, 3), experts=8,
+                                why="a slot's last 256-token tile: empty, partial or full second half; a skipped slot")
+
+
+@pytest.mark.parametrize("n,k", [(2880, 2880), (7168, 2048), (320, 544)], ids=["gptoss-down", "dsv3-down", "odd-steps"])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", DECODING_FORMATS)
+def test_sm90_decoding_wide_tiles_at_model_shapes(fmt, layout, n, k):
+    # The default config at ~500 tokens a slot: 256-token tiles (two 128-token halves, two ring
+    # stages an iteration; K = 2880 and 544 take an odd number of stages), more tiles than SMs.
+    # Against the reference, rows outside the slots untouched, and two calls bit-identical.
+    from moegemm.config import sm90_mx_config
+
+    p = make_problem(fmt, layout, WIDE_TILE_TOKENS, n, k, "cuda")
+    assert sm90_mx_config(FORMATS[fmt], n, k, p.m / len(WIDE_TILE_TOKENS.tokens)).token_tile == 256
+    valid = p.valid_rows().to("cuda")
+    outs = []
+    for _ in range(2):
+        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
+        out = poisoned.clone()
+        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+        assert torch.equal(out[~valid].view(torch.int16), poisoned[~valid].view(torch.int16)), "rows outside written"
+        outs.append(out)
+    assert torch.equal(outs[0][valid].view(torch.int16), outs[1][valid].view(torch.int16)), "two identical calls differ"
+    check_output(p, outs[0], outs[0], tolerance(fmt, "sm90"))
 
 
 @pytest.mark.parametrize("token_tile", [16, 128])

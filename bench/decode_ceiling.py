@@ -1,0 +1,166 @@
+"""How fast the decoding kernel (kernels/sm90/decode.py) could run if decoding the weights cost
+nothing: the same kernel with its decode removed, timed beside the real one and the baselines.
+
+The decoding kernel runs the block and weight-only formats at prefill (and every format with
+e2m1 weights above 12 tokens a slot). Its "ceiling" variant is decode.py with the two lines that
+decode a step's weights and store them to the wgmma's operand buffer taken out: the producer,
+ring, scales, wgmmas and epilogue stay, the wgmmas read whatever the buffers hold, so its
+results are wrong on purpose and not checked. It is built from the source at run time
+(nothing of it ships) and swapped into the launcher for its rows.
+
+Rows, on one GPU in one process, kernel time by CUDA-graph replay with L2 flushed (medians):
+    torch._grouped_mm on bf16 weights of the same groups, our bf16 kernel, our fp8_block,
+    each format as it runs, the decoding kernel on the format's config (forced where the format
+    runs another kernel), that config without its decode, and where the config has 256-token
+    tiles, the same config with 128-token tiles (and mxfp8's promotion kernel on 128-token tiles).
+Prefill (8 x ~4096, 64 x ~128 tokens) and decode (256 x ~16, 32 x ~32) on DeepSeek-V3 and gpt-oss
+expert shapes; the decode rows also give the copy bandwidth and each row's bytes.
+
+    python bench/decode_ceiling.py --out bench/results [--regimes prefill,decode] [--formats ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from moegemm import benchmark
+from moegemm.config import DecodeConfig, Mxfp8Config, deepest_ring, override_config, sm90_mx_config
+from moegemm.formats import FORMATS
+from moegemm.kernels.sm90 import launcher
+
+SHAPES = {"dsv3-up": (4096, 7168), "dsv3-down": (7168, 2048), "gptoss-up": (5760, 2880),
+          "gptoss-down": (2880, 2880)}
+REGIMES = {"prefill": ((8, 4096), (64, 128)), "decode": ((256, 16), (32, 32))}
+DECODE_LINES = ("    w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)\n",
+                "    operand.store(w)\n")
+
+
+def ceiling_kernel():
+    """decode.py's kernel without the decode and store of the weights (module docstring)."""
+    source_path = Path(launcher.__file__).with_name("decode.py")
+    source = source_path.read_text()
+    for line in DECODE_LINES:
+        if source.count(line) != 1:
+            raise RuntimeError(f"decode.py changed: the ceiling variant expects one {line.strip()!r}")
+        source = source.replace(line, "")
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "moegemm_decode_ceiling.py"
+    path.write_text(source)
+    name = "moegemm.kernels.sm90._decode_ceiling"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "moegemm.kernels.sm90"
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.decode_kernel
+
+
+def timed(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return benchmark._bench_graph(fn)
+
+
+def decoding_config(fmt: str, n: int, k: int, tokens_per_slot: float) -> DecodeConfig:
+    """The format's own config where it runs the decoding kernel, else the decoding kernel's
+    config of that regime (as bf16_<fmt> would run, or 256-token tiles at prefill)."""
+    cfg = sm90_mx_config(FORMATS[fmt], n, k, tokens_per_slot)
+    if isinstance(cfg, DecodeConfig):
+        return cfg
+    weight_only = f"bf16_{fmt}" if f"bf16_{fmt}" in FORMATS else "bf16_mxfp4"
+    twin = sm90_mx_config(FORMATS[weight_only], n, k, tokens_per_slot)
+    return deepest_ring(twin, FORMATS[fmt])
+
+
+def run(regimes, fmts, out_dir: Path):
+    device = torch.device("cuda")
+    ceilings = benchmark.measure_ceilings(device)
+    env = {**benchmark.provenance("bench/decode_ceiling.py"), "gpu": torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           **{k: round(v, 3) for k, v in ceilings.items()}}
+    print(json.dumps(env), flush=True)
+    real_kernel, no_decode = launcher.decode_kernel, ceiling_kernel()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"decode-ceiling-{env['gpu'].replace(' ', '-')}.json"
+    rows = []
+    for regime in regimes:
+        for groups, nominal in REGIMES[regime]:
+            for shape, (n, k) in SHAPES.items():
+                sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+                tokens = sum(sizes)
+                flops = 2.0 * tokens * n * k
+                base = {}
+                for fmt in ("bf16", "fp8_block"):
+                    inp = benchmark.Inputs(fmt, n, k, sizes, device)
+                    base[fmt] = timed(inp.ours)
+                    if fmt == "bf16":
+                        base["torch"] = timed(inp.torch_baseline)
+                    del inp
+                    torch.cuda.empty_cache()
+                for fmt in fmts:
+                    inp = benchmark.Inputs(fmt, n, k, sizes, device)
+                    row = {"regime": regime, "shape": shape, "groups": groups, "nominal": nominal, "tokens": tokens,
+                           "fmt": fmt, "torch_bf16_ms": base["torch"], "bf16_ms": base["bf16"],
+                           "fp8_block_ms": base["fp8_block"], "bytes": inp.bytes_moved()}
+                    row["ms"] = timed(inp.ours)
+                    row["config"] = str(sm90_mx_config(FORMATS[fmt], n, k, tokens / groups))
+                    cfg = decoding_config(fmt, n, k, tokens / groups)
+                    row["decoding_config"] = str(cfg)
+                    if cfg.token_tile == 256:  # the wide tiles against 128-token tiles on the same code
+                        narrow = deepest_ring(replace(cfg, token_tile=128), FORMATS[fmt])
+                        with override_config(narrow):
+                            row["tiles_128_ms"] = timed(inp.ours)
+                        if fmt == "mxfp8":  # and against its promotion kernel's 128-token tiles
+                            promotion = Mxfp8Config(token_tile=128, stages=2, group_m=4, consumer_regs=232)
+                            with override_config(deepest_ring(promotion, FORMATS[fmt])):
+                                row["promotion_ms"] = timed(inp.ours)
+                    with override_config(cfg):
+                        row["decoding_ms"] = timed(inp.ours)
+                        launcher.decode_kernel = no_decode
+                        try:
+                            row["no_decode_ms"] = timed(inp.ours)
+                        finally:
+                            launcher.decode_kernel = real_kernel
+                    for key in ("ms", "decoding_ms", "no_decode_ms"):
+                        name = key.replace("_ms", "") if key != "ms" else "as_run"
+                        row[f"{name}_x_torch"] = base["torch"] / row[key]
+                        row[f"{name}_x_fp8_block"] = base["fp8_block"] / row[key]
+                        row[f"{name}_tflops"] = flops / row[key] / 1e9
+                        row[f"{name}_pct_copy"] = 100 * row["bytes"] / row[key] / 1e9 / ceilings["copy_tbps"]
+                    rows.append(row)
+                    path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # (a run cut short keeps its rows)
+                    print(f"{regime:7} {shape:11} {groups}x{nominal:<5} {fmt:11} as run {row['ms']:.3f} ms "
+                          f"({row['as_run_x_torch']:.2f}x torch, {row['as_run_x_fp8_block']:.2f}x fp8_block) | "
+                          f"decoding {row['decoding_ms']:.3f} | no decode {row['no_decode_ms']:.3f} "
+                          f"({row['no_decode_x_torch']:.2f}x torch, {row['no_decode_x_fp8_block']:.2f}x fp8_block, "
+                          f"{row['no_decode_pct_copy']:.0f}% copy)", flush=True)
+                    del inp
+                    torch.cuda.empty_cache()
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--regimes", default="prefill,decode")
+    parser.add_argument("--formats", default="mxfp4,nvfp4,w4a8,mxfp8,bf16_mxfp4,bf16_nvfp4,bf16_mxfp8")
+    args = parser.parse_args(argv)
+    start = time.time()
+    fmts = [f for f in args.formats.split(",") if f in FORMATS]
+    run(args.regimes.split(","), fmts, Path(args.out))
+    print(f"# {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
