@@ -2,8 +2,8 @@
 nothing: the same kernel with its decode removed, timed beside the real one and the baselines.
 
 The decoding kernel runs the block and weight-only formats at prefill (and every format with
-e2m1 weights above 12 tokens a slot). Its "ceiling" variant is decode.py with the two lines that
-decode a step's weights and store them to the wgmma's operand buffer taken out: the producer,
+e2m1 weights above 12 tokens a slot). Its "ceiling" variant is decode.py with the line that
+decodes a step's weights into the wgmma's operand buffer taken out: the producer,
 ring, scales, wgmmas and epilogue stay, the wgmmas read whatever the buffers hold, so its
 results are wrong on purpose and not checked. It is built from the source at run time
 (nothing of it ships) and swapped into the launcher for its rows.
@@ -42,8 +42,7 @@ from moegemm.kernels.sm90 import launcher
 SHAPES = {"dsv3-up": (4096, 7168), "dsv3-down": (7168, 2048), "gptoss-up": (5760, 2880),
           "gptoss-down": (2880, 2880)}
 REGIMES = {"prefill": ((8, 4096), (64, 128)), "decode": ((256, 16), (32, 32))}
-DECODE_LINES = ("    w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)\n",
-                "    operand.store(w)\n")
+DECODE_LINES = ("    _decode_into(operand, raw, scales, raw_layout, dec_layout, NKB, FP4)\n", )
 
 
 def ceiling_kernel():

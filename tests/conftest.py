@@ -21,3 +21,13 @@ def fresh_seed():
     torch.manual_seed(seed)
     print(f"seed={seed}")
     yield seed
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_cache():
+    """Return a test's cached GPU blocks to the device when it ends: the GPU suite runs several
+    pytest workers on one GPU, and the model-shape tests (GBs of weights) ran out of memory
+    while other workers' allocators held what their finished tests had freed."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -80,6 +80,14 @@ def _decode_weights(w_smem, scales, raw_layout: gl.constexpr, dec_layout: gl.con
     return gl.reshape(w, [w.shape[0], w.shape[1] * w.shape[2]])
 
 
+@gluon.jit
+def _decode_into(operand, w_smem, scales, raw_layout: gl.constexpr, dec_layout: gl.constexpr, NKB: gl.constexpr,
+                 FP4: gl.constexpr):
+    """Decode this warpgroup's weight step into its bf16 operand buffer (one call, so that
+    bench/decode_ceiling.py can take the decode out)."""
+    operand.store(_decode_weights(w_smem, scales, raw_layout, dec_layout, NKB, FP4))
+
+
 @gluon.constexpr_function
 def _left_in_flight(step, steps, halves):
     """wgmmas left in flight after `step` of an iteration: its own (one a half), none after the last."""
@@ -95,9 +103,8 @@ def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.conste
     wgmmas (one a 128-token half of the tile), left in flight."""
     TOK_HALF: gl.constexpr = t_bufs.shape[1] // HALVES
     raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
-    w = _decode_weights(raw, scales, raw_layout, dec_layout, NKB, FP4)
     operand = a_bufs.index(WG * 2 + step % 2)
-    operand.store(w)
+    _decode_into(operand, raw, scales, raw_layout, dec_layout, NKB, FP4)
     fence_async_shared()
     tokens = t_bufs.index(stage * SUB + j)
     acc0 = warpgroup_mma(operand, tokens.slice(0, TOK_HALF).permute((1, 0)), acc0, is_async=True)

@@ -209,8 +209,10 @@ def _launch_dense(args: LaunchArgs) -> torch.Tensor:
 
 
 def _swizzled_scale_offsets(args: LaunchArgs) -> torch.Tensor | None:
-    """The slots' padded scale rows, which only the token pre-passes read (swizzled layout)."""
-    if args.problem.scale_layout == "swizzled" and args.a_scale_offsets is None and args.tokens is None:
+    """The slots' padded scale rows, which only the token pre-passes read (swizzled layout; the
+    weight-only formats' tokens have no scales and no pre-pass)."""
+    if (args.problem.scale_layout == "swizzled" and args.problem.fmt.a_scaled and args.a_scale_offsets is None
+            and args.tokens is None):
         return layouts.a_scale_offsets(args.a_offsets)
     return args.a_scale_offsets
 
