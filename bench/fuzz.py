@@ -45,7 +45,7 @@ MODEL_SHAPES = {  # (N, K) of the products of real models
 ODD_SHAPES = {  # what the contract allows beyond them
     "N=192": (192, 4096), "K=2880 N=320": (320, 2880), "K%32": (1024, 1056), "K%16": (768, 1040),
 }
-FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8")
+FORMATS = ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 MAX_ROWS = 16384  # tokens of one problem (the fp64 reference stays well under a second)
 MAX_WEIGHTS = 1 << 27  # E * N * K: the weights quantized from fp32 (512 MB) per worker
 LARGE_SHARE = 0.4  # of the problems drawn with K >= 2048 and more tiles than SMs
