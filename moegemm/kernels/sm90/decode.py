@@ -1,5 +1,6 @@
 """The sm90 kernel of the block formats by decoding the weights to bf16 in the consumers: nvfp4
-everywhere, mxfp4 and w4a8 above 12 tokens a slot (mxfp8 only when a DecodeConfig is forced).
+and the weight-only formats (bf16_mxfp4, bf16_nvfp4, bf16_mxfp8: bf16 tokens as they come)
+everywhere, mxfp4 and w4a8 above 12 tokens a slot, mxfp8 at many tokens a slot.
 
 Hopper has no block-scaled tensor-core instruction. Every 32- (nvfp4: 16-) wide K block
 carries a scale per weight row AND one per token, so the exact math is either fp8 wgmma per
@@ -10,10 +11,11 @@ times a power of two, and e2m1 times an e4m3 scale, have at most 5 significant b
 kernel does the latter (docs/design.md records the measurements):
 
     tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows), or written in
-             that form by the layer's kernels (token_forms.py), into a bf16 [M, K] buffer, TMA-loaded as the wgmma B operand (the narrow N side)
+             that form by the layer's kernels (token_forms.py), into a bf16 [M, K] buffer (the
+             weight-only formats' tokens are that buffer), TMA-loaded as the wgmma B operand
     weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, 128
-             bytes of each weight row per stage at decode (SUB = 2 steps of 64 K; 128-token tiles one step,
-             config._sm90_mx_config says why: one step, 32 or 64
+             bytes of each weight row per stage at decode (SUB = 2 steps of 64 K; 128- and
+             256-token tiles one step, config._sm90_mx_config says why: one step, 32 or 64
              bytes a row, took the same ~0.7 us per stage whatever its bytes, H100); each
              consumer warpgroup decodes its 64 weight rows times the block scales (gathered
              from global memory, plain or swizzled layout, one step ahead) into a bf16
@@ -21,16 +23,17 @@ kernel does the latter (docs/design.md records the measurements):
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
-(config.DecodeConfig: one group's tokens at decode, 128 in prefill). Producer, barriers,
-schedule and the masked epilogue are pipeline.py's.
+(config.DecodeConfig: one group's tokens at decode, 128 for small groups, 256 for many: two
+128-token halves, one accumulator each, on one decoded operand). Producer, barriers, schedule
+and the masked epilogue are pipeline.py's.
 
-Steady state of one consumer (stage s = it % STAGES, steps j < SUB of it):
+Steady state of one consumer (an iteration: one stage of SUB steps, or two stages of one step):
     wait ready[s]
-    per step: load the scales of the next step; w = decode(weights[s] rows, step j) * scales
-              store w to operand buffer j; acc = wgmma(buffer, tokens[s, j]^T, acc)
-              wait until one wgmma is left in flight (the stage's next decode overlaps it),
-              or, after the stage's last step, until none is (_upcast_chain says why)
-    arrive empty[s]
+    per step: load the scales of the next step; w = decode(weights[s] rows, step) * scales
+              store w to operand buffer step % 2; acc_h = wgmma(buffer, tokens[s, step, h]^T, acc_h)
+              wait until the step's wgmmas are left in flight (the next decode overlaps them),
+              or, after the iteration's last step, until none is (_upcast_chain says why)
+    arrive empty[s] for the iteration's stages
 """
 
 from triton.experimental import gluon
