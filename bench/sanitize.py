@@ -7,7 +7,8 @@ Workloads (each at a shape with several tiles per program: more tiles than 2 x t
 result also checked against the fp64 reference, so the sanitized path is the right one):
     sm90            fp8_block and bf16 (kernels/sm90/dense.py): normal, split-n and swapped tiles
     mx-decoding     the bf16-decoding block-format kernel (kernels/sm90/decode.py): mxfp4, nvfp4,
-                    w4a8, mxfp8 on 32-, 64- and 128-token tiles, unscaled and scaled calls
+                    w4a8, mxfp8 on 32-, 64-, 128- and 256-token tiles, bf16_mxfp4 (bf16 tokens)
+                    on 32 and 256, unscaled and scaled calls
     mxfp8-promotion kernels/sm90/mxfp8.py: 16- and 32-token tiles (slot walk from
                     chunks), wide 64- and 128-token tiles with tails and short tails
     e2m1-split-k    the same kernel with e2m1 weights (mxfp4, w4a8): split-K 8- and 16-token
@@ -105,11 +106,12 @@ def workload_sm90():
 def workload_mx_decoding():
     from moegemm.config import DecodeConfig
 
-    for tokens, (lo, hi) in ((32, (10, 30)), (64, (30, 60)), (128, (60, 200))):
-        cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4, consumer_regs=192,
-                           sub_steps=2 if tokens < 128 else 1)
+    for tokens, (lo, hi) in ((32, (10, 30)), (64, (30, 60)), (128, (60, 200)), (256, (200, 600))):
+        cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4,
+                           consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1)
         pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
-        for fmt in ("mxfp4", "nvfp4", "w4a8", "mxfp8")[:1 if _racecheck() else 4]:
+        fmts = ("mxfp4", "nvfp4", "w4a8", "mxfp8") + (("bf16_mxfp4",) if tokens in (32, 256) else ())
+        for fmt in fmts[:1 if _racecheck() else len(fmts)]:
             _check(fmt, "swizzled" if fmt != "w4a8" else "plain", pattern, 1024, 256, cfg,
                    with_scales=fmt == "nvfp4" or tokens == 64)
 
@@ -118,8 +120,8 @@ def workload_mxfp8_promotion():
     from moegemm.config import sm90_mx_config
     from moegemm.formats import FORMATS
 
-    for tokens_per_slot, (lo, hi) in ((12, (1, 20)), (20, (8, 30)), (40, (30, 60)), (150, (120, 180)),
-                                      (1000, (500, 1500))):
+    # (from ~200 tokens a slot mxfp8 runs the decoding kernel's 256-token tiles: mx-decoding)
+    for tokens_per_slot, (lo, hi) in ((12, (1, 20)), (20, (8, 30)), (40, (30, 60)), (150, (120, 180))):
         cfg = sm90_mx_config(FORMATS["mxfp8"], 1024, 256, tokens_per_slot)
         groups = 64 if tokens_per_slot < 100 else 24 if tokens_per_slot < 500 else 6
         if _racecheck() and tokens_per_slot not in (12, 150):
