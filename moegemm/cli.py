@@ -23,12 +23,10 @@ DEMO_CPU = dict(n=256, k=512, tokens=(37, 200, 0, 91, 129), ids=(3, 0, 5, -1, 1)
 
 
 def _time_call(fn, device: torch.device) -> float:
-    """Milliseconds: do_bench's median on the GPU; on the CPU one wall-clock run (the interpreter's
+    """Milliseconds: the benchmark's do_bench median on the GPU; on the CPU one wall-clock run (the interpreter's
     time says how slow interpreting is, not how fast a kernel is; one run keeps the demo short)."""
     if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return benchmark._bench(fn)
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3

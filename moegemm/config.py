@@ -138,9 +138,10 @@ class DenseConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """kernels/sm90/decode.py (mxfp4, nvfp4, w4a8; mxfp8 only when forced): swapped tiles of 128
-    weight rows (decoded to bf16 by the consumers) x token_tile tokens, sub_steps 64-wide K steps
-    a ring stage (at most 128 bytes of a weight row)."""
+    """kernels/sm90/decode.py (nvfp4 and the weight-only formats everywhere, mxfp4 and w4a8 above
+    12 tokens a slot, mxfp8 at many): swapped tiles of 128 weight rows (decoded to bf16 by the
+    consumers) x token_tile tokens, sub_steps 64-wide K steps a ring stage (at most 128 bytes of a
+    weight row); the producer gets 504 - 2 * consumer_regs registers."""
 
     token_tile: int
     stages: int
@@ -172,6 +173,8 @@ class DecodeConfig:
             raise ValueError(f"config: DecodeConfig runs the block formats {MX_FORMATS}, not {fmt.name}")
         if self.token_tile not in (16, 32, 64, 128, 256):
             raise ValueError(f"config: token_tile must be 16..256 (powers of two): {self}")
+        if self.token_tile == 256 and self.consumer_regs < 240 or not 192 <= self.consumer_regs <= 240:
+            raise ValueError(f"config: consumer_regs 192..240, 240 for 256-token tiles (two accumulators): {self}")
         if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
             raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
         _check_smem(self, fmt, out_bytes, fused)
@@ -426,9 +429,7 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
     elif fmt_name == "mxfp8" and regime in (64, 192):
         # More tokens an expert: 64- (regime 64) or 128-token tiles, the token scales through the
         # ring. Up to 192 tokens a slot, a slot's last 128-token tile takes a tail of up to 32 more
-        # tokens (not at ~1024 tokens an expert, where an expert's tiles share weight blocks
-        # through L2 and the tail tile lags its band); tails of up to 16 tokens run on a 16-wide
-        # accumulator. The tail's accumulator needs 240 registers a consumer thread (232 spilled
+        # tokens; tails of up to 16 tokens run on a 16-wide accumulator. The tail's accumulator needs 240 registers a consumer thread (232 spilled
         # in its K loop). docs/perf-notes.md, wide mxfp8 tiles.
         tokens = 64 if regime == 64 else 128
         tail = 32 if regime == 192 else 0
@@ -444,14 +445,14 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
         # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand);
         # the tokens (bf16) the N side: one group's tokens at decode, 128 for small groups, 256
         # (two 128-token halves on one decoded operand: the decode paid once for 256 tokens) for
-        # many; mxfp8 too at many tokens an expert, where its 256-token tiles ran 1.14-1.16x the
+        # many; mxfp8 too at many tokens an expert, where its 256-token tiles ran 1.10-1.15x the
         # promotion kernel's 128-token tiles. A stage carries two 64-wide K steps below 128 tokens
         # (1.2-1.3x faster than one in every format and regime, four no better); 128- and
-        # 256-token tiles keep one, an iteration taking two stages. Wide tiles need 240
+        # 256-token tiles keep one, an iteration taking two stages. 256-token tiles need 240
         # registers a consumer (the producer then 24) (docs/perf-notes.md, block formats).
         tokens = regime if regime in (16, 32, 64) else 128 if regime == 192 else 256
         cfg = DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
-                           consumer_regs=192 if tokens < 128 else 240, sub_steps=2 if tokens < 128 else 1)
+                           consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1)
     cfg = deepest_ring(cfg, fmt)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
     return cfg

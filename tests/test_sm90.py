@@ -10,6 +10,7 @@ import torch
 from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, run_sm90, tolerance
 
 import moegemm
+from moegemm import config
 from moegemm.config import DecodeConfig, DenseConfig, E2m1Config, Mxfp8Config, override_config
 from moegemm.formats import FORMATS
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.gpu
 SM90_FORMATS = ("fp8_block", "bf16")
 MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 # the decoding kernel's formats: the block formats and the weight-only ones (bf16 activations)
-DECODING_FORMATS = MX_FORMATS + ("bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
+DECODING_FORMATS = config.MX_FORMATS
 
 
 ARRANGEMENTS = ["normal128", "normal256", "split_n", "swapped"]
@@ -59,6 +60,22 @@ def test_sm90_block_formats_match_reference(fmt, layout, pattern, token_tile):
     run_sm90(fmt, pattern, n=320, k=608, config=mx_config(token_tile), layout=layout)
 
 
+def check_twice(p, fmt: str, n: int):
+    """Two sm90 calls of problem p into poisoned outputs: the first against the reference (rows
+    outside the slots untouched), the second bit-identical to it."""
+    valid = p.valid_rows().to("cuda")
+    outs = []
+    for _ in range(2):
+        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
+        out = poisoned.clone()
+        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+        if not outs:
+            check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+        outs.append(out)
+    assert torch.equal(outs[0][valid].view(torch.int16), outs[1][valid].view(torch.int16)), "two identical calls differ"
+    assert torch.equal(outs[1][~valid].view(torch.int16), poisoned[~valid].view(torch.int16)), "rows outside written"
+
+
 WIDE_TILE_TOKENS = TokenPattern("wide_tiles", (1000, 130, 300, 257, 129, 2000, 5, 700, 384, 256),
                                 (3, 0, 5, 1, 2, 4, 0, -1, 7, 3), experts=8,
                                 why="a slot's last 256-token tile: empty, partial or full second half; a skipped slot")
@@ -75,16 +92,7 @@ def test_sm90_decoding_wide_tiles_at_model_shapes(fmt, layout, n, k):
 
     p = make_problem(fmt, layout, WIDE_TILE_TOKENS, n, k, "cuda")
     assert sm90_mx_config(FORMATS[fmt], n, k, p.m / len(WIDE_TILE_TOKENS.tokens)).token_tile == 256
-    valid = p.valid_rows().to("cuda")
-    outs = []
-    for _ in range(2):
-        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
-        out = poisoned.clone()
-        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
-        assert torch.equal(out[~valid].view(torch.int16), poisoned[~valid].view(torch.int16)), "rows outside written"
-        outs.append(out)
-    assert torch.equal(outs[0][valid].view(torch.int16), outs[1][valid].view(torch.int16)), "two identical calls differ"
-    check_output(p, outs[0], outs[0], tolerance(fmt, "sm90"))
+    check_twice(p, fmt, n)
 
 
 @pytest.mark.parametrize("token_tile", [16, 128])
@@ -473,13 +481,4 @@ def test_sm90_block_formats_small_groups_at_model_shapes(fmt, n, k, num_groups, 
     # in the call without expert and row scales (kernels/sm90/decode.py, _upcast_chain): outputs
     # 5-12% off and different each run. Against the reference, and two calls bit-identical.
     p = make_problem(fmt, layout, small_groups(num_groups, seed=n + k), n, k, "cuda", with_scales=with_scales)
-    valid = p.valid_rows().to("cuda")
-    outs = []
-    for _ in range(2):
-        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
-        out = poisoned.clone()
-        moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
-        assert torch.equal(out[~valid].view(torch.int16), poisoned[~valid].view(torch.int16)), "rows outside written"
-        outs.append(out)
-    assert torch.equal(outs[0][valid].view(torch.int16), outs[1][valid].view(torch.int16)), "two identical calls differ"
-    check_output(p, outs[0], outs[0], tolerance(fmt, "sm90"))  # (its untouched rows checked above)
+    check_twice(p, fmt, n)

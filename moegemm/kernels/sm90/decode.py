@@ -91,13 +91,6 @@ def _decode_into(operand, w_smem, scales, raw_layout: gl.constexpr, dec_layout: 
     operand.store(_decode_weights(w_smem, scales, raw_layout, dec_layout, NKB, FP4))
 
 
-@gluon.constexpr_function
-def _left_in_flight(step, steps, halves):
-    """wgmmas left in flight after `step` of an iteration: its own (one a half), none after the last."""
-    step, steps, halves = (getattr(v, "value", v) for v in (step, steps, halves))
-    return 0 if step == steps - 1 else halves
-
-
 @gluon.jit
 def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.constexpr, scales, acc0, acc1, WG: gl.constexpr, SUB: gl.constexpr,
                  NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr, HALVES: gl.constexpr,
@@ -157,7 +150,7 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
                 # The buffer was last read by the wgmmas two steps back, retired by a wait since.
                 acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, j, p * SUB + j, scales, acc0, acc1, WG, SUB,
                                           NKB, BYTES, FP4, HALVES, raw_layout, dec_layout)
-                acc0, acc1 = warpgroup_mma_wait(_left_in_flight(p * SUB + j, STEPS, HALVES), deps=(acc0, acc1))
+                acc0, acc1 = warpgroup_mma_wait(0 if p * SUB + j == STEPS - 1 else HALVES, deps=(acc0, acc1))
                 scales = next_scales
         ring.release(first)
         if PAIR == 2:
@@ -244,11 +237,12 @@ class DecodeConsumer:
         acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
                                        self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
                                        self.SWIZZLED, HALVES, raw_layout, dec_layout)
+        w0 = w_block * W_TILE + WG * WG_ROWS  # this warpgroup's first weight row
         ns = w_block * W_TILE + w_offsets
-        self.epilogue(acc0, slot, tok0, tok_offsets, w_block * W_TILE + WG * WG_ROWS, ns, N)
+        self.epilogue(acc0, slot, tok0, tok_offsets, w0, ns, N)
         if HALVES == 2:  # noqa: SIM102 (a static test around a runtime one)
             if tok0 + TOK_HALF < slot.t:
-                self.epilogue(acc1, slot, tok0 + TOK_HALF, tok_offsets, w_block * W_TILE + WG * WG_ROWS, ns, N)
+                self.epilogue(acc1, slot, tok0 + TOK_HALF, tok_offsets, w0, ns, N)
         return it
 
     @gluon.jit
