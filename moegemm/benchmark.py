@@ -42,9 +42,9 @@ from .formats import FORMATS
 from .ops import grouped_matmul
 
 # the formats whose A and B both carry scales in 32- or 16-wide K blocks (the swizzled layout is theirs)
-BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable and f.a.scale is not None)
+BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable and f.a_scaled)
 # weight-only formats: bf16 activations without scales times block-scaled weights
-WEIGHT_ONLY_FORMATS = tuple(name for name, f in FORMATS.items() if f.a.scale is None and f.b.scale is not None)
+WEIGHT_ONLY_FORMATS = tuple(name for name, f in FORMATS.items() if f.weight_only)
 # The formats compared with BF16 torch._grouped_mm on the same groups: PyTorch has no grouped
 # product of them on Hopper.
 BF16_BASELINE_FORMATS = BLOCK_FORMATS + WEIGHT_ONLY_FORMATS
