@@ -3,6 +3,8 @@
 #   bash bench/gpu_check.sh tests      the GPU test suite, 8 pytest workers (pytest-xdist; WORKERS=n)
 #   bash bench/gpu_check.sh fuzz       bench/fuzz.py: >= 500 random problems, twice each
 #   bash bench/gpu_check.sh sanitize   bench/sanitize.py: memcheck, racecheck, synccheck
+#   bash bench/gpu_check.sh ep-tests   the expert-parallel GPU tests (NCCL, every GPU of the machine)
+#   bash bench/gpu_check.sh ep-bench   bench/ep_layer.py on WORLD GPUs (default: all; EP_ARGS adds options)
 # Logs and result files go to $OUT (default gpu-out); each names this script and the commit of the
 # tree. MOEGEMM_COMMIT names that commit where the copy that runs has a stale or no git history.
 set -uo pipefail
@@ -25,6 +27,18 @@ case "$mode" in
   fuzz)
     timeout ${T_FUZZ:-560} python3 bench/fuzz.py --out "$OUT" ${FUZZ_ARGS:-} > "$OUT/fuzz.log" 2>&1
     echo "fuzz rc=$?"; grep -v "^ *\[" "$OUT/fuzz.log" | tail -40 ;;
+  ep-tests)
+    echo "# bash bench/gpu_check.sh ep-tests (python3 -m pytest -q -m gpu tests/test_distributed.py)," \
+      "$(nvidia-smi -L | wc -l) x $gpu, commit $commit" > "$OUT/ep-tests.log"
+    timeout ${T_EP_TESTS:-400} python3 -m pytest -q -m gpu tests/test_distributed.py >> "$OUT/ep-tests.log" 2>&1
+    tail -15 "$OUT/ep-tests.log" ;;
+  ep-bench)
+    world=${WORLD:-$(nvidia-smi -L | wc -l)}
+    echo "# bash bench/gpu_check.sh ep-bench (python3 bench/ep_layer.py --world $world ${EP_ARGS:-})," \
+      "$(nvidia-smi -L | wc -l) x $gpu, commit $commit" > "$OUT/ep-bench-w$world.log"
+    timeout ${T_EP_BENCH:-560} python3 bench/ep_layer.py --world "$world" --out "$OUT" ${EP_ARGS:-} \
+      >> "$OUT/ep-bench-w$world.log" 2>&1
+    echo "ep-bench rc=$?"; tail -30 "$OUT/ep-bench-w$world.log" ;;
   sanitize)
     timeout ${T_SANITIZE:-570} python3 bench/sanitize.py --out "$OUT/sanitize" ${SANITIZE_ARGS:-} > "$OUT/sanitize.log" 2>&1
     echo "sanitize rc=$?"; tail -30 "$OUT/sanitize.log"

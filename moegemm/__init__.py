@@ -1,6 +1,6 @@
 """moegemm: grouped block-scaled matmuls for Mixture-of-Experts layers (PyTorch + Triton)."""
 
-from . import codecs, hf, layouts, reference, routing
+from . import codecs, distributed, hf, layouts, reference, routing
 from . import library  # registers the torch.library custom ops  # noqa: F401
 from .formats import FORMATS, Format, get_format
 from .activation import gather_quantize, interleave_gate_up, swiglu_quantize
@@ -22,6 +22,7 @@ __all__ = [
     "codecs",
     "dequantize",
     "dequantize_operand",
+    "distributed",
     "gather_quantize",
     "get_format",
     "grouped_matmul",

@@ -26,6 +26,7 @@ __all__ = [
     "num_a_scale_blocks",
     "a_scale_rows",
     "swizzle_a_scales",
+    "place_a_scales",
     "unswizzle_a_scales",
     "swizzle_b_scales",
     "unswizzle_b_scales",
@@ -133,6 +134,31 @@ def swizzle_a_scales(plain: torch.Tensor, a_offsets: torch.Tensor, num_blocks: i
     rows, scale_rows, _ = a_scale_rows(a_offsets)
     padded[scale_rows, :nkb] = src[rows]
     return _atoms_from_padded(padded).view(plain.dtype)
+
+
+def place_a_scales(plain: torch.Tensor, row_slot: torch.Tensor, a_offsets: torch.Tensor,
+                   a_scale_offsets_: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """swizzle_a_scales without a host read: plain scales [M, nkb] of grouped rows whose slots
+    row_slot [M] names (G or more for a row outside every slot, which gets no scales) ->
+    swizzled [num_blocks, ceil(nkb/4), 32, 4, 4]; num_blocks must bound the slots' blocks (a
+    host-known bound such as ceil(M / 128) + G). Device work only, so it captures in a CUDA graph."""
+    src = _as_bytes(plain)
+    rows, nkb = src.shape
+    groups = a_scale_offsets_.numel()
+    offsets = a_offsets.long()
+    slot = row_slot.long().clamp(max=groups)
+    inside = row_slot.long() < groups
+    safe = slot.clamp(max=max(groups - 1, 0))
+    if groups:
+        first_row = offsets.index_select(0, safe)
+        block = a_scale_offsets_.long().index_select(0, safe) + first_row // ROWS_PER_BLOCK
+        scale_row = ROWS_PER_BLOCK * block + torch.arange(rows, device=src.device) - first_row
+    else:
+        scale_row = torch.zeros(rows, dtype=torch.long, device=src.device)
+    spare = num_blocks * ROWS_PER_BLOCK  # one row past the atoms takes the rows outside every slot
+    padded = src.new_zeros(spare + 1, _cdiv(nkb, _ATOM_K) * _ATOM_K)
+    padded[:, :nkb].index_copy_(0, torch.where(inside, scale_row, spare), src)
+    return _atoms_from_padded(padded[:spare]).view(plain.dtype)
 
 
 def unswizzle_a_scales(

@@ -22,6 +22,12 @@ interleaved (2j = gate_j, 2j+1 = up_j: moegemm.interleave_gate_up), the layout t
 epilogue wants. fp8_block keeps DeepSeek's concatenated [gate; up] rows, because interleaving
 would split the 128x128 scale blocks of an FP8 checkpoint; its SwiGLU runs after the matmul.
 
+Expert parallelism (distributed.py): with ep_group, w_gate_up and w_down hold the rank's own
+experts (rank r of W: [r*E/W, (r+1)*E/W)); the tokens are dispatched, quantized once, to the
+ranks that own their choices, each rank runs the layer above on what it received (its A operand
+placed by rows, not quantized again), and the partial sums come back in fp32 to be added at
+the source.
+
 Routers (MoE.route_tokens), the three the supported checkpoints use:
     softmax_topk     Qwen3-MoE: softmax over all experts in fp32, top-k, optional renormalize
     topk_softmax     gpt-oss: top-k of the logits (router bias included), softmax over the k
@@ -39,12 +45,12 @@ import torch
 import torch.nn.functional as F
 
 from . import activation as act
-from . import layouts
+from . import distributed, layouts
 from .formats import get_format
 from .fused import fused_pays, fused_supports
 from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
-from .routing import route, row_experts, unpermute_tokens
+from .routing import RoutingPlan, route, row_experts, unpermute_tokens
 from .token_forms import TokenForm, token_form
 from .validation import GroupedProblem, check_no_grad
 
@@ -62,12 +68,19 @@ def _gate_up_layout(fmt: str) -> str:
 
 
 def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+    if isinstance(x, QuantizedTensor):  # tokens already in the format's A operand (expert parallelism)
+        if x.operand != "a" or x.scale_layout != "plain" or x.fmt != getattr(w_gate_up, "fmt", x.fmt):
+            raise ValueError(f"x: expected the plain A operand of the weights' format, got {x.fmt} {x.operand} "
+                             f"{x.scale_layout}")
+        rows, hidden = x.data.shape[0], x.k
+    elif not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x: expected a [T, H] tensor, got {getattr(x, 'shape', type(x).__name__)}")
-    if not x.is_floating_point():
+    elif not x.is_floating_point():
         raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids: expected [{x.shape[0]}, k], got {getattr(topk_ids, 'shape', None)}")
+    else:
+        rows, hidden = x.shape
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != rows:
+        raise ValueError(f"topk_ids: expected [{rows}, k], got {getattr(topk_ids, 'shape', None)}")
     if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
                                      or topk_weights.shape != topk_ids.shape):
         raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}, got "
@@ -78,8 +91,8 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
     if w_gate_up.fmt != w_down.fmt:
         raise ValueError(f"w_down: expected format {w_gate_up.fmt} (that of w_gate_up), got {w_down.fmt}")
     e, two_i, h = w_gate_up.data.shape[0], w_gate_up.data.shape[1], w_gate_up.k
-    if h != x.shape[1]:
-        raise ValueError(f"w_gate_up: expected K={x.shape[1]} (x's hidden size), got K={h}")
+    if h != hidden:
+        raise ValueError(f"w_gate_up: expected K={hidden} (x's hidden size), got K={h}")
     if two_i % 2:
         raise ValueError(f"w_gate_up: expected 2I rows (gate and up), got {two_i}")
     if w_down.data.shape[0] != e or w_down.k != two_i // 2:
@@ -88,7 +101,7 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
 
 
 def moe_forward(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedTensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor | None,
     w_gate_up: QuantizedTensor,
@@ -106,6 +119,8 @@ def moe_forward(
     limit: float = 7.0,
     fused: bool = True,
     backend: str = "auto",
+    ep_group=None,
+    ep_path: str = "auto",
 ) -> torch.Tensor:
     """The routed experts of an MoE layer for tokens x [T, H] and router choices topk_ids [T, k].
 
@@ -120,8 +135,25 @@ def moe_forward(
     chain (not for mxfp8 weights at prefill, nor mxfp4/w4a8 at decode:
     fused.fused_pays). Choices with
     ids outside [0, E) are dropped. Returns [T, H] in x's dtype.
+
+    ep_group (a torch.distributed process group of W ranks): expert parallelism. x and
+    topk_ids are this rank's tokens and their choices among all E = W * E_local experts; the
+    weights, biases and expert scales are this rank's E_local experts, [r*E_local, (r+1)*E_local).
+    ep_path: "prefill" (counts read on the host), "decode" (fixed capacity, no host read, the
+    same T on every rank) or "auto" (decode while a CUDA graph is captured); distributed.py.
+    nvfp4: the token global scale defaults to the amax over every rank's tokens. Custom layers
+    may run the steps themselves: distributed.dispatch, then moe_forward on the received
+    tokens (x = sent.tokens, already the format's A operand: placed, not quantized again; the
+    result is the fp32 partial sum), then distributed.combine.
     """
-    if torch.compiler.is_compiling():
+    if ep_group is not None:
+        return _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, ep_group=ep_group, ep_path=ep_path,
+                               activation=activation, gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias,
+                               down_bias=down_bias, gate_up_scales=gate_up_scales, down_scales=down_scales,
+                               input_global_scale=input_global_scale,
+                               intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+                               fused=fused, backend=backend)
+    if torch.compiler.is_compiling() and not isinstance(x, QuantizedTensor):
         return torch.ops.moegemm.moe_forward(
             x, topk_ids, topk_weights, w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data,
             w_down.scales, w_down.global_scale, w_gate_up.fmt, w_gate_up.scale_layout, activation,
@@ -134,12 +166,42 @@ def moe_forward(
                         alpha=alpha, limit=limit, fused=fused, backend=backend)
 
 
+@torch.compiler.disable  # collectives and a host read of the counts: not traced
+def _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, ep_group, ep_path, **layer):
+    """moe_forward over an expert-parallel group: dispatch, this rank's experts, combine."""
+    _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    _, world = distributed.rank_and_size(ep_group)
+    fmt = w_gate_up.fmt
+    global_scale = layer.pop("input_global_scale")
+    sent = distributed.dispatch(x, topk_ids, topk_weights, fmt, num_experts=w_gate_up.data.shape[0] * world,
+                                group=ep_group, path=ep_path, global_scale=global_scale)
+    partial = _moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, w_gate_up, w_down,
+                           input_global_scale=None, **layer)  # (the tokens carry it)
+    return distributed.combine(partial, sent).to(x.dtype)
+
+
+def _place_tokens(tokens: QuantizedTensor, plan: RoutingPlan, layout: str, a_scale_offsets, bound: int):
+    """Tokens already in the plain A operand -> the grouped rows of the plan, in `layout` (the
+    byte moves of scatter_quantize without its quantization: the same operand)."""
+    rows = plan.token_index
+    data = tokens.data.index_select(0, rows)
+    scales = None if tokens.scales is None else tokens.scales.index_select(0, rows)
+    if scales is None or layout == "plain":
+        return QuantizedTensor(data, scales, tokens.fmt, "a", "plain", tokens.global_scale)
+    scales = layouts.place_a_scales(scales, row_experts(plan), plan.a_offsets, a_scale_offsets, bound)
+    return QuantizedTensor(data, scales, tokens.fmt, "a", "swizzled", tokens.global_scale, plan.a_offsets,
+                           a_scale_offsets)
+
+
 def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, gate_up_layout, gate_up_bias,
                  down_bias, gate_up_scales, down_scales, input_global_scale, intermediate_global_scale, alpha, limit,
                  fused, backend):
+    """x: [T, H] float tokens, or their plain A operand of the weights' format (a QuantizedTensor:
+    placed, not quantized again; the result is then fp32, a partial sum for the combine)."""
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
-    check_no_grad("moe_forward", x=x, topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                  gate_up_scales=gate_up_scales, down_scales=down_scales, w_gate_up=w_gate_up.data,
+    given = isinstance(x, QuantizedTensor)
+    check_no_grad("moe_forward", x=x.data if given else x, topk_weights=topk_weights, gate_up_bias=gate_up_bias,
+                  down_bias=down_bias, gate_up_scales=gate_up_scales, down_scales=down_scales, w_gate_up=w_gate_up.data,
                   w_down=w_down.data)
     fmt = w_gate_up.fmt
     act.check_activation(activation, gate_up_layout)
@@ -151,17 +213,22 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     bound = plan.scale_blocks_bound
     # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
     aso = plan.a_scale_offsets if layout == "swizzled" and get_format(fmt).a_scaled else None
-    shapes = (fmt, layout, plan.num_grouped_rows, plan.expert_ids.shape[0], x.shape[1], w_gate_up.data.shape[1],
-              num_experts, gate_up_layout, backend, x.device, bool(fused), intermediate_global_scale is not None)
+    hidden = w_gate_up.k
+    shapes = (fmt, layout, plan.num_grouped_rows, plan.expert_ids.shape[0], hidden, w_gate_up.data.shape[1],
+              num_experts, gate_up_layout, backend, topk_ids.device, bool(fused), intermediate_global_scale is not None,
+              given)
     steps = _steps(*shapes) if isinstance(backend, str) else _steps.__wrapped__(*shapes)
     # Every row the combine reads lies in a group, and the down product writes all of them: no zero
     # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
-    c = torch.empty(plan.num_grouped_rows, w_down.data.shape[1], dtype=torch.bfloat16, device=x.device)
+    c = torch.empty(plan.num_grouped_rows, w_down.data.shape[1], dtype=torch.bfloat16, device=topk_ids.device)
     # Where both products run on the sm90 block-format kernels, the gather and the activation
     # write the tokens in the form the next kernel reads (token_forms.py): no pre-pass.
-    a = act.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
-                             a_scale_offsets=aso, scale_layout=steps.up_form or layout, num_scale_blocks=bound,
-                             global_scale=input_global_scale)
+    if given:
+        a = _place_tokens(x, plan, layout, aso, bound)
+    else:
+        a = act.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
+                                 a_scale_offsets=aso, scale_layout=steps.up_form or layout, num_scale_blocks=bound,
+                                 global_scale=input_global_scale)
     mid = grouped_matmul_swiglu(
         a, w_gate_up, None, None, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt, activation=activation,
         a_scale_offsets=aso, expert_scales=gate_up_scales, bias=gate_up_bias, scale_layout=layout,
@@ -169,7 +236,8 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
         alpha=alpha, limit=limit, fused=steps.fused, backend=backend, gate_up_layout=gate_up_layout)
     grouped_matmul(mid, w_down, None, None, plan.a_offsets, plan.expert_ids, fmt=fmt, a_scale_offsets=aso,
                    expert_scales=down_scales, scale_layout=layout, backend=backend, out=c)
-    return unpermute_tokens(c, plan, topk_weights, out_dtype=x.dtype, expert_bias=down_bias)
+    return unpermute_tokens(c, plan, topk_weights, out_dtype=torch.float32 if given else x.dtype,
+                            expert_bias=down_bias)
 
 
 class _Steps(NamedTuple):
@@ -180,7 +248,8 @@ class _Steps(NamedTuple):
 
 @functools.lru_cache(maxsize=1024)
 def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: int, num_experts: int,
-           gate_up_layout: str, backend: str, device: torch.device, fused: bool, static_intermediate: bool) -> _Steps:
+           gate_up_layout: str, backend: str, device: torch.device, fused: bool, static_intermediate: bool,
+           tokens_given: bool) -> _Steps:
     """How the layer runs its products for these shapes (host values only: the weight shapes and
     the plan's row and slot bounds), decided once per shape.
 
@@ -188,7 +257,8 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
     with a static intermediate global scale. Token forms: only where both products run on the
     sm90 block-format kernels, gate/up interleaved; the fused epilogue writes the down product's
     form only where it is the bf16 one, the format's operand otherwise. The weight-only formats
-    have none: their tokens are bf16 as they are, as the bf16 format's."""
+    have none: their tokens are bf16 as they are, as the bf16 format's. tokens_given: the tokens
+    arrive as the format's operand (expert parallelism), placed as they are: no form of their own."""
     f = get_format(fmt)
     fused = fused and fused_pays(fmt, two_i, hidden, rows / max(groups, 1)) and (
         static_intermediate or not f.a.global_scale)
@@ -198,8 +268,8 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
         return _Steps(None, None, fused)
     if resolve_backend(backend, up, device) != "sm90" or resolve_backend(backend, down, device) != "sm90":
         return _Steps(None, None, fused)
-    up_form = token_form(fmt, up.n, up.k, rows, groups)
-    if up_form is None:
+    up_form = None if tokens_given else token_form(fmt, up.n, up.k, rows, groups)
+    if up_form is None and not tokens_given:
         return _Steps(None, None, fused)
     down_form = token_form(fmt, down.n, down.k, rows, groups)
     if down_form is not None and down_form.kind != "bf16" and fused and fused_supports(up, fmt):
@@ -250,6 +320,13 @@ class MoE(torch.nn.Module):
     fmt None (the default) leaves the format to the loader: "bf16_mxfp4" for load_mxfp4 (gpt-oss's
     MXFP4 weights kept as they are, bf16 activations: how gpt-oss runs), "bf16" for the others.
     A format given here is the layer's, whichever loader runs.
+
+    ep_group (a torch.distributed process group of W ranks, W dividing num_experts): expert
+    parallelism. Every rank builds the layer with the same arguments; the loaders take the full
+    checkpoint tensors [E, ...] or this rank's slice [E/W, ...] and keep experts
+    [r*E/W, (r+1)*E/W) (expert_range); the router and the shared expert stay whole. forward takes
+    this rank's tokens and returns their outputs, those of the single-GPU layer (within fp32
+    rounding of the combine's order). ep_path: moe_forward's.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -258,7 +335,8 @@ class MoE(torch.nn.Module):
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  correction_bias: bool = False, shared_intermediate_size: int = 0,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, backend: str = "auto",
-                 fused: bool = True, device=None, dtype: torch.dtype = torch.bfloat16):
+                 fused: bool = True, ep_group=None, ep_path: str = "auto", device=None,
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         act.check_activation(activation)
         if router not in ROUTERS:
@@ -274,6 +352,12 @@ class MoE(torch.nn.Module):
                              f"got {n_group}, {topk_group}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
+        if ep_path not in distributed.EP_PATHS:
+            raise ValueError(f"ep_path: expected one of {list(distributed.EP_PATHS)}, got {ep_path!r}")
+        self.ep_group, self.ep_path = ep_group, ep_path
+        # This rank's experts: all of them without expert parallelism.
+        self.expert_range = (0, num_experts) if ep_group is None else distributed.expert_range(num_experts, ep_group)
+        self.num_local_experts = self.expert_range[1] - self.expert_range[0]
         # The format the caller chose, None: the loader's (_use_format); until a loader runs, bf16's.
         self._chosen_fmt = None if fmt is None else get_format(fmt).name
         self._use_format(fmt or "bf16")
@@ -325,10 +409,20 @@ class MoE(torch.nn.Module):
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
         if tuple(w.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(w.shape)}")
+            whole = (f" (this rank's experts; or all {self.num_experts})"
+                     if self.ep_group is not None and shape[0] == self.num_local_experts else "")
+            raise ValueError(f"{name}: expected shape {tuple(shape)}{whole}, got {tuple(w.shape)}")
+
+    def _own(self, *tensors):
+        """Per-expert checkpoint tensors as this rank keeps them: the full [E, ...] cut to its
+        experts, anything else as given (the loaders check its shape next)."""
+        first, last = self.expert_range
+        return [w[first:last] if isinstance(w, torch.Tensor) and w.dim() and w.shape[0] == self.num_experts
+                and last - first != self.num_experts else w for w in tensors]
 
     def _set_biases(self, gate_up_bias, down_bias):
-        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        gate_up_bias, down_bias = self._own(gate_up_bias, down_bias)
+        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
         if self.has_expert_bias != (gate_up_bias is not None or down_bias is not None):
             raise ValueError(f"gate_up_bias, down_bias: this MoE was built with expert_bias={self.has_expert_bias}")
         if gate_up_bias is not None:
@@ -346,8 +440,11 @@ class MoE(torch.nn.Module):
         Per expert: gate, up [E, I, H] and down [E, H, I]; or a fused gate_up [E, 2I, H] whose
         rows are [gate; up] (gate_up_order="concat") or alternate (gate_up_order="interleaved",
         gpt-oss). Biases likewise: gate_bias/up_bias [E, I] or gate_up_bias [E, 2I], down_bias [E, H].
+        With expert parallelism, E may also be this rank's experts alone (num_local_experts).
         """
-        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        gate, up, gate_up, down, gate_bias, up_bias, gate_up_bias, down_bias = self._own(
+            gate, up, gate_up, down, gate_bias, up_bias, gate_up_bias, down_bias)
+        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
         if gate_up is None:
             if gate is None or up is None:
                 raise ValueError("gate, up: give both, or gate_up")
@@ -385,8 +482,11 @@ class MoE(torch.nn.Module):
     def load_fp8_block(self, *, gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv):
         """DeepSeek-V3 FP8 experts: e4m3 [E, out, in] with fp32 scale_inv [E, ceil(out/128), ceil(in/128)]
         (weight = e4m3 * scale_inv per 128x128 block). Exact for fmt="fp8_block" when I % 128 == 0
-        (gate and up blocks stay whole); other formats dequantize and requantize."""
-        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        (gate and up blocks stay whole); other formats dequantize and requantize. With expert
+        parallelism, E may also be this rank's experts alone."""
+        gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv = self._own(
+            gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv)
+        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
         nb = lambda n: math.ceil(n / 128)  # noqa: E731
         for name, w, shape in (("gate", gate, (e, i, h)), ("up", up, (e, i, h)), ("down", down, (e, h, i))):
             self._check_weight(name, w, shape)
@@ -416,10 +516,13 @@ class MoE(torch.nn.Module):
         The layer's format: "bf16_mxfp4" unless the layer was built with another fmt, i.e. the
         weight bytes kept and bf16 activations, as gpt-oss runs. MoE(..., fmt="mxfp4") keeps the
         bytes too and quantizes the activations to MXFP4 as well (so does "w4a8", to MXFP8);
-        other formats dequantize and requantize the weights."""
+        other formats dequantize and requantize the weights. With expert parallelism, E may also
+        be this rank's experts alone."""
         if self._chosen_fmt is None:
             self._use_format("bf16_mxfp4")
-        e, i, h = self.num_experts, self.intermediate_size, self.hidden_size
+        gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias = self._own(
+            gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias)
+        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
         self._check_weight("gate_up_blocks", gate_up_blocks, (e, 2 * i, h // 32, 16))
         self._check_weight("gate_up_scales", gate_up_scales, (e, 2 * i, h // 32))
         self._check_weight("down_blocks", down_blocks, (e, h, i // 32, 16))
@@ -492,7 +595,8 @@ class MoE(torch.nn.Module):
         y = moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=self.activation,
                         gate_up_layout=self.gate_up_layout, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                         intermediate_global_scale=self.intermediate_global_scale, alpha=self.swiglu_alpha,
-                        limit=self.swiglu_limit, fused=self.fused, backend=self.backend)
+                        limit=self.swiglu_limit, fused=self.fused, backend=self.backend, ep_group=self.ep_group,
+                        ep_path=self.ep_path)
         if self.shared is not None:
             s = self.shared
             y = y + s["down"](F.silu(s["gate"](x)) * s["up"](x))

@@ -1,0 +1,327 @@
+"""Expert parallelism: the MoE layer's routed experts on W GPUs (NCCL) against one GPU running the
+whole layer.
+
+    python bench/ep_layer.py --world 2 --out DIR [--tokens 1,64,512,4096,16384] [--models ...]
+
+Spawns W ranks, one GPU each. Every rank builds the whole model from the same seed
+(bench/layer_models.py: DeepSeek-V3 256 experts top-8 in fp8_block and mxfp8, gpt-oss-120b 128
+experts top-4 in bf16_mxfp4 and mxfp4, random codes) and keeps its experts [r*E/W, (r+1)*E/W)
+for the expert-parallel layer. At T tokens a rank (router choices uniform, as moe_layer.py's):
+
+    one_gpu_us         one GPU running the whole layer on T tokens (moe_forward, CUDA graph replay,
+                       L2 flushed, median: bench/timing.py's Timer)
+    ep_us              the expert-parallel layer, prefill path (counts read on the host), eager:
+                       dispatch_us + local_us + combine_us, CUDA events around each phase
+                       (distributed.dispatch; moe_forward on the received tokens;
+                       distributed.combine), medians over iterations, the slowest rank's
+    ep_graph_us        the decode path (fixed capacity, no host read) captured in a CUDA graph and
+                       replayed, at T <= 512
+    a2a_dispatch_us, a2a_combine_us   all_to_all_single alone on the same splits and bytes
+                       (uint8 rows, fp32 partial sums), the NCCL bandwidth for those messages
+    exchange_efficiency = (a2a_dispatch_us + a2a_combine_us) / (dispatch_us + combine_us)
+    dispatch_bytes, combine_bytes     bytes this rank sends to other ranks (rank 0's)
+    tokens_per_s_ratio = (T / ep_us) / (T / one_gpu_us), the speed-up of a rank's tokens
+    check: the EP layer's outputs on a rank's tokens against one GPU running the whole layer on
+    all W*T tokens (relative Frobenius error, every rank, T <= 4096)
+
+Writes DIR/ep-layer-w<W>-<GPU>.json and .csv (rows + env: script, commit (MOEGEMM_COMMIT
+overrides), NCCL version). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from layer_models import ALPHA, LIMIT, MODELS, build_weights, gate_up_layout, routing_inputs  # noqa: E402
+from timing import Timer  # noqa: E402
+
+import moegemm  # noqa: E402
+from moegemm import distributed  # noqa: E402
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TOKENS = (1, 64, 512, 4096, 16384)
+FORMATS = {"DeepSeek-V3": ("fp8_block", "mxfp8"), "gpt-oss-120b": ("bf16_mxfp4", "mxfp4")}
+CHECK_MAX_TOKENS = 4096  # a rank's tokens up to which the outputs are checked (the reference runs W*T)
+GRAPH_MAX_TOKENS = 512  # the decode path's graph is timed up to this many tokens a rank
+ITERS = 15
+TOL = 1e-3
+
+
+@dataclass
+class Row:
+    model: str
+    fmt: str
+    world: int
+    tokens: int
+    one_gpu_us: float = math.nan
+    ep_us: float = math.nan
+    dispatch_us: float = math.nan
+    local_us: float = math.nan
+    combine_us: float = math.nan
+    ep_graph_us: float = math.nan
+    a2a_dispatch_us: float = math.nan
+    a2a_combine_us: float = math.nan
+    exchange_efficiency: float = math.nan
+    exchange_share: float = math.nan
+    dispatch_bytes: int = 0
+    combine_bytes: int = 0
+    dispatch_gbps: float = math.nan
+    a2a_dispatch_gbps: float = math.nan
+    combine_gbps: float = math.nan
+    a2a_combine_gbps: float = math.nan
+    tokens_per_s_ratio: float = math.nan
+    graph_ratio_to_one_gpu: float = math.nan
+    check: str = ""
+    notes: list = field(default_factory=list)
+
+
+def _sliced(q, first, last):
+    return moegemm.QuantizedTensor(q.data[first:last], None if q.scales is None else q.scales[first:last], q.fmt,
+                                   "b", q.scale_layout, None if q.global_scale is None else q.global_scale[first:last])
+
+
+def _flush(cache):
+    import triton
+
+    triton.runtime.driver.active.clear_cache(cache)
+
+
+def _slowest(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _phases(layer_args, x, ids, tw, cache, iters):
+    """Medians (us) of dispatch, local, combine and the whole, eager, prefill path."""
+    samples = []
+    for i in range(iters + 2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        _flush(cache)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
+        sent = distributed.dispatch(x, ids, tw, layer_args["fmt"], num_experts=layer_args["num_experts"],
+                                    group=dist.group.WORLD, path="prefill")
+        events[1].record()
+        partial = moegemm.moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, *layer_args["local"],
+                                      **layer_args["kw"])
+        events[2].record()
+        distributed.combine(partial, sent)
+        events[3].record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            samples.append([events[j].elapsed_time(events[j + 1]) * 1e3 for j in range(3)])
+    return [statistics.median(s[j] for s in samples) for j in range(3)], sent
+
+
+def _a2a_us(splits_out, splits_in, row_elems, dtype, device, cache, iters):
+    send = torch.ones(sum(splits_out), row_elems, dtype=dtype, device=device)
+    recv = torch.empty(sum(splits_in), row_elems, dtype=dtype, device=device)
+    times = []
+    for i in range(iters + 2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        _flush(cache)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_to_all_single(recv, send, splits_in, splits_out)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _graph_us(fn, cache, iters):
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for i in range(iters + 2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        _flush(cache)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) -> Row:
+    row = Row(model, fmt, world, tokens)
+    experts = cfg["experts"]
+    first, last = distributed.expert_range(experts, dist.group.WORLD)
+    w_gu, w_dn = weights.ours(fmt)
+    gu_bias, dn_bias = weights.biases()
+    kw = {"gate_up_layout": gate_up_layout(fmt), "activation": cfg["activation"], "alpha": ALPHA, "limit": LIMIT,
+          "fused": True, "backend": "auto"}
+    local_kw = {**kw, "gate_up_bias": None if gu_bias is None else gu_bias[first:last],
+                "down_bias": None if dn_bias is None else dn_bias[first:last]}
+    whole_kw = {**kw, "gate_up_bias": gu_bias, "down_bias": dn_bias}
+    local = (_sliced(w_gu, first, last), _sliced(w_dn, first, last))
+    x_all, ids_all, tw_all = routing_inputs(cfg, world * tokens, 7 + tokens, device)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    x, ids, tw = x_all[mine], ids_all[mine], tw_all[mine]
+
+    def ep_layer(path):
+        return moegemm.moe_forward(x, ids, tw, *local, ep_group=dist.group.WORLD, ep_path=path, **local_kw)
+
+    got = ep_layer("prefill")
+    if tokens <= CHECK_MAX_TOKENS:
+        want = moegemm.moe_forward(x_all, ids_all, tw_all, w_gu, w_dn, **whole_kw)[mine]
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        worst = _slowest(err, device)
+        row.check = f"{'ok' if worst <= TOL else 'FAIL'} rel {worst:.1e}"
+        del want
+    timed = timer.prepare(lambda: moegemm.moe_forward(x, ids, tw, w_gu, w_dn, **whole_kw))
+    row.one_gpu_us = _slowest(timer.in_turns({"one": timed})["one"][0] * 1e3, device)
+    args = {"fmt": fmt, "num_experts": experts, "local": local, "kw": local_kw}
+    (d_us, l_us, c_us), sent = _phases(args, x, ids, tw, cache, ITERS)
+    row.dispatch_us, row.local_us, row.combine_us = (_slowest(v, device) for v in (d_us, l_us, c_us))
+    row.ep_us = _slowest(d_us + l_us + c_us, device)
+    hidden = cfg["hidden"]
+    row.a2a_dispatch_us = _slowest(_a2a_us(sent.send_splits, sent.recv_splits, sent.row_bytes, torch.uint8, device,
+                                           cache, ITERS), device)
+    row.a2a_combine_us = _slowest(_a2a_us(sent.recv_splits, sent.send_splits, hidden, torch.float32, device, cache,
+                                          ITERS), device)
+    d_bytes, c_per_col = sent.bytes_to_others()
+    row.dispatch_bytes, row.combine_bytes = d_bytes, c_per_col * hidden
+    row.dispatch_gbps = row.dispatch_bytes / row.dispatch_us / 1e3
+    row.combine_gbps = row.combine_bytes / row.combine_us / 1e3
+    row.a2a_dispatch_gbps = row.dispatch_bytes / row.a2a_dispatch_us / 1e3
+    row.a2a_combine_gbps = row.combine_bytes / row.a2a_combine_us / 1e3
+    row.exchange_efficiency = (row.a2a_dispatch_us + row.a2a_combine_us) / (row.dispatch_us + row.combine_us)
+    row.exchange_share = (row.dispatch_us + row.combine_us) / row.ep_us
+    row.tokens_per_s_ratio = row.one_gpu_us / row.ep_us
+    if tokens <= GRAPH_MAX_TOKENS:
+        row.ep_graph_us = _slowest(_graph_us(lambda: ep_layer("decode"), cache, ITERS), device)
+        row.graph_ratio_to_one_gpu = row.ep_graph_us / row.one_gpu_us
+    return row
+
+
+def _rank_main(rank, world, port, args, out_dir):
+    os.environ.update(NO_MULTICAST)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=device, timeout=datetime.timedelta(seconds=180))
+    import triton
+
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    timer = Timer(device)
+    rows, start = [], time.time()
+    with torch.no_grad():
+        for m_index, (model, cfg) in enumerate(MODELS.items()):
+            fmts = [f for f in FORMATS.get(model, ()) if f in args.formats.get(model, FORMATS[model])]
+            if not fmts:
+                continue
+            weights = build_weights(cfg, m_index, device)
+            for fmt in fmts:
+                for tokens in args.tokens:
+                    # (every rank takes the same decision: rank 0's clock)
+                    late = _slowest(float(time.time() - start > args.budget), device) > 0
+                    # An error raises on its rank, and mp.spawn ends the others (the rows so far are written).
+                    row = (Row(model, fmt, world, tokens, check="skipped (budget)") if late else
+                           _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache))
+                    rows.append(row)
+                    if rank == 0:
+                        _write(rows, world, out_dir)
+                        print(f"{model} {fmt} W={world} T={tokens}: one {row.one_gpu_us:.0f} us, ep {row.ep_us:.0f} "
+                              f"(d {row.dispatch_us:.0f} l {row.local_us:.0f} c {row.combine_us:.0f}), graph "
+                              f"{row.ep_graph_us:.0f}, a2a {row.a2a_dispatch_us:.0f}/{row.a2a_combine_us:.0f}, "
+                              f"eff {row.exchange_efficiency:.2f}, share {row.exchange_share:.2f}, "
+                              f"x{row.tokens_per_s_ratio:.2f}, {row.check} {'; '.join(row.notes)}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+def _env(world):
+    root = Path(__file__).resolve().parents[1]
+    commit = os.environ.get("MOEGEMM_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                    check=False).stdout.strip()
+        except OSError:
+            commit = ""
+    return {"script": "bench/ep_layer.py", "commit": commit, "gpu": torch.cuda.get_device_name(0), "world": world,
+            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "env": {k: os.environ.get(k) for k in NO_MULTICAST}}
+
+
+def _write(rows, world, out_dir: Path):
+    env = _env(world)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"ep-layer-w{world}-{env['gpu'].replace(' ', '-')}"
+    stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1,
+                                                    default=str))
+    with stem.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(Row("", "", 0, 0)).keys()))
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**asdict(r), "notes": "; ".join(r.notes)})
+    print(f"wrote {stem}.json, {stem}.csv ({len(rows)} rows)", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens a rank, comma-separated")
+    parser.add_argument("--models", default="", help="model:fmt,fmt;model:fmt (default: every model and format)")
+    parser.add_argument("--budget", type=float, default=420.0, help="start no row after this many seconds")
+    args = parser.parse_args(argv)
+    if torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 1
+    args.tokens = tuple(int(t) for t in args.tokens.split(","))
+    args.formats = {}
+    for part in filter(None, args.models.split(";")):
+        model, _, fmts = part.partition(":")
+        args.formats[model] = tuple(fmts.split(",")) if fmts else FORMATS[model]
+    if args.formats:
+        for model in FORMATS:
+            args.formats.setdefault(model, ())
+    os.environ.update(NO_MULTICAST)
+    with socket.socket() as s:  # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(args.world, port, args, Path(args.out)), nprocs=args.world, join=True)
+    written = json.loads(next(Path(args.out).glob(f"ep-layer-w{args.world}-*.json")).read_text())
+    return 2 if any(r["check"].startswith(("FAIL", "ERROR")) for r in written["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

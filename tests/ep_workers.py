@@ -1,0 +1,220 @@
+"""Expert-parallel checks run in W spawned processes (tests/test_distributed.py): gloo on the CPU,
+NCCL with one GPU a rank. Each rank builds the layer the single-process way and the
+expert-parallel way from the same seeds, runs its share of the tokens through the second and
+all the tokens through the first, and asserts its rows agree; an assertion in any rank fails
+the test (torch.multiprocessing re-raises it in the parent)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moegemm  # noqa: E402
+from moegemm import distributed  # noqa: E402
+from moegemm.kernels import tl_source  # noqa: E402
+
+# NVLink multicast stays off on shared GPU hosts (NCCL, PyTorch's symmetric memory, NVSHMEM).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, backend: str, check: str, *args):
+    """Run check(group, device, *args) on `world` ranks of a fresh process group."""
+    os.environ.update(NO_MULTICAST)
+    mp.spawn(_rank_main, args=(world, backend, free_port(), check, args), nprocs=world, join=True)
+
+
+def _rank_main(rank, world, backend, port, check, args):
+    os.environ.update(NO_MULTICAST)
+    if backend == "gloo":
+        # The layer's quantizers run their PyTorch forms instead of Triton's interpreter (minutes
+        # for W processes on two cores); test_moe and test_token_forms cover the interpreted kernels.
+        tl_source.interpreter_usable = lambda: False
+        torch.set_num_threads(1)  # W ranks share the cores
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=device if backend == "nccl" else None, timeout=datetime.timedelta(seconds=180))
+    try:
+        globals()[check](dist.group.WORLD, device, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_all(group, device, *checks):
+    """Several checks on one process group: each (name, *args)."""
+    for name, *args in checks:
+        globals()[name](group, device, *args)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+
+
+def _layers(fmt, world_group, device, dtype, *, hidden, width, experts, top_k, path="auto", seed=0):
+    """(single-process layer, expert-parallel layer) with the same weights; the EP layer loads the
+    full checkpoint tensors on even ranks and its own slice on odd ones (both forms accepted)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gate = torch.randn(experts, width, hidden, generator=gen) / hidden ** 0.5
+    up = torch.randn(experts, width, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(experts, hidden, width, generator=gen) / width ** 0.5
+    router = torch.randn(experts, hidden, generator=gen)
+    kw = {"fmt": fmt, "router": "softmax_topk", "dtype": dtype, "device": device}
+    one = moegemm.MoE(hidden, width, experts, top_k, **kw)
+    one.load_experts(gate=gate.to(device), up=up.to(device), down=down.to(device)).load_router(router.to(device))
+    ep = moegemm.MoE(hidden, width, experts, top_k, ep_group=world_group, ep_path=path, **kw)
+    first, last = ep.expert_range
+    own = dist.get_rank(world_group) % 2 == 1
+    cut = (lambda w: w[first:last]) if own else (lambda w: w)
+    ep.load_experts(gate=cut(gate).to(device), up=cut(up).to(device), down=cut(down).to(device))
+    ep.load_router(router.to(device))
+    if fmt == "nvfp4":  # a static intermediate global scale: the dynamic one is taken over each rank's rows
+        one.intermediate_global_scale = ep.intermediate_global_scale = torch.tensor(0.01, device=device)
+    return one, ep
+
+
+def check_layers(group, device, fmts, paths, sizes, tol):
+    """For every format and path: the EP layer's outputs for this rank's tokens against the
+    single-process layer on all ranks' tokens; ranks hold different numbers of tokens on the
+    prefill path (one holds none where `sizes` asks), the same on the decode path."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hidden, width, experts, top_k, tokens = sizes
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    for fmt in fmts:
+        one, ep = _layers(fmt, group, device, dtype, hidden=hidden, width=width, experts=experts, top_k=top_k)
+        for path in paths:
+            ep.ep_path = path
+            counts = [tokens] * world if path == "decode" else [tokens + 3 * r for r in range(world)]
+            if path == "prefill" and world > 2:
+                counts[1] = 0
+            gen = torch.Generator(device="cpu").manual_seed(1000 + sum(counts))
+            x_all = torch.randn(sum(counts), hidden, generator=gen).to(device, dtype)
+            start = sum(counts[:rank])
+            mine = x_all[start:start + counts[rank]]
+            want = one(x_all)[start:start + counts[rank]]
+            got = ep(mine)
+            assert got.shape == mine.shape and got.dtype == mine.dtype, (fmt, path, got.shape, got.dtype)
+            if path == "decode":
+                assert torch.equal(got, ep(mine)), f"{fmt} {path}: two runs differ"
+            if counts[rank]:
+                err = rel_err(got, want)
+                assert err <= tol, f"{fmt} {path} rank {rank}: relative error {err:.2e} > {tol:.0e}"
+
+
+def check_functional(group, device):
+    """moe_forward(ep_group=...): dropped choices (ids -1 or >= E) and topk_weights None, as the
+    single-process call treats them; and the counts each rank sends."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hidden, width, experts, top_k, tokens = 256, 128, 4 * world, 3, 10
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    w_gu = moegemm.quantize_weights(torch.randn(experts, 2 * width, hidden, generator=gen) / 16, "mxfp8",
+                                    scale_layout="swizzled")
+    w_dn = moegemm.quantize_weights(torch.randn(experts, hidden, width, generator=gen) / 11, "mxfp8",
+                                    scale_layout="swizzled")
+    x_all = torch.randn(world * tokens, hidden, generator=gen)
+    ids_all = torch.randint(0, experts, (world * tokens, top_k), generator=gen, dtype=torch.int32)
+    ids_all[::4, 0] = -1
+    ids_all[1::5, 1] = experts + 2
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    want = moegemm.moe_forward(x_all, ids_all, None, w_gu, w_dn, gate_up_layout="interleaved")[mine]
+    first, last = distributed.expert_range(experts, group)
+
+    def local(q):
+        scales = moegemm.layouts.unswizzle_b_scales(q.scales, q.data.shape[1], q.k // 32)[first:last]
+        return moegemm.QuantizedTensor(q.data[first:last], moegemm.layouts.swizzle_b_scales(scales), q.fmt, "b",
+                                       "swizzled")
+
+    got = moegemm.moe_forward(x_all[mine], ids_all[mine], None, local(w_gu), local(w_dn),
+                              gate_up_layout="interleaved", ep_group=group, ep_path="prefill")
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    sent = distributed.dispatch(x_all[mine], ids_all[mine], None, "mxfp8", num_experts=experts, group=group,
+                                path="prefill")
+    ids = ids_all[mine].long()
+    for r in range(world):  # a token goes once to each rank owning one of its choices
+        owns = ((ids >= r * experts // world) & (ids < (r + 1) * experts // world)).any(dim=1)
+        assert sent.send_splits[r] == int(owns.sum()), (r, sent.send_splits, owns.sum())
+    assert sent.topk_ids.shape == (sum(sent.recv_splits), top_k)
+    assert bool(((sent.topk_ids >= -1) & (sent.topk_ids < last - first)).all())
+
+
+def check_errors(group, device):
+    """Bad input names its argument; the decode path refuses unequal token counts in debug mode."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    x = torch.randn(4 + rank, 256)
+    ids = torch.zeros(4 + rank, 2, dtype=torch.int32)
+    for call, name in ((lambda: distributed.dispatch(x, ids, None, "bf16", num_experts=world + 1, group=group),
+                        "num_experts"),
+                       (lambda: distributed.dispatch(x, ids.float(), None, "bf16", num_experts=world, group=group),
+                        "topk_ids"),
+                       (lambda: distributed.dispatch(x, ids, None, "bf16", num_experts=world, group=group,
+                                                     path="fast"), "path"),
+                       (lambda: moegemm.MoE(256, 128, 3 * world + 1, 2, ep_group=group), "num_experts"),
+                       (lambda: moegemm.MoE(256, 128, 2 * world, 2, ep_group="world"), "ep_group")):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            assert name in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"{name}: no error raised")
+    layer = moegemm.MoE(256, 128, 2 * world, 2, fmt="bf16", ep_group=group, dtype=torch.float32)
+    try:
+        layer.load_experts(gate=torch.zeros(3, 128, 256), up=torch.zeros(3, 128, 256), down=torch.zeros(3, 256, 128))
+    except ValueError as e:
+        assert "gate" in str(e) and "this rank's experts" in str(e), str(e)
+    else:
+        raise AssertionError("load_experts took 3 experts")
+    os.environ["MOEGEMM_DEBUG"] = "1"
+    try:
+        distributed.dispatch(x, ids, None, "bf16", num_experts=2 * world, group=group, path="decode")
+    except ValueError as e:
+        assert "same number of tokens" in str(e), str(e)
+    else:
+        raise AssertionError("the decode path took unequal token counts")
+    finally:
+        del os.environ["MOEGEMM_DEBUG"]
+
+
+def check_graph(group, device, fmts, sizes, tol):
+    """The decode path captured in a CUDA graph (ep_path "auto" takes it while capturing) and
+    replayed on new tokens, against the single-GPU layer."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hidden, width, experts, top_k, tokens = sizes
+    for fmt in fmts:
+        one, ep = _layers(fmt, group, device, torch.bfloat16, hidden=hidden, width=width, experts=experts,
+                          top_k=top_k, path="auto")
+        static = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+        ep.ep_path = "decode"  # compile and warm up the decode path outside the capture
+        ep(static)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            ep(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        ep.ep_path = "auto"  # which takes the decode path while capturing
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ep(static)
+        gen = torch.Generator(device="cpu").manual_seed(5)
+        x_all = torch.randn(world * tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        static.copy_(x_all[rank * tokens:(rank + 1) * tokens])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = one(x_all)[rank * tokens:(rank + 1) * tokens]
+        err = rel_err(out, want)
+        assert err <= tol, f"{fmt} graph rank {rank}: relative error {err:.2e} > {tol:.0e}"

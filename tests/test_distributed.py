@@ -1,0 +1,45 @@
+"""Expert parallelism (moegemm.distributed, MoE(ep_group=...)): W spawned ranks against the
+single-process layer, every format, both paths; gloo on the CPU, NCCL on GPUs (tests/ep_workers.py)."""
+
+import pytest
+import torch
+from ep_workers import spawn
+
+import moegemm
+
+FORMATS = list(moegemm.FORMATS)
+# hidden, width, experts, top_k, tokens a rank
+CPU_SIZES = (256, 128, 8, 3, 9)
+# More experts than ranks, tiles past the first on every product, groups of tens of tokens.
+GPU_SIZES = (1024, 512, 32, 4, 96)
+GPU_TOL = 1e-3  # relative (Frobenius): the combine adds fp32 partial sums in another order
+
+
+# One spawn a group size (each rank imports torch and moegemm: seconds of make test's budget).
+def test_two_ranks_cpu():
+    spawn(2, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode"), CPU_SIZES, 1e-5),
+          ("check_functional",), ("check_errors",))
+
+
+def test_four_ranks_cpu():
+    spawn(4, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode"), CPU_SIZES, 1e-5),
+          ("check_functional",))
+
+
+def _gpus(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_matches_single_gpu_nccl(world):
+    _gpus(world)
+    spawn(world, "nccl", "check_layers", FORMATS, ("prefill", "decode"), GPU_SIZES, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_decode_path_in_cuda_graph_nccl(world):
+    _gpus(world)
+    spawn(world, "nccl", "check_graph", FORMATS, GPU_SIZES, GPU_TOL)
