@@ -20,7 +20,9 @@ for the expert-parallel layer. At T tokens a rank (router choices uniform, as mo
                        (uint8 rows, fp32 partial sums), the NCCL bandwidth for those messages
     exchange_efficiency = (a2a_dispatch_us + a2a_combine_us) / (dispatch_us + combine_us)
     dispatch_bytes, combine_bytes     bytes this rank sends to other ranks (rank 0's)
-    tokens_per_s_ratio = (T / ep_us) / (T / one_gpu_us), the speed-up of a rank's tokens
+    tokens_per_s_ratio = (W * T / ep_us) / (T / one_gpu_us): the group's tokens/s over one GPU's
+    host_us            Python time of each phase on rank 0 (where it exceeds the GPU time, the
+                       phase is host-bound)
     check: the EP layer's outputs on a rank's tokens against one GPU running the whole layer on
     all W*T tokens (relative Frobenius error, every rank, T <= 4096)
 
@@ -90,6 +92,7 @@ class Row:
     a2a_combine_gbps: float = math.nan
     tokens_per_s_ratio: float = math.nan
     graph_ratio_to_one_gpu: float = math.nan
+    host_us: list = field(default_factory=list)  # host (Python) time of dispatch, local, combine: rank 0's
     check: str = ""
     notes: list = field(default_factory=list)
 
@@ -113,25 +116,31 @@ def _slowest(value: float, device) -> float:
 
 def _phases(layer_args, x, ids, tw, cache, iters):
     """Medians (us) of dispatch, local, combine and the whole, eager, prefill path."""
-    samples = []
+    samples, host = [], []
     for i in range(iters + 2):
         torch.cuda.synchronize()
         dist.barrier()
         _flush(cache)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        clock = [time.perf_counter()]
         events[0].record()
         sent = distributed.dispatch(x, ids, tw, layer_args["fmt"], num_experts=layer_args["num_experts"],
                                     group=dist.group.WORLD, path="prefill")
         events[1].record()
+        clock.append(time.perf_counter())
         partial = moegemm.moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, *layer_args["local"],
                                       **layer_args["kw"])
         events[2].record()
-        distributed.combine(partial, sent)
+        clock.append(time.perf_counter())
+        distributed.combine(partial, sent, out_dtype=x.dtype)
         events[3].record()
+        clock.append(time.perf_counter())
         torch.cuda.synchronize()
         if i >= 2:
             samples.append([events[j].elapsed_time(events[j + 1]) * 1e3 for j in range(3)])
-    return [statistics.median(s[j] for s in samples) for j in range(3)], sent
+            host.append([(clock[j + 1] - clock[j]) * 1e6 for j in range(3)])
+    medians = [statistics.median(s[j] for s in samples) for j in range(3)]
+    return medians, [statistics.median(h[j] for h in host) for j in range(3)], sent
 
 
 def _a2a_us(splits_out, splits_in, row_elems, dtype, device, cache, iters):
@@ -207,7 +216,8 @@ def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) ->
     timed = timer.prepare(lambda: moegemm.moe_forward(x, ids, tw, w_gu, w_dn, **whole_kw))
     row.one_gpu_us = _slowest(timer.in_turns({"one": timed})["one"][0] * 1e3, device)
     args = {"fmt": fmt, "num_experts": experts, "local": local, "kw": local_kw}
-    (d_us, l_us, c_us), sent = _phases(args, x, ids, tw, cache, ITERS)
+    (d_us, l_us, c_us), host_us, sent = _phases(args, x, ids, tw, cache, ITERS)
+    row.host_us = [round(v) for v in host_us]
     row.dispatch_us, row.local_us, row.combine_us = (_slowest(v, device) for v in (d_us, l_us, c_us))
     row.ep_us = _slowest(d_us + l_us + c_us, device)
     hidden = cfg["hidden"]
@@ -223,7 +233,7 @@ def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) ->
     row.a2a_combine_gbps = row.combine_bytes / row.a2a_combine_us / 1e3
     row.exchange_efficiency = (row.a2a_dispatch_us + row.a2a_combine_us) / (row.dispatch_us + row.combine_us)
     row.exchange_share = (row.dispatch_us + row.combine_us) / row.ep_us
-    row.tokens_per_s_ratio = row.one_gpu_us / row.ep_us
+    row.tokens_per_s_ratio = world * row.one_gpu_us / row.ep_us
     if tokens <= GRAPH_MAX_TOKENS:
         row.ep_graph_us = _slowest(_graph_us(lambda: ep_layer("decode"), cache, ITERS), device)
         row.graph_ratio_to_one_gpu = row.ep_graph_us / row.one_gpu_us
@@ -261,7 +271,8 @@ def _rank_main(rank, world, port, args, out_dir):
                               f"(d {row.dispatch_us:.0f} l {row.local_us:.0f} c {row.combine_us:.0f}), graph "
                               f"{row.ep_graph_us:.0f}, a2a {row.a2a_dispatch_us:.0f}/{row.a2a_combine_us:.0f}, "
                               f"eff {row.exchange_efficiency:.2f}, share {row.exchange_share:.2f}, "
-                              f"x{row.tokens_per_s_ratio:.2f}, {row.check} {'; '.join(row.notes)}", flush=True)
+                              f"x{row.tokens_per_s_ratio:.2f}, host {row.host_us}, {row.check} {'; '.join(row.notes)}",
+                              flush=True)
             del weights
             torch.cuda.empty_cache()
     dist.destroy_process_group()

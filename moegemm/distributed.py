@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import activation as act
+from . import routing
 from .formats import get_format
 from .quantize import QuantizedTensor
 from .validation import debug_mode
@@ -47,7 +48,6 @@ from .validation import debug_mode
 __all__ = ["EP_PATHS", "Dispatched", "combine", "dispatch", "expert_range", "group_global_scale", "rank_and_size"]
 
 EP_PATHS = ("auto", "prefill", "decode")
-_ALIGN = 4  # bytes: every section of a packed row starts 4-byte aligned (its ids and weights are 32-bit)
 
 
 def rank_and_size(group) -> tuple[int, int]:
@@ -77,66 +77,62 @@ def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _RowLayout:
-    """Where a token's parts lie in a packed byte row: (start, end) in bytes, and their dtypes."""
+    """Where a token's parts lie in a packed byte row, (start, end) in bytes: its k weights (fp32)
+    and ids (int32), then its scales and data, so that every part starts aligned to its dtype and
+    the data and scales can be read in place (a row's length is a multiple of their sizes)."""
 
-    data: tuple[int, int]
-    data_dtype: torch.dtype
+    weights: tuple[int, int]
+    ids: tuple[int, int]
     scales: tuple[int, int] | None
     scales_dtype: torch.dtype | None
-    ids: tuple[int, int]
-    weights: tuple[int, int]
+    data: tuple[int, int]
+    data_dtype: torch.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.weights[1]
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+        return self.data[1]
 
 
 def _row_layout(q: QuantizedTensor, top_k: int) -> _RowLayout:
-    data_bytes = q.data.shape[1] * q.data.element_size()
-    end = _aligned(data_bytes)
-    scales = None
+    weights = (0, 4 * top_k)
+    ids = (weights[1], 2 * weights[1])
+    end, scales = ids[1], None
     if q.scales is not None:
-        scale_bytes = q.scales.shape[1] * q.scales.element_size()
-        scales = (end, end + scale_bytes)
-        end = _aligned(end + scale_bytes)
-    ids = (end, end + 4 * top_k)
-    return _RowLayout((0, data_bytes), q.data.dtype, scales, None if q.scales is None else q.scales.dtype,
-                      ids, (ids[1], ids[1] + 4 * top_k))
+        scales = (end, end + q.scales.shape[1] * q.scales.element_size())
+        end = scales[1]
+    return _RowLayout(weights, ids, scales, None if q.scales is None else q.scales.dtype,
+                      (end, end + q.data.shape[1] * q.data.element_size()), q.data.dtype)
 
 
-def _pack(q: QuantizedTensor, layout: _RowLayout, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-    """[T, layout.nbytes] uint8: each token's data, scales (q's plain [T, ...] tensors), ids
-    (int32) and weights (fp32)."""
-    rows = q.data.shape[0]
-    packed = torch.zeros(rows, layout.nbytes, dtype=torch.uint8, device=q.data.device)
-    packed[:, slice(*layout.data)] = q.data.view(torch.uint8)
-    if layout.scales is not None:
-        packed[:, slice(*layout.scales)] = q.scales.view(torch.uint8)
-    packed[:, slice(*layout.ids)] = topk_ids.to(torch.int32).view(torch.uint8)
-    packed[:, slice(*layout.weights)] = topk_weights.to(torch.float32).view(torch.uint8)
-    return packed
+def _pack(q: QuantizedTensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """[T, row bytes] uint8 in _row_layout's order, one copy."""
+    parts = [topk_weights.to(torch.float32).view(torch.uint8), topk_ids.to(torch.int32).view(torch.uint8)]
+    if q.scales is not None:
+        parts.append(q.scales.view(torch.uint8))
+    parts.append(q.data.view(torch.uint8))
+    return torch.cat(parts, dim=1)
 
 
 def _section(rows: torch.Tensor, span: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """Columns `span` of packed rows viewed as `dtype` (rows keep the packed stride; no copy)."""
-    return rows[:, span[0]:span[1]].view(dtype)
+    """Columns `span` of packed rows viewed as `dtype`, in place where the row length allows it."""
+    part = rows[:, span[0]:span[1]]
+    size = torch.empty((), dtype=dtype).element_size()
+    return part.view(dtype) if rows.stride(0) % size == 0 else part.contiguous().view(dtype)
 
 
 @dataclass(frozen=True)
 class Dispatched:
-    """What a rank received, and how to send the partial sums back.
+    """What a rank received, and how its partial sums go back.
 
     tokens:       the received tokens [R, ...], the format's A operand in the plain layout (the
-                  nvfp4 global scale the sender used)
+                  nvfp4 global scale the senders used)
     topk_ids:     int32 [R, k]: this rank's experts as local ids (expert - first), others -1
     topk_weights: fp32 [R, k]
-    send_token:   int64 [S]: the source token of each row this rank sent, grouped by destination
+    sent_to:      bool [T, W]: which ranks this rank's tokens went to
+    source_rows:  int64 [T, W]: where token t's row for rank r lies in what this rank sent (and
+                  where its partial sum from r lies in what comes back): destination-major,
+                  token order within a destination
     send_splits, recv_splits: rows sent to and received from each rank
-    num_tokens:   T, this rank's tokens
     row_bytes:    bytes of one packed token row
     path:         "prefill" or "decode", the path taken
     """
@@ -144,10 +140,10 @@ class Dispatched:
     tokens: QuantizedTensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
-    send_token: torch.Tensor
+    sent_to: torch.Tensor
+    source_rows: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    num_tokens: int
     row_bytes: int
     path: str
     group: object
@@ -206,30 +202,36 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     num_tokens, top_k = topk_ids.shape
     device = x.device
     path = _chosen_path(path, device)
+    if path == "decode":
+        if debug_mode():
+            _check_same_tokens(num_tokens, group, device)
+        sent_to = torch.ones(num_tokens, world, dtype=torch.bool, device=device)
+    else:
+        ids = topk_ids.long()
+        dest = torch.where((ids >= 0) & (ids < num_experts), ids.div(per_rank, rounding_mode="floor"), world)
+        sent_to = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device).scatter_(1, dest, True)
+        sent_to = sent_to[:, :world]
+    counts = sent_to.sum(dim=0)
+    if path == "prefill":
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)
+    # Row of token t's copy for rank r among the rows sent, destination-major.
+    source_rows = sent_to.long().cumsum(dim=0) - 1 + (counts.cumsum(dim=0) - counts)
     if f.a.global_scale and global_scale is None:
         global_scale = group_global_scale(x, group)
     tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
     weights = topk_weights if topk_weights is not None else torch.ones(topk_ids.shape, device=device)
     layout = _row_layout(tokens, top_k)
-    packed = _pack(tokens, layout, topk_ids, weights)
+    packed = _pack(tokens, topk_ids, weights)
     if path == "decode":
-        if debug_mode():
-            _check_same_tokens(num_tokens, group, device)
-        send_token = torch.arange(num_tokens, device=device).repeat(world)
         send_splits = recv_splits = [num_tokens] * world
-    else:
-        ids = topk_ids.long()
-        valid = (ids >= 0) & (ids < num_experts)
-        dest = torch.where(valid, ids.div(max(per_rank, 1), rounding_mode="floor"), world)
-        needs = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device)
-        needs.scatter_(1, dest, True)
-        needs = needs[:, :world]
-        counts = needs.sum(dim=0)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
+    else:  # the host read (after the work above is queued)
         send_splits, recv_splits = counts.tolist(), recv_counts.tolist()
-        send_token = needs.t().nonzero()[:, 1]  # destination-major, token order within a destination
-    send = packed.index_select(0, send_token)
+    total = sum(send_splits)
+    spare = torch.where(sent_to, source_rows, total).reshape(-1)  # rows not sent go to a spare slot
+    send_token = torch.empty(total + 1, dtype=torch.long, device=device)
+    send_token.scatter_(0, spare, torch.arange(num_tokens, device=device).repeat_interleave(world))
+    send = packed.index_select(0, send_token[:total])
     recv = packed.new_empty(sum(recv_splits), layout.nbytes)
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
     data = _section(recv, layout.data, layout.data_dtype)
@@ -237,23 +239,17 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     received = QuantizedTensor(data, scales, f.name, "a", "plain", tokens.global_scale)
     local = _section(recv, layout.ids, torch.int32).long() - first
     local_ids = torch.where((local >= 0) & (local < per_rank), local, -1).to(torch.int32)
-    local_weights = _section(recv, layout.weights, torch.float32).contiguous()
-    return Dispatched(received, local_ids, local_weights, send_token, send_splits, recv_splits, num_tokens,
-                      layout.nbytes, path, group)
+    return Dispatched(received, local_ids, _section(recv, layout.weights, torch.float32).contiguous(), sent_to,
+                      source_rows, send_splits, recv_splits, layout.nbytes, path, group)
 
 
-def combine(partial: torch.Tensor, sent: Dispatched) -> torch.Tensor:
+def combine(partial: torch.Tensor, sent: Dispatched, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The partial sums [R, H] of the received tokens back to their ranks, added at the source in
-    rank order: [T, H] fp32."""
+    rank order with fp32 accumulation: [T, H] in out_dtype."""
     rows = sum(sent.recv_splits)
     if not isinstance(partial, torch.Tensor) or partial.dim() != 2 or partial.shape[0] != rows:
         raise ValueError(f"partial: expected [{rows}, H] (the received tokens), got {getattr(partial, 'shape', None)}")
     partial = partial.to(torch.float32).contiguous()
-    back = partial.new_empty(sent.send_token.numel(), partial.shape[1])
+    back = partial.new_empty(sum(sent.send_splits), partial.shape[1])
     dist.all_to_all_single(back, partial, sent.send_splits, sent.recv_splits, group=sent.group)
-    out = torch.zeros(sent.num_tokens, partial.shape[1], dtype=torch.float32, device=partial.device)
-    start = 0
-    for count in sent.send_splits:  # within one rank's rows every token appears at most once
-        out.index_add_(0, sent.send_token[start:start + count], back[start:start + count])
-        start += count
-    return out
+    return routing.sum_rows(back, sent.source_rows, sent.sent_to, out_dtype)

@@ -50,7 +50,7 @@ from .formats import get_format
 from .fused import fused_pays, fused_supports
 from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
-from .routing import RoutingPlan, route, row_experts, unpermute_tokens
+from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
 from .token_forms import TokenForm, token_form
 from .validation import GroupedProblem, check_no_grad
 
@@ -177,15 +177,15 @@ def _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, ep_group, e
                                 group=ep_group, path=ep_path, global_scale=global_scale)
     partial = _moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, w_gate_up, w_down,
                            input_global_scale=None, **layer)  # (the tokens carry it)
-    return distributed.combine(partial, sent).to(x.dtype)
+    return distributed.combine(partial, sent, out_dtype=x.dtype)
 
 
 def _place_tokens(tokens: QuantizedTensor, plan: RoutingPlan, layout: str, a_scale_offsets, bound: int):
     """Tokens already in the plain A operand -> the grouped rows of the plan, in `layout` (the
-    byte moves of scatter_quantize without its quantization: the same operand)."""
-    rows = plan.token_index
-    data = tokens.data.index_select(0, rows)
-    scales = None if tokens.scales is None else tokens.scales.index_select(0, rows)
+    byte moves of scatter_quantize without its quantization: the same operand; rows of dropped
+    choices unwritten, as there)."""
+    data = scatter_tokens(tokens.data, plan)
+    scales = None if tokens.scales is None else scatter_tokens(tokens.scales, plan)
     if scales is None or layout == "plain":
         return QuantizedTensor(data, scales, tokens.fmt, "a", "plain", tokens.global_scale)
     scales = layouts.place_a_scales(scales, row_experts(plan), plan.a_offsets, a_scale_offsets, bound)

@@ -4,6 +4,8 @@
     a    = permute_tokens(x, plan)                          # [T*k, K]: rows grouped by expert
     c    = grouped_matmul(a, w, ..., plan.a_offsets, plan.expert_ids, ...)
     y    = unpermute_tokens(c, plan)                        # [T, N]: sum_j w[t, j] * c[row of (t, j)]
+    a    = scatter_tokens(x, plan)                          # permute_tokens' valid rows only, each token read once
+    y    = sum_rows(c, rows, valid)                         # [T, N]: sum_j c[rows[t, j]] over valid j
 
 One slot per expert (slot e holds expert e; empty experts are empty groups). A choice whose
 id lies outside [0, num_experts) is dropped: it gets no group row and adds nothing to the
@@ -35,6 +37,8 @@ __all__ = [
     "permute_tokens",
     "route",
     "route_reference",
+    "scatter_tokens",
+    "sum_rows",
     "unpermute_tokens",
     "unpermute_tokens_reference",
 ]
@@ -166,6 +170,41 @@ def permute_tokens(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     if x.shape[0] != plan.num_tokens:
         raise ValueError(f"x: expected {plan.num_tokens} rows (the routed tokens), got shape {tuple(x.shape)}")
     return x.index_select(0, plan.token_index)
+
+
+def scatter_tokens(x: torch.Tensor, plan: RoutingPlan, *, backend: str = "auto") -> torch.Tensor:
+    """[T, C] token rows of any dtype (unit column stride) -> [T*k, C]: each token's row stored to
+    the grouped rows of its valid choices, read once. Unlike permute_tokens, the rows of dropped
+    choices (past a_offsets[E]) are left unwritten."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != plan.num_tokens:
+        raise ValueError(f"x: expected [{plan.num_tokens}, C] (the routed tokens), got {getattr(x, 'shape', None)}")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError(f"x: expected unit stride along columns, got strides {x.stride()}")
+    if not _use_triton(backend, x.device):
+        src = x.view(torch.uint8)  # (byte moves: index_put has no float8 kernels)
+        out = src.new_empty(plan.num_grouped_rows, src.shape[1])
+        tokens = torch.arange(plan.num_tokens, device=x.device).unsqueeze(1).expand(plan.grouped_row.shape)
+        out[plan.grouped_row[plan.valid]] = src[tokens[plan.valid]]
+        return out.view(x.dtype)
+    rows = kernels.scatter_rows(x.view(torch.uint8), plan.grouped_row, plan.valid, plan.num_grouped_rows)
+    return rows.view(x.dtype)
+
+
+def sum_rows(y: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+             backend: str = "auto") -> torch.Tensor:
+    """[T, N]: out[t] = sum_j y[rows[t, j]] over the j with valid[t, j], accumulated in fp32 in j
+    order (unpermute_tokens without weights, on any table of rows; rows of invalid j are never
+    read)."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape != getattr(valid, "shape", None):
+        raise ValueError(f"rows, valid: expected two [T, J] tensors, got {getattr(rows, 'shape', None)} and "
+                         f"{getattr(valid, 'shape', None)}")
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y: expected [M, N], got {getattr(y, 'shape', None)}")
+    out_dtype = out_dtype or y.dtype
+    if not _use_triton(backend, y.device):
+        picked = y.index_select(0, torch.where(valid, rows, 0).reshape(-1)).float().reshape(*rows.shape, y.shape[1])
+        return torch.where(valid.unsqueeze(-1), picked, 0.0).sum(dim=1).to(out_dtype)
+    return kernels.unpermute(y, rows.long(), valid, None, None, None, out_dtype)
 
 
 def _choice_experts(plan: RoutingPlan) -> torch.Tensor:

@@ -87,3 +87,16 @@ def test_a_swizzle_with_an_upper_bound_of_blocks():
     assert torch.equal(layouts.unswizzle_a_scales(swz, a_offsets, 20, 3), plain)
     with pytest.raises(ValueError, match="num_blocks"):
         layouts.swizzle_a_scales(plain, a_offsets, num_blocks=1)
+
+
+@pytest.mark.parametrize("dropped", [0, 9])
+def test_place_a_scales_equals_swizzle_without_a_host_read(dropped):
+    """Rows of grouped slots (some empty, one past a 128-row block) plus `dropped` rows outside
+    every slot (slot G), which get no scales."""
+    a_offsets = torch.tensor([0, 5, 5, 140, 300], dtype=torch.int32)
+    rows = 300 + dropped
+    plain = distinct_bytes(rows, 6)
+    slot = torch.searchsorted(a_offsets[1:].contiguous(), torch.arange(rows, dtype=torch.int32), right=True)
+    bound = math.ceil(rows / 128) + 4
+    got = layouts.place_a_scales(plain, slot, a_offsets, layouts.a_scale_offsets(a_offsets), bound)
+    assert torch.equal(got, layouts.swizzle_a_scales(plain[:300], a_offsets, bound))

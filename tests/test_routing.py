@@ -259,6 +259,40 @@ def test_triton_on_the_cpu_without_the_interpreter_names_the_cpu_extra(monkeypat
     assert tl_source.interpreter_note("cuda") == ""
 
 
+def check_scatter_tokens(device, t, k, e, drop, dtype, cols):
+    """scatter_tokens (Triton) against the PyTorch form and against permute_tokens: the valid
+    choices' rows bit for bit, the dropped choices' rows left as they were (poisoned here)."""
+    ids, _ = messy_topk(t, k, e, drop, device=device)
+    plan = routing.route(ids, e, backend="torch")
+    x = torch.randn(t, cols + 3, device=device).to(dtype)[:, :cols]  # strided rows
+    got = routing.scatter_tokens(x, plan)
+    want = routing.scatter_tokens(x, plan, backend="torch")
+    rows = plan.grouped_row[plan.valid]
+    bits = lambda v: v.view(torch.uint8)  # noqa: E731  (NaN-safe, float8-safe comparison)
+    assert torch.equal(bits(got[rows]), bits(want[rows]))
+    assert torch.equal(bits(got[rows]), bits(routing.permute_tokens(x.contiguous(), plan)[rows]))
+    assert got.shape == (t * k, cols) and got.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.float32])
+def test_scatter_tokens_writes_the_valid_choices(dtype):
+    check_scatter_tokens("cpu", 37, 3, 5, 0.3, dtype, 70)
+    check_scatter_tokens("cpu", 0, 3, 5, 0.3, dtype, 70)
+
+
+def test_sum_rows_matches_torch():
+    y = torch.randn(50, 33)
+    y[7] = float("nan")  # read by no valid entry
+    rows = torch.randint(0, 50, (20, 3))
+    valid = torch.rand(20, 3) < 0.7
+    valid[rows == 7] = False
+    got = routing.sum_rows(y, rows, valid, torch.bfloat16)
+    want = routing.sum_rows(y, rows, valid, torch.bfloat16, backend="torch")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="rows, valid"):
+        routing.sum_rows(y, rows, valid[:, :2])
+
+
 ROUTING_SIGNATURES = {
     "routing_histogram_kernel": {"ids_ptr": "*i32", "counts_ptr": "*i32", "n": "i32", "E": "i32"},
     "routing_offsets_kernel": {"counts_ptr": "*i32", "base_ptr": "*i32", "a_offsets_ptr": "*i32",
@@ -271,11 +305,14 @@ ROUTING_SIGNATURES = {
                                "expert_of_row_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                                **{name: "i32" for name in ("T", "N", "stride_ym", "stride_yn", "stride_be",
                                                            "stride_bn")}},
+    "routing_scatter_rows_kernel": {"src_ptr": "*u8", "grouped_row_ptr": "*i64", "valid_ptr": "*u8", "out_ptr": "*u8",
+                                    **{name: "i32" for name in ("T", "C", "stride_src", "stride_out")}},
 }
 
 
 @pytest.mark.parametrize("name,experts", [(name, e) for name in ROUTING_SIGNATURES for e in (8, 512)
-                                          if e == 8 or name != "routing_combine_kernel"])
+                                          if e == 8 or name not in ("routing_combine_kernel",
+                                                                    "routing_scatter_rows_kernel")])
 def test_routing_kernels_compile_for_sm90(name, experts):
     from moegemm.kernels import offline
 
@@ -287,6 +324,8 @@ def test_routing_kernels_compile_for_sm90(name, experts):
         "routing_scatter_kernel": ({"NUM_BINS": bins, "BLOCK": block, "SUB": sub}, 4),
         "routing_combine_kernel": ({"K": 8, "HAS_WEIGHTS": True, "HAS_BIAS": True, "BLOCK_T": 32, "BLOCK_N": 128},
                                    routing_kernels.COMBINE_WARPS),
+        "routing_scatter_rows_kernel": ({"K": 8, "BLOCK_T": routing_kernels.SCATTER_ROWS_BLOCK[0],
+                                         "BLOCK_C": routing_kernels.SCATTER_ROWS_BLOCK[1]}, 4),
     }[name]
     kernel = getattr(routing_kernels.kernel_module(False), name)
     compiled = offline.compile_for_sm90(kernel, ROUTING_SIGNATURES[name], constexprs, {"num_warps": warps})
@@ -310,3 +349,10 @@ def test_triton_route_matches_reference_bitwise_gpu(t, k, e, drop):
 def test_triton_unpermute_matches_reference_gpu(with_weights, with_bias, y_dtype, out_dtype):
     check_combine("cuda", 1000, 8, 32, 200, with_weights, with_bias, y_dtype, out_dtype)
     check_combine("cuda", 5, 2, 3, 7, with_weights, with_bias, y_dtype, out_dtype, plan_without_experts=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_scatter_tokens_writes_the_valid_choices_gpu(dtype):
+    check_scatter_tokens("cuda", 3000, 8, 64, 0.4, dtype, 7168)
+    check_scatter_tokens("cuda", 5, 2, 3, 0.5, dtype, 90)

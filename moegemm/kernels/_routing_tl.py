@@ -6,6 +6,7 @@
     scatter     program b places its choices, SUB at a time: row = base[b, e] + (earlier
                 choices of e in b); also valid[i] (and offsets writes expert_ids = arange(E))
     combine     out[t] = sum_j w[t, j] * (y[grouped_row[t, j]] (+ bias[e_tj])), in fp32
+    scatter_rows  out[grouped_row[t, j]] = src[t] for the valid choices: each row read once
 
 Key of a choice: its expert id when in [0, E), else E (dropped: sorted after every group, in
 flat order). Rows are therefore a stable sort of the keys, as moegemm.routing.route_reference
@@ -146,3 +147,23 @@ def routing_combine_kernel(y_ptr, grouped_row_ptr, valid_ptr, weights_ptr, exper
         acc += tl.where(m, v, 0.0)
     out_offs = t.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def routing_scatter_rows_kernel(src_ptr, grouped_row_ptr, valid_ptr, out_ptr, T, C, stride_src, stride_out,
+                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Bytes of token rows src [T, C] to the grouped rows of their valid choices (rows of
+    dropped choices are not written): each tile of src is loaded once and stored K times."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = t < T
+    c_ok = cols < C
+    m = t_ok[:, None] & c_ok[None, :]
+    tile = tl.load(src_ptr + t.to(tl.int64)[:, None] * stride_src + cols[None, :], mask=m, other=0)
+    for j in tl.static_range(K):
+        choice = t.to(tl.int64) * K + j
+        row = tl.load(grouped_row_ptr + choice, mask=t_ok, other=0)
+        ok = (tl.load(valid_ptr + choice, mask=t_ok, other=0) != 0) & t_ok
+        tl.store(out_ptr + row[:, None] * stride_out + cols[None, :], tile, mask=ok[:, None] & c_ok[None, :])

@@ -146,3 +146,23 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
         K=k, HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=COMBINE_WARPS,
     )
     return out
+
+
+SCATTER_ROWS_BLOCK = (16, 512)  # (tokens, bytes) a program of scatter_rows
+
+
+def scatter_rows(src: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """uint8 rows src [T, C] (unit column stride) -> [num_rows, C] with out[grouped_row[t, j]] =
+    src[t] for every valid choice; the other rows are left unwritten (torch.empty)."""
+    t, k = grouped_row.shape
+    c = src.shape[1]
+    out = torch.empty(num_rows, c, dtype=torch.uint8, device=src.device)
+    if t == 0 or c == 0 or k == 0:
+        return out
+    module = kernel_module(src.device.type == "cpu")
+    block_t, block_c = SCATTER_ROWS_BLOCK
+    grid = (triton.cdiv(t, block_t), triton.cdiv(c, block_c))
+    module.routing_scatter_rows_kernel[grid](src, grouped_row.contiguous(), valid.contiguous().view(torch.uint8), out,
+                                             t, c, src.stride(0), out.stride(0), K=k, BLOCK_T=block_t,
+                                             BLOCK_C=block_c, num_warps=4)
+    return out
