@@ -10,21 +10,23 @@ for the expert-parallel layer. At T tokens a rank (router choices uniform, as mo
 
     one_gpu_us         one GPU running the whole layer on T tokens (moe_forward, CUDA graph replay,
                        L2 flushed, median: bench/timing.py's Timer)
-    ep_us              the expert-parallel layer, prefill path (counts read on the host), eager:
-                       dispatch_us + local_us + combine_us, CUDA events around each phase
-                       (distributed.dispatch; moe_forward on the received tokens;
-                       distributed.combine), medians over iterations, the slowest rank's
-    ep_graph_us        the decode path (fixed capacity, no host read) captured in a CUDA graph and
-                       replayed, at T <= 512
-    a2a_dispatch_us, a2a_combine_us   all_to_all_single alone on the same splits and bytes
-                       (uint8 rows, fp32 partial sums), the NCCL bandwidth for those messages
-    exchange_efficiency = (a2a_dispatch_us + a2a_combine_us) / (dispatch_us + combine_us)
-    dispatch_bytes, combine_bytes     bytes this rank sends to other ranks (rank 0's)
-    tokens_per_s_ratio = (W * T / ep_us) / (T / one_gpu_us): the group's tokens/s over one GPU's
-    host_us            Python time of each phase on rank 0 (where it exceeds the GPU time, the
-                       phase is host-bound)
-    check: the EP layer's outputs on a rank's tokens against one GPU running the whole layer on
-    all W*T tokens (relative Frobenius error, every rank, T <= 4096)
+    graph_*            the decode path (fixed capacity, no host read), its three phases each
+                       captured in a CUDA graph and replayed in turn: graph_dispatch_us
+                       (distributed.dispatch), graph_local_us (moe_forward on the received
+                       tokens), graph_combine_us (distributed.combine), GPU time without host
+                       gaps; medians, L2 flushed, the slowest rank's
+    ep_us, dispatch_us, local_us, combine_us   the prefill path (counts read on the host), eager,
+                       CUDA events around each phase; host_us the Python time of each phase on
+                       rank 0 (a phase whose host time exceeds its GPU time is host-bound: the
+                       host read leaves the GPU idle until the next launches arrive)
+    *a2a_dispatch_us, *a2a_combine_us   all_to_all_single alone on the same splits and bytes (uint8
+                       rows, fp32 partial sums): the NCCL time for those messages
+    *exchange_share    (dispatch + combine) / the layer; *exchange_efficiency = (a2a dispatch +
+                       a2a combine) / (dispatch + combine)
+    *dispatch_bytes, *combine_bytes   bytes rank 0 sends to other ranks
+    *tokens_per_s_ratio = (W * T / EP time) / (T / one_gpu_us): the group's tokens/s over one GPU's
+    check: the EP layer's outputs on a rank's tokens (both paths) against one GPU running the
+    whole layer on all W*T tokens (relative Frobenius error, the worst rank, T <= 4096)
 
 Writes DIR/ep-layer-w<W>-<GPU>.json and .csv (rows + env: script, commit (MOEGEMM_COMMIT
 overrides), NCCL version). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the others).
@@ -63,7 +65,6 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 TOKENS = (1, 64, 512, 4096, 16384)
 FORMATS = {"DeepSeek-V3": ("fp8_block", "mxfp8"), "gpt-oss-120b": ("bf16_mxfp4", "mxfp4")}
 CHECK_MAX_TOKENS = 4096  # a rank's tokens up to which the outputs are checked (the reference runs W*T)
-GRAPH_MAX_TOKENS = 512  # the decode path's graph is timed up to this many tokens a rank
 ITERS = 15
 TOL = 1e-3
 
@@ -75,24 +76,32 @@ class Row:
     world: int
     tokens: int
     one_gpu_us: float = math.nan
+    # the decode path, each phase a CUDA graph (GPU time)
+    graph_us: float = math.nan
+    graph_dispatch_us: float = math.nan
+    graph_local_us: float = math.nan
+    graph_combine_us: float = math.nan
+    graph_a2a_dispatch_us: float = math.nan
+    graph_a2a_combine_us: float = math.nan
+    graph_exchange_share: float = math.nan
+    graph_exchange_efficiency: float = math.nan
+    graph_tokens_per_s_ratio: float = math.nan
+    graph_ratio_to_one_gpu: float = math.nan
+    graph_dispatch_bytes: int = 0
+    graph_combine_bytes: int = 0
+    # the prefill path, eager (counts read on the host)
     ep_us: float = math.nan
     dispatch_us: float = math.nan
     local_us: float = math.nan
     combine_us: float = math.nan
-    ep_graph_us: float = math.nan
+    host_us: list = field(default_factory=list)  # Python time of dispatch, local, combine: rank 0's
     a2a_dispatch_us: float = math.nan
     a2a_combine_us: float = math.nan
-    exchange_efficiency: float = math.nan
     exchange_share: float = math.nan
+    exchange_efficiency: float = math.nan
+    tokens_per_s_ratio: float = math.nan
     dispatch_bytes: int = 0
     combine_bytes: int = 0
-    dispatch_gbps: float = math.nan
-    a2a_dispatch_gbps: float = math.nan
-    combine_gbps: float = math.nan
-    a2a_combine_gbps: float = math.nan
-    tokens_per_s_ratio: float = math.nan
-    graph_ratio_to_one_gpu: float = math.nan
-    host_us: list = field(default_factory=list)  # host (Python) time of dispatch, local, combine: rank 0's
     check: str = ""
     notes: list = field(default_factory=list)
 
@@ -128,8 +137,7 @@ def _phases(layer_args, x, ids, tw, cache, iters):
                                     group=dist.group.WORLD, path="prefill")
         events[1].record()
         clock.append(time.perf_counter())
-        partial = moegemm.moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, *layer_args["local"],
-                                      **layer_args["kw"])
+        partial = _local(layer_args, sent)
         events[2].record()
         clock.append(time.perf_counter())
         distributed.combine(partial, sent, out_dtype=x.dtype)
@@ -161,30 +169,49 @@ def _a2a_us(splits_out, splits_in, row_elems, dtype, device, cache, iters):
     return statistics.median(times)
 
 
-def _graph_us(fn, cache, iters):
-    fn()
+def _decode_phases_us(layer_args, x, ids, tw, cache, iters):
+    """The decode path's three phases, each captured in its own CUDA graph (the next reads the
+    previous one's outputs) and replayed in turn: medians (us) of their GPU times, no host."""
+    def phases():
+        sent = distributed.dispatch(x, ids, tw, layer_args["fmt"], num_experts=layer_args["num_experts"],
+                                    group=dist.group.WORLD, path="decode")
+        partial = _local(layer_args, sent)
+        return sent, partial, distributed.combine(partial, sent, out_dtype=x.dtype)
+
+    phases()  # compile, then warm up on a side stream as capture wants
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
+        phases()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
+    graphs = [torch.cuda.CUDAGraph() for _ in range(3)]
+    with torch.cuda.graph(graphs[0]):
+        sent = distributed.dispatch(x, ids, tw, layer_args["fmt"], num_experts=layer_args["num_experts"],
+                                    group=dist.group.WORLD, path="decode")
+    with torch.cuda.graph(graphs[1]):
+        partial = _local(layer_args, sent)
+    with torch.cuda.graph(graphs[2]):
+        distributed.combine(partial, sent, out_dtype=x.dtype)
+    samples = []
     for i in range(iters + 2):
         torch.cuda.synchronize()
         dist.barrier()
         _flush(cache)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
+        for graph, event in zip(graphs, events[1:]):
+            graph.replay()
+            event.record()
         torch.cuda.synchronize()
         if i >= 2:
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+            samples.append([events[j].elapsed_time(events[j + 1]) * 1e3 for j in range(3)])
+    return [statistics.median(s[j] for s in samples) for j in range(3)], sent
+
+
+def _local(layer_args, sent):
+    return moegemm.moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, *layer_args["local"],
+                               **layer_args["kw"])
 
 
 def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) -> Row:
@@ -209,34 +236,46 @@ def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) ->
     got = ep_layer("prefill")
     if tokens <= CHECK_MAX_TOKENS:
         want = moegemm.moe_forward(x_all, ids_all, tw_all, w_gu, w_dn, **whole_kw)[mine]
-        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        worst = _slowest(err, device)
+        worst = 0.0
+        for path, out in (("prefill", got), ("decode", ep_layer("decode"))):
+            worst = max(worst, _slowest(((out.double() - want.double()).norm() / want.double().norm()).item(),
+                                        device))
         row.check = f"{'ok' if worst <= TOL else 'FAIL'} rel {worst:.1e}"
         del want
     timed = timer.prepare(lambda: moegemm.moe_forward(x, ids, tw, w_gu, w_dn, **whole_kw))
     row.one_gpu_us = _slowest(timer.in_turns({"one": timed})["one"][0] * 1e3, device)
     args = {"fmt": fmt, "num_experts": experts, "local": local, "kw": local_kw}
+    hidden = cfg["hidden"]
+
+    def a2a(sent):
+        return (_slowest(_a2a_us(sent.send_splits, sent.recv_splits, sent.row_bytes, torch.uint8, device, cache,
+                                 ITERS), device),
+                _slowest(_a2a_us(sent.recv_splits, sent.send_splits, hidden, torch.float32, device, cache, ITERS),
+                         device))
+
+    phases, sent = _decode_phases_us(args, x, ids, tw, cache, ITERS)
+    row.graph_dispatch_us, row.graph_local_us, row.graph_combine_us = (_slowest(v, device) for v in phases)
+    row.graph_us = _slowest(sum(phases), device)
+    row.graph_a2a_dispatch_us, row.graph_a2a_combine_us = a2a(sent)
+    d_bytes, c_per_col = sent.bytes_to_others()
+    row.graph_dispatch_bytes, row.graph_combine_bytes = d_bytes, c_per_col * hidden
+    exchange = row.graph_dispatch_us + row.graph_combine_us
+    row.graph_exchange_share = exchange / row.graph_us
+    row.graph_exchange_efficiency = (row.graph_a2a_dispatch_us + row.graph_a2a_combine_us) / exchange
+    row.graph_tokens_per_s_ratio = world * row.one_gpu_us / row.graph_us
+    row.graph_ratio_to_one_gpu = row.graph_us / row.one_gpu_us
+    del sent
+
     (d_us, l_us, c_us), host_us, sent = _phases(args, x, ids, tw, cache, ITERS)
     row.host_us = [round(v) for v in host_us]
     row.dispatch_us, row.local_us, row.combine_us = (_slowest(v, device) for v in (d_us, l_us, c_us))
     row.ep_us = _slowest(d_us + l_us + c_us, device)
-    hidden = cfg["hidden"]
-    row.a2a_dispatch_us = _slowest(_a2a_us(sent.send_splits, sent.recv_splits, sent.row_bytes, torch.uint8, device,
-                                           cache, ITERS), device)
-    row.a2a_combine_us = _slowest(_a2a_us(sent.recv_splits, sent.send_splits, hidden, torch.float32, device, cache,
-                                          ITERS), device)
+    row.a2a_dispatch_us, row.a2a_combine_us = a2a(sent)
     d_bytes, c_per_col = sent.bytes_to_others()
     row.dispatch_bytes, row.combine_bytes = d_bytes, c_per_col * hidden
-    row.dispatch_gbps = row.dispatch_bytes / row.dispatch_us / 1e3
-    row.combine_gbps = row.combine_bytes / row.combine_us / 1e3
-    row.a2a_dispatch_gbps = row.dispatch_bytes / row.a2a_dispatch_us / 1e3
-    row.a2a_combine_gbps = row.combine_bytes / row.a2a_combine_us / 1e3
-    row.exchange_efficiency = (row.a2a_dispatch_us + row.a2a_combine_us) / (row.dispatch_us + row.combine_us)
     row.exchange_share = (row.dispatch_us + row.combine_us) / row.ep_us
+    row.exchange_efficiency = (row.a2a_dispatch_us + row.a2a_combine_us) / (row.dispatch_us + row.combine_us)
     row.tokens_per_s_ratio = world * row.one_gpu_us / row.ep_us
-    if tokens <= GRAPH_MAX_TOKENS:
-        row.ep_graph_us = _slowest(_graph_us(lambda: ep_layer("decode"), cache, ITERS), device)
-        row.graph_ratio_to_one_gpu = row.ep_graph_us / row.one_gpu_us
     return row
 
 
@@ -267,11 +306,16 @@ def _rank_main(rank, world, port, args, out_dir):
                     rows.append(row)
                     if rank == 0:
                         _write(rows, world, out_dir)
-                        print(f"{model} {fmt} W={world} T={tokens}: one {row.one_gpu_us:.0f} us, ep {row.ep_us:.0f} "
-                              f"(d {row.dispatch_us:.0f} l {row.local_us:.0f} c {row.combine_us:.0f}), graph "
-                              f"{row.ep_graph_us:.0f}, a2a {row.a2a_dispatch_us:.0f}/{row.a2a_combine_us:.0f}, "
-                              f"eff {row.exchange_efficiency:.2f}, share {row.exchange_share:.2f}, "
-                              f"x{row.tokens_per_s_ratio:.2f}, host {row.host_us}, {row.check} {'; '.join(row.notes)}",
+                        r = row
+                        print(f"{model} {fmt} W={world} T={tokens}: one {r.one_gpu_us:.0f} us | graphs "
+                              f"{r.graph_us:.0f} (d {r.graph_dispatch_us:.0f} l {r.graph_local_us:.0f} c "
+                              f"{r.graph_combine_us:.0f}; a2a {r.graph_a2a_dispatch_us:.0f}/"
+                              f"{r.graph_a2a_combine_us:.0f}) share {r.graph_exchange_share:.2f} eff "
+                              f"{r.graph_exchange_efficiency:.2f} "
+                              f"x{r.graph_tokens_per_s_ratio:.2f} ratio {r.graph_ratio_to_one_gpu:.2f} | eager "
+                              f"{r.ep_us:.0f} (d {r.dispatch_us:.0f} l {r.local_us:.0f} c {r.combine_us:.0f}; a2a "
+                              f"{r.a2a_dispatch_us:.0f}/{r.a2a_combine_us:.0f}) share {r.exchange_share:.2f} eff "
+                              f"{r.exchange_efficiency:.2f} x{r.tokens_per_s_ratio:.2f} host {r.host_us} | {r.check}",
                               flush=True)
             del weights
             torch.cuda.empty_cache()

@@ -117,7 +117,10 @@ def _section(rows: torch.Tensor, span: tuple[int, int], dtype: torch.dtype) -> t
     """Columns `span` of packed rows viewed as `dtype`, in place where the row length allows it."""
     part = rows[:, span[0]:span[1]]
     size = torch.empty((), dtype=dtype).element_size()
-    return part.view(dtype) if rows.stride(0) % size == 0 else part.contiguous().view(dtype)
+    if rows.stride(0) % size == 0:
+        return part.view(dtype)
+    # (a copy with fresh strides: contiguous() keeps a single row's odd stride)
+    return torch.empty(part.shape, dtype=torch.uint8, device=rows.device).copy_(part).view(dtype)
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class Dispatched:
                   where its partial sum from r lies in what comes back): destination-major,
                   token order within a destination
     send_splits, recv_splits: rows sent to and received from each rank
+    group_tokens: the tokens of every rank together (the batch a single GPU would run)
     row_bytes:    bytes of one packed token row
     path:         "prefill" or "decode", the path taken
     """
@@ -144,6 +148,7 @@ class Dispatched:
     source_rows: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
+    group_tokens: int
     row_bytes: int
     path: str
     group: object
@@ -212,9 +217,10 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         sent_to = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device).scatter_(1, dest, True)
         sent_to = sent_to[:, :world]
     counts = sent_to.sum(dim=0)
-    if path == "prefill":
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
+    if path == "prefill":  # to rank r: the rows it gets from this rank, and this rank's T
+        exchanged = torch.stack((counts, torch.full_like(counts, num_tokens)), dim=1)
+        received = torch.empty_like(exchanged)
+        dist.all_to_all_single(received, exchanged, group=group)
     # Row of token t's copy for rank r among the rows sent, destination-major.
     source_rows = sent_to.long().cumsum(dim=0) - 1 + (counts.cumsum(dim=0) - counts)
     if f.a.global_scale and global_scale is None:
@@ -225,8 +231,11 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     packed = _pack(tokens, topk_ids, weights)
     if path == "decode":
         send_splits = recv_splits = [num_tokens] * world
+        group_tokens = world * num_tokens
     else:  # the host read (after the work above is queued)
-        send_splits, recv_splits = counts.tolist(), recv_counts.tolist()
+        send_splits = counts.tolist()
+        recv_splits, tokens_of = (list(column) for column in zip(*received.tolist()))
+        group_tokens = sum(tokens_of)
     total = sum(send_splits)
     spare = torch.where(sent_to, source_rows, total).reshape(-1)  # rows not sent go to a spare slot
     send_token = torch.empty(total + 1, dtype=torch.long, device=device)
@@ -236,11 +245,11 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
     data = _section(recv, layout.data, layout.data_dtype)
     scales = None if layout.scales is None else _section(recv, layout.scales, layout.scales_dtype)
-    received = QuantizedTensor(data, scales, f.name, "a", "plain", tokens.global_scale)
+    tokens_in = QuantizedTensor(data, scales, f.name, "a", "plain", tokens.global_scale)
     local = _section(recv, layout.ids, torch.int32).long() - first
     local_ids = torch.where((local >= 0) & (local < per_rank), local, -1).to(torch.int32)
-    return Dispatched(received, local_ids, _section(recv, layout.weights, torch.float32).contiguous(), sent_to,
-                      source_rows, send_splits, recv_splits, layout.nbytes, path, group)
+    return Dispatched(tokens_in, local_ids, _section(recv, layout.weights, torch.float32).contiguous(), sent_to,
+                      source_rows, send_splits, recv_splits, group_tokens, layout.nbytes, path, group)
 
 
 def combine(partial: torch.Tensor, sent: Dispatched, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

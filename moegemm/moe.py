@@ -175,8 +175,10 @@ def _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, ep_group, e
     global_scale = layer.pop("input_global_scale")
     sent = distributed.dispatch(x, topk_ids, topk_weights, fmt, num_experts=w_gate_up.data.shape[0] * world,
                                 group=ep_group, path=ep_path, global_scale=global_scale)
+    # The layer's choices (the fused epilogue) are those of one GPU running the group's whole batch.
+    per_expert = sent.group_tokens * topk_ids.shape[1] / (w_gate_up.data.shape[0] * world)
     partial = _moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, w_gate_up, w_down,
-                           input_global_scale=None, **layer)  # (the tokens carry it)
+                           input_global_scale=None, tokens_per_expert=per_expert, **layer)  # (the tokens carry it)
     return distributed.combine(partial, sent, out_dtype=x.dtype)
 
 
@@ -195,9 +197,11 @@ def _place_tokens(tokens: QuantizedTensor, plan: RoutingPlan, layout: str, a_sca
 
 def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, gate_up_layout, gate_up_bias,
                  down_bias, gate_up_scales, down_scales, input_global_scale, intermediate_global_scale, alpha, limit,
-                 fused, backend):
+                 fused, backend, tokens_per_expert=None):
     """x: [T, H] float tokens, or their plain A operand of the weights' format (a QuantizedTensor:
-    placed, not quantized again; the result is then fp32, a partial sum for the combine)."""
+    placed, not quantized again; the result is then fp32, a partial sum for the combine).
+    tokens_per_expert: the batch's average that decides the fused epilogue (rows / E when None);
+    expert parallelism passes the group's, so that every rank decides as one GPU would."""
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     given = isinstance(x, QuantizedTensor)
     check_no_grad("moe_forward", x=x.data if given else x, topk_weights=topk_weights, gate_up_bias=gate_up_bias,
@@ -214,9 +218,10 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
     aso = plan.a_scale_offsets if layout == "swizzled" and get_format(fmt).a_scaled else None
     hidden = w_gate_up.k
+    per_expert = plan.num_grouped_rows / max(num_experts, 1) if tokens_per_expert is None else tokens_per_expert
     shapes = (fmt, layout, plan.num_grouped_rows, plan.expert_ids.shape[0], hidden, w_gate_up.data.shape[1],
               num_experts, gate_up_layout, backend, topk_ids.device, bool(fused), intermediate_global_scale is not None,
-              given)
+              given, float(per_expert))
     steps = _steps(*shapes) if isinstance(backend, str) else _steps.__wrapped__(*shapes)
     # Every row the combine reads lies in a group, and the down product writes all of them: no zero
     # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
@@ -249,18 +254,19 @@ class _Steps(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: int, num_experts: int,
            gate_up_layout: str, backend: str, device: torch.device, fused: bool, static_intermediate: bool,
-           tokens_given: bool) -> _Steps:
+           tokens_given: bool, tokens_per_expert: float) -> _Steps:
     """How the layer runs its products for these shapes (host values only: the weight shapes and
     the plan's row and slot bounds), decided once per shape.
 
-    fused: where the fused SwiGLU epilogue measured faster (fused.fused_pays), and for nvfp4 only
+    fused: where the fused SwiGLU epilogue measured faster (fused.fused_pays at tokens_per_expert),
+    and for nvfp4 only
     with a static intermediate global scale. Token forms: only where both products run on the
     sm90 block-format kernels, gate/up interleaved; the fused epilogue writes the down product's
     form only where it is the bf16 one, the format's operand otherwise. The weight-only formats
     have none: their tokens are bf16 as they are, as the bf16 format's. tokens_given: the tokens
     arrive as the format's operand (expert parallelism), placed as they are: no form of their own."""
     f = get_format(fmt)
-    fused = fused and fused_pays(fmt, two_i, hidden, rows / max(groups, 1)) and (
+    fused = fused and fused_pays(fmt, two_i, hidden, tokens_per_expert) and (
         static_intermediate or not f.a.global_scale)
     up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
     down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
