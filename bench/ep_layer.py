@@ -12,8 +12,8 @@ for the expert-parallel layer. At T tokens a rank (router choices uniform, as mo
                        L2 flushed, median: bench/timing.py's Timer)
     graph_*            the decode path (fixed capacity, no host read), its three phases each
                        captured in a CUDA graph and replayed in turn: graph_dispatch_us
-                       (distributed.dispatch), graph_local_us (moe_forward on the received
-                       tokens), graph_combine_us (distributed.combine), GPU time without host
+                       (distributed.dispatch), graph_local_us (moe.moe_forward_received, the
+                       rank's experts), graph_combine_us (distributed.combine), GPU time without host
                        gaps; medians, L2 flushed, the slowest rank's
     ep_us, dispatch_us, local_us, combine_us   the prefill path (counts read on the host), eager,
                        CUDA events around each phase; host_us the Python time of each phase on
@@ -210,8 +210,7 @@ def _decode_phases_us(layer_args, x, ids, tw, cache, iters):
 
 
 def _local(layer_args, sent):
-    return moegemm.moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, *layer_args["local"],
-                               **layer_args["kw"])
+    return moegemm.moe.moe_forward_received(sent, *layer_args["local"], **layer_args["kw"])
 
 
 def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) -> Row:
@@ -221,7 +220,7 @@ def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) ->
     w_gu, w_dn = weights.ours(fmt)
     gu_bias, dn_bias = weights.biases()
     kw = {"gate_up_layout": gate_up_layout(fmt), "activation": cfg["activation"], "alpha": ALPHA, "limit": LIMIT,
-          "fused": True, "backend": "auto"}
+          "fused": True, "backend": "auto"}  # (moe_forward's defaults but these)
     local_kw = {**kw, "gate_up_bias": None if gu_bias is None else gu_bias[first:last],
                 "down_bias": None if dn_bias is None else dn_bias[first:last]}
     whole_kw = {**kw, "gate_up_bias": gu_bias, "down_bias": dn_bias}

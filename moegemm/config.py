@@ -7,6 +7,7 @@ MOEGEMM_PRINT_CONFIG=1 prints each choice once. Tests may force a choice with
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ __all__ = [
     "Mxfp8Config",
     "PortableConfig",
     "override_config",
+    "planned_tokens_per_slot",
     "portable_config",
     "sm90_config",
     "sm90_mx_config",
@@ -339,6 +341,29 @@ def override_config(config):
             _overrides[kind] = previous
 
 
+# Tokens a slot the sm90 kernels are chosen for inside planned_tokens_per_slot, else None.
+_planned: contextvars.ContextVar[float | None] = contextvars.ContextVar("moegemm_planned_tokens", default=None)
+
+
+@contextlib.contextmanager
+def planned_tokens_per_slot(tokens_per_slot: float):
+    """Choose every sm90 kernel and config inside the block as if its slots held this many tokens
+    on average, whatever the rows of the call: under expert parallelism a rank runs its share of
+    a batch with the kernels one GPU would choose for the whole batch, so that the arithmetic (the
+    kernel, its sums' order, the fused epilogue) and so the results are the same. Any choice is
+    correct for any group sizes; only its speed depends on them."""
+    token = _planned.set(float(tokens_per_slot))
+    try:
+        yield
+    finally:
+        _planned.reset(token)
+
+
+def _tokens_per_slot(tokens_per_slot: float) -> float:
+    planned = _planned.get()
+    return tokens_per_slot if planned is None else planned
+
+
 def _print_choice(kind: str, key: str, config):
     if os.environ.get("MOEGEMM_PRINT_CONFIG", "0") not in ("", "0"):
         print(f"[moegemm] {kind} config {key}: {config}")
@@ -355,7 +380,7 @@ def sm90_config(fmt: Format, n: int, k: int, tokens_per_slot: float, out_bytes: 
     """The dense kernel's config: a pure function of (format, N, K, token regime); the regime is
     M / G, known on the host. `fused`: the kernel runs the fused SwiGLU epilogue."""
     forced = _overrides.get("sm90")
-    config = forced or _sm90_config(fmt.name, n, k, _regime(tokens_per_slot), out_bytes, fused)
+    config = forced or _sm90_config(fmt.name, n, k, _regime(_tokens_per_slot(tokens_per_slot)), out_bytes, fused)
     return _checked(config, fmt, out_bytes, fused)
 
 
@@ -413,7 +438,8 @@ def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: b
     `fused`: the ring is shortened, if need be, for the fused epilogue's scratch."""
     # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
     smallest = 8 if fmt.name in ("mxfp4", "w4a8") else 16
-    config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k, _regime(tokens_per_slot, smallest))
+    config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k,
+                                                          _regime(_tokens_per_slot(tokens_per_slot), smallest))
     return _checked(config, fmt, 2, fused)
 
 

@@ -75,52 +75,60 @@ def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
     return torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax)).reshape(())
 
 
+_WORD = 8  # bytes: packed rows are moved as int64 words
+
+
 @dataclass(frozen=True)
 class _RowLayout:
-    """Where a token's parts lie in a packed byte row, (start, end) in bytes: its k weights (fp32)
-    and ids (int32), then its scales and data, so that every part starts aligned to its dtype and
-    the data and scales can be read in place (a row's length is a multiple of their sizes)."""
+    """Where a token's parts lie in a packed row, (start, end) in bytes: its data first (a
+    multiple of 16 bytes for every format: K is a multiple of 32), then its k weights (fp32) and
+    ids (int32), then its scales, the row padded to whole words; every part starts aligned to its
+    dtype, so that each is read in place."""
 
+    data: tuple[int, int]
+    data_dtype: torch.dtype
     weights: tuple[int, int]
     ids: tuple[int, int]
     scales: tuple[int, int] | None
     scales_dtype: torch.dtype | None
-    data: tuple[int, int]
-    data_dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.data[1]
+    nbytes: int
 
 
 def _row_layout(q: QuantizedTensor, top_k: int) -> _RowLayout:
-    weights = (0, 4 * top_k)
-    ids = (weights[1], 2 * weights[1])
+    data = (0, q.data.shape[1] * q.data.element_size())
+    weights = (data[1], data[1] + 4 * top_k)
+    ids = (weights[1], weights[1] + 4 * top_k)
     end, scales = ids[1], None
     if q.scales is not None:
         scales = (end, end + q.scales.shape[1] * q.scales.element_size())
         end = scales[1]
-    return _RowLayout(weights, ids, scales, None if q.scales is None else q.scales.dtype,
-                      (end, end + q.data.shape[1] * q.data.element_size()), q.data.dtype)
+    return _RowLayout(data, q.data.dtype, weights, ids, scales, None if q.scales is None else q.scales.dtype,
+                      -(-end // _WORD) * _WORD)
 
 
-def _pack(q: QuantizedTensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """[T, row bytes] uint8 in _row_layout's order, one copy."""
-    parts = [topk_weights.to(torch.float32).view(torch.uint8), topk_ids.to(torch.int32).view(torch.uint8)]
-    if q.scales is not None:
-        parts.append(q.scales.view(torch.uint8))
-    parts.append(q.data.view(torch.uint8))
-    return torch.cat(parts, dim=1)
+def _pack(q: QuantizedTensor, layout: _RowLayout, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """[T, row words] int64 in _row_layout's order: the data moved as words, the rest as bytes."""
+    rows = q.data.shape[0]
+    packed = torch.empty(rows, layout.nbytes // _WORD, dtype=torch.int64, device=q.data.device)
+    raw = packed.view(torch.uint8)
+    data = q.data.view(torch.uint8)
+    if layout.data[1] % _WORD == 0:
+        packed[:, :layout.data[1] // _WORD] = data.view(torch.int64)
+    else:
+        raw[:, slice(*layout.data)] = data
+    raw[:, slice(*layout.weights)] = topk_weights.to(torch.float32).view(torch.uint8)
+    raw[:, slice(*layout.ids)] = topk_ids.to(torch.int32).view(torch.uint8)
+    end = layout.ids[1]
+    if layout.scales is not None:
+        raw[:, slice(*layout.scales)] = q.scales.view(torch.uint8)
+        end = layout.scales[1]
+    raw[:, end:] = 0
+    return packed
 
 
 def _section(rows: torch.Tensor, span: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """Columns `span` of packed rows viewed as `dtype`, in place where the row length allows it."""
-    part = rows[:, span[0]:span[1]]
-    size = torch.empty((), dtype=dtype).element_size()
-    if rows.stride(0) % size == 0:
-        return part.view(dtype)
-    # (a copy with fresh strides: contiguous() keeps a single row's odd stride)
-    return torch.empty(part.shape, dtype=torch.uint8, device=rows.device).copy_(part).view(dtype)
+    """Bytes `span` of packed rows (int64 words) viewed as `dtype`, in place."""
+    return rows.view(torch.uint8)[:, span[0]:span[1]].view(dtype)
 
 
 @dataclass(frozen=True)
@@ -228,7 +236,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
     weights = topk_weights if topk_weights is not None else torch.ones(topk_ids.shape, device=device)
     layout = _row_layout(tokens, top_k)
-    packed = _pack(tokens, topk_ids, weights)
+    packed = _pack(tokens, layout, topk_ids, weights)
     if path == "decode":
         send_splits = recv_splits = [num_tokens] * world
         group_tokens = world * num_tokens
@@ -241,7 +249,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     send_token = torch.empty(total + 1, dtype=torch.long, device=device)
     send_token.scatter_(0, spare, torch.arange(num_tokens, device=device).repeat_interleave(world))
     send = packed.index_select(0, send_token[:total])
-    recv = packed.new_empty(sum(recv_splits), layout.nbytes)
+    recv = packed.new_empty(sum(recv_splits), packed.shape[1])
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
     data = _section(recv, layout.data, layout.data_dtype)
     scales = None if layout.scales is None else _section(recv, layout.scales, layout.scales_dtype)

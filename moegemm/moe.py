@@ -38,6 +38,7 @@ Routers (MoE.route_tokens), the three the supported checkpoints use:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import activation as act
-from . import distributed, layouts
+from . import config, distributed, layouts
 from .formats import get_format
 from .fused import fused_pays, fused_supports
 from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
@@ -54,7 +55,7 @@ from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_
 from .token_forms import TokenForm, token_form
 from .validation import GroupedProblem, check_no_grad
 
-__all__ = ["MoE", "moe_forward", "ROUTERS"]
+__all__ = ["MoE", "moe_forward", "moe_forward_received", "ROUTERS"]
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 
@@ -142,9 +143,7 @@ def moe_forward(
     ep_path: "prefill" (counts read on the host), "decode" (fixed capacity, no host read, the
     same T on every rank) or "auto" (decode while a CUDA graph is captured); distributed.py.
     nvfp4: the token global scale defaults to the amax over every rank's tokens. Custom layers
-    may run the steps themselves: distributed.dispatch, then moe_forward on the received
-    tokens (x = sent.tokens, already the format's A operand: placed, not quantized again; the
-    result is the fp32 partial sum), then distributed.combine.
+    may run the steps themselves: distributed.dispatch, moe_forward_received, distributed.combine.
     """
     if ep_group is not None:
         return _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, ep_group=ep_group, ep_path=ep_path,
@@ -171,15 +170,33 @@ def _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, ep_group, e
     """moe_forward over an expert-parallel group: dispatch, this rank's experts, combine."""
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     _, world = distributed.rank_and_size(ep_group)
-    fmt = w_gate_up.fmt
-    global_scale = layer.pop("input_global_scale")
-    sent = distributed.dispatch(x, topk_ids, topk_weights, fmt, num_experts=w_gate_up.data.shape[0] * world,
-                                group=ep_group, path=ep_path, global_scale=global_scale)
-    # The layer's choices (the fused epilogue) are those of one GPU running the group's whole batch.
-    per_expert = sent.group_tokens * topk_ids.shape[1] / (w_gate_up.data.shape[0] * world)
-    partial = _moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, w_gate_up, w_down,
-                           input_global_scale=None, tokens_per_expert=per_expert, **layer)  # (the tokens carry it)
-    return distributed.combine(partial, sent, out_dtype=x.dtype)
+    sent = distributed.dispatch(x, topk_ids, topk_weights, w_gate_up.fmt,
+                                num_experts=w_gate_up.data.shape[0] * world, group=ep_group, path=ep_path,
+                                global_scale=layer.pop("input_global_scale"))
+    return distributed.combine(moe_forward_received(sent, w_gate_up, w_down, **layer), sent, out_dtype=x.dtype)
+
+
+def moe_forward_received(sent: distributed.Dispatched, w_gate_up: QuantizedTensor, w_down: QuantizedTensor,
+                         **layer) -> torch.Tensor:
+    """This rank's experts (w_gate_up, w_down: its E_local) on the tokens distributed.dispatch
+    brought, with moe_forward's keyword arguments (but ep_*): the fp32 partial sums [R, H] that
+    distributed.combine sends back. The layer's choices (the fused epilogue, the kernels and
+    their tiles) are those one GPU would make for the group's whole batch, so that each rank
+    runs the same arithmetic as that GPU."""
+    _, world = distributed.rank_and_size(sent.group)
+    per_expert = sent.group_tokens * sent.topk_ids.shape[1] / (w_gate_up.data.shape[0] * world)
+    layer = {**_received_defaults(), **layer}
+    with config.planned_tokens_per_slot(per_expert):
+        return _moe_forward(sent.tokens, sent.topk_ids, sent.topk_weights, w_gate_up, w_down,
+                            input_global_scale=None, tokens_per_expert=per_expert, **layer)  # (the tokens carry it)
+
+
+@functools.cache
+def _received_defaults() -> dict:
+    """moe_forward's keyword defaults that moe_forward_received takes."""
+    given_elsewhere = ("gate_up_layout", "input_global_scale", "ep_group", "ep_path")
+    return {name: p.default for name, p in inspect.signature(moe_forward).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name not in given_elsewhere}
 
 
 def _place_tokens(tokens: QuantizedTensor, plan: RoutingPlan, layout: str, a_scale_offsets, bound: int):

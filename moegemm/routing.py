@@ -186,8 +186,14 @@ def scatter_tokens(x: torch.Tensor, plan: RoutingPlan, *, backend: str = "auto")
         tokens = torch.arange(plan.num_tokens, device=x.device).unsqueeze(1).expand(plan.grouped_row.shape)
         out[plan.grouped_row[plan.valid]] = src[tokens[plan.valid]]
         return out.view(x.dtype)
-    rows = kernels.scatter_rows(x.view(torch.uint8), plan.grouped_row, plan.valid, plan.num_grouped_rows)
-    return rows.view(x.dtype)
+    rows = x.view(torch.uint8)
+    for wide in (torch.int64, torch.int32, torch.int16):  # the widest word the rows allow: fewer, wider moves
+        size = wide.itemsize
+        if rows.shape[1] % size == 0 and rows.stride(0) % size == 0 and rows.data_ptr() % size == 0:
+            rows = rows.view(wide)
+            break
+    out = kernels.scatter_rows(rows, plan.grouped_row, plan.valid, plan.num_grouped_rows)
+    return out.view(torch.uint8).view(x.dtype)
 
 
 def sum_rows(y: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, out_dtype: torch.dtype | None = None, *,

@@ -305,7 +305,7 @@ ROUTING_SIGNATURES = {
                                "expert_of_row_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                                **{name: "i32" for name in ("T", "N", "stride_ym", "stride_yn", "stride_be",
                                                            "stride_bn")}},
-    "routing_scatter_rows_kernel": {"src_ptr": "*u8", "grouped_row_ptr": "*i64", "valid_ptr": "*u8", "out_ptr": "*u8",
+    "routing_scatter_rows_kernel": {"src_ptr": "*i64", "grouped_row_ptr": "*i64", "valid_ptr": "*u8", "out_ptr": "*i64",
                                     **{name: "i32" for name in ("T", "C", "stride_src", "stride_out")}},
 }
 
@@ -325,7 +325,7 @@ def test_routing_kernels_compile_for_sm90(name, experts):
         "routing_combine_kernel": ({"K": 8, "HAS_WEIGHTS": True, "HAS_BIAS": True, "BLOCK_T": 32, "BLOCK_N": 128},
                                    routing_kernels.COMBINE_WARPS),
         "routing_scatter_rows_kernel": ({"K": 8, "BLOCK_T": routing_kernels.SCATTER_ROWS_BLOCK[0],
-                                         "BLOCK_C": routing_kernels.SCATTER_ROWS_BLOCK[1]}, 4),
+                                         "BLOCK_C": routing_kernels.SCATTER_ROWS_BLOCK[1] // 8}, 4),
     }[name]
     kernel = getattr(routing_kernels.kernel_module(False), name)
     compiled = offline.compile_for_sm90(kernel, ROUTING_SIGNATURES[name], constexprs, {"num_warps": warps})

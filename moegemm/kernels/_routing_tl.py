@@ -152,8 +152,8 @@ def routing_combine_kernel(y_ptr, grouped_row_ptr, valid_ptr, weights_ptr, exper
 @triton.jit
 def routing_scatter_rows_kernel(src_ptr, grouped_row_ptr, valid_ptr, out_ptr, T, C, stride_src, stride_out,
                                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Bytes of token rows src [T, C] to the grouped rows of their valid choices (rows of
-    dropped choices are not written): each tile of src is loaded once and stored K times."""
+    """Token rows src [T, C] (words of any width) to the grouped rows of their valid choices (rows
+    of dropped choices are not written): each tile of src is loaded once and stored K times."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -148,19 +148,19 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
     return out
 
 
-SCATTER_ROWS_BLOCK = (16, 512)  # (tokens, bytes) a program of scatter_rows
+SCATTER_ROWS_BLOCK = (16, 1024)  # (tokens, bytes) a program of scatter_rows
 
 
 def scatter_rows(src: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """uint8 rows src [T, C] (unit column stride) -> [num_rows, C] with out[grouped_row[t, j]] =
-    src[t] for every valid choice; the other rows are left unwritten (torch.empty)."""
+    """Rows src [T, C] of 1-, 2-, 4- or 8-byte words (unit column stride) -> [num_rows, C] with
+    out[grouped_row[t, j]] = src[t] for every valid choice; the other rows are left unwritten."""
     t, k = grouped_row.shape
     c = src.shape[1]
-    out = torch.empty(num_rows, c, dtype=torch.uint8, device=src.device)
+    out = torch.empty(num_rows, c, dtype=src.dtype, device=src.device)
     if t == 0 or c == 0 or k == 0:
         return out
     module = kernel_module(src.device.type == "cpu")
-    block_t, block_c = SCATTER_ROWS_BLOCK
+    block_t, block_c = SCATTER_ROWS_BLOCK[0], max(16, SCATTER_ROWS_BLOCK[1] // src.element_size())
     grid = (triton.cdiv(t, block_t), triton.cdiv(c, block_c))
     module.routing_scatter_rows_kernel[grid](src, grouped_row.contiguous(), valid.contiguous().view(torch.uint8), out,
                                              t, c, src.stride(0), out.stride(0), K=k, BLOCK_T=block_t,
