@@ -229,8 +229,10 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         exchanged = torch.stack((counts, torch.full_like(counts, num_tokens)), dim=1)
         received = torch.empty_like(exchanged)
         dist.all_to_all_single(received, exchanged, group=group)
-    # Row of token t's copy for rank r among the rows sent, destination-major.
-    source_rows = sent_to.long().cumsum(dim=0) - 1 + (counts.cumsum(dim=0) - counts)
+    # Row of token t's copy for rank r among the rows sent, destination-major. (The scan runs along
+    # the tokens as the last dimension: along the first, torch scans [T, W] with W threads.)
+    before = sent_to.t().long().cumsum(dim=1) - 1
+    source_rows = (before + (counts.cumsum(dim=0) - counts).unsqueeze(1)).t()
     if f.a.global_scale and global_scale is None:
         global_scale = group_global_scale(x, group)
     tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
