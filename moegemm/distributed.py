@@ -2,8 +2,8 @@
 each rank's partial sums come back.
 
     sent    = dispatch(x, topk_ids, topk_weights, fmt, num_experts=E, group=group)
-    partial = the rank's experts on (sent.tokens, sent.topk_ids, sent.topk_weights)   [R, H] fp32
-    y       = combine(partial, sent)                                                 [T, H] fp32
+    partial = moe.moe_forward_received(sent, w_gate_up, w_down, ...)  the rank's experts  [R, H] fp32
+    y       = combine(partial, sent, out_dtype)                                      [T, H]
 
 moegemm.moe_forward(..., ep_group=group) and moegemm.MoE(..., ep_group=group) compose these;
 custom layers can call them directly. Placement: rank r of a group of W owns the experts
@@ -12,8 +12,8 @@ custom layers can call them directly. Placement: rank r of a group of W owns the
 Dispatch quantizes every token once into the format's A operand in the plain layout (e4m3 and
 scales for fp8_block, mxfp8 and w4a8; e2m1 and scales for mxfp4 and nvfp4; bf16 rows for bf16
 and the weight-only formats), the bytes the single-GPU layer would compute for the token, packs
-them with the token's k global expert ids and weights into one byte row, and exchanges the rows
-with one all_to_all_single. The receiving rank keeps the ids of its own experts (made local) and
+them with the token's k global expert ids and weights into one row of int64 words, and exchanges
+the rows with one all_to_all_single. The receiving rank keeps the ids of its own experts (made local) and
 marks the others -1, which the layer's routing drops.
 
 Two paths, which every rank of the group must take together:
@@ -176,6 +176,9 @@ def _check_dispatch_args(x, topk_ids, topk_weights, path):
         raise ValueError(f"topk_ids: expected [{x.shape[0]}, k], got {getattr(topk_ids, 'shape', None)}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t is not None and getattr(t, "device", x.device) != x.device:
+            raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
     if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
                                      or topk_weights.shape != topk_ids.shape):
         raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}, got "
@@ -209,7 +212,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     when None (the same on every rank, so that the received tokens share one)."""
     _check_dispatch_args(x, topk_ids, topk_weights, path)
     f = get_format(fmt)
-    rank, world = rank_and_size(group)
+    _, world = rank_and_size(group)
     first, last = expert_range(num_experts, group)
     per_rank = last - first
     num_tokens, top_k = topk_ids.shape

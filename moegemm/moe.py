@@ -450,10 +450,10 @@ class MoE(torch.nn.Module):
             raise ValueError(f"gate_up_bias, down_bias: this MoE was built with expert_bias={self.has_expert_bias}")
         if gate_up_bias is not None:
             self._check_weight("gate_up_bias", gate_up_bias, (e, 2 * i))
-            self.gate_up_bias = gate_up_bias.float().contiguous()
+            self.gate_up_bias = gate_up_bias.detach().float().contiguous()  # (a checkpoint's Parameter: no grad)
         if down_bias is not None:
             self._check_weight("down_bias", down_bias, (e, h))
-            self.down_bias = down_bias.float().contiguous()
+            self.down_bias = down_bias.detach().float().contiguous()
 
     @torch.no_grad()
     def load_experts(self, *, gate=None, up=None, gate_up=None, down, gate_up_order: str = "concat",

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moegemm  # noqa: E402
 from moegemm import distributed  # noqa: E402
@@ -33,9 +34,12 @@ def free_port() -> int:
 
 
 def spawn(world: int, backend: str, check: str, *args):
-    """Run check(group, device, *args) on `world` ranks of a fresh process group."""
+    """Run check(group, device, *args) on `world` ranks of a fresh process group: forked on the CPU
+    (the ranks inherit the imported modules: seconds of make test a rank), spawned for GPUs (CUDA
+    cannot be forked)."""
     os.environ.update(NO_MULTICAST)
-    mp.spawn(_rank_main, args=(world, backend, free_port(), check, args), nprocs=world, join=True)
+    mp.start_processes(_rank_main, args=(world, backend, free_port(), check, args), nprocs=world, join=True,
+                       start_method="fork" if backend == "gloo" else "spawn")
 
 
 def _rank_main(rank, world, backend, port, check, args):
@@ -151,6 +155,23 @@ def check_functional(group, device):
         assert sent.send_splits[r] == int(owns.sum()), (r, sent.send_splits, owns.sum())
     assert sent.topk_ids.shape == (sum(sent.recv_splits), top_k)
     assert bool(((sent.topk_ids >= -1) & (sent.topk_ids < last - first)).all())
+
+
+def check_transformers_blocks(group, device):
+    """hf.from_transformers(block, ep_group=...) on each supported block kind against the same
+    block built on one process (the same seed on every rank), every rank on its own tokens."""
+    import hf_moe
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for kind in hf_moe.KINDS:
+        torch.manual_seed(3)
+        block = hf_moe.build_block(kind)  # (8 or 16 experts: two ranks divide them)
+        one = moegemm.hf.from_transformers(block, "mxfp8")
+        ep = moegemm.hf.from_transformers(block, "mxfp8", ep_group=group)
+        x = torch.randn(world * 6, one.hidden_size, generator=torch.Generator().manual_seed(4))
+        mine = slice(rank * 6, (rank + 1) * 6)
+        err = rel_err(ep(x[mine]), one(x)[mine])
+        assert err <= 1e-5, f"{kind}: relative error {err:.2e}"
 
 
 def check_errors(group, device):

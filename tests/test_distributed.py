@@ -21,6 +21,11 @@ def test_two_ranks_cpu():
           ("check_functional",), ("check_errors",))
 
 
+def test_transformers_blocks_two_ranks_cpu():
+    pytest.importorskip("transformers")
+    spawn(2, "gloo", "check_transformers_blocks")
+
+
 def test_four_ranks_cpu():
     spawn(4, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode"), CPU_SIZES, 1e-5),
           ("check_functional",))
