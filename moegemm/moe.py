@@ -276,8 +276,7 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
     the plan's row and slot bounds), decided once per shape.
 
     fused: where the fused SwiGLU epilogue measured faster (fused.fused_pays at tokens_per_expert),
-    and for nvfp4 only
-    with a static intermediate global scale. Token forms: only where both products run on the
+    and for nvfp4 only with a static intermediate global scale. Token forms: only where both products run on the
     sm90 block-format kernels, gate/up interleaved; the fused epilogue writes the down product's
     form only where it is the bf16 one, the format's operand otherwise. The weight-only formats
     have none: their tokens are bf16 as they are, as the bf16 format's. tokens_given: the tokens
