@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import sys
 import time
@@ -22,14 +23,15 @@ DEMO_GPU = dict(n=4096, k=7168, tokens=(1333, 257, 0, 3001, 611, 2048, 97), ids=
 DEMO_CPU = dict(n=256, k=512, tokens=(37, 200, 0, 91, 129), ids=(3, 0, 5, -1, 1), experts=8)
 
 
-def _time_call(fn, device: torch.device) -> float:
-    """Milliseconds: the benchmark's do_bench median on the GPU; on the CPU one wall-clock run (the interpreter's
-    time says how slow interpreting is, not how fast a kernel is; one run keeps the demo short)."""
+def _time_call(fn, device: torch.device):
+    """(milliseconds, fn's result): the benchmark's do_bench median on the GPU, then one more call for
+    the result; on the CPU one wall-clock run, whose result it is (the interpreter's time says how slow
+    interpreting is, not how fast a kernel is; one run keeps the demo short)."""
     if device.type == "cuda":
-        return benchmark._bench(fn)
+        return benchmark._bench(fn), fn()
     start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    result = fn()
+    return (time.perf_counter() - start) * 1e3, result
 
 
 def demo(args) -> int:
@@ -60,17 +62,17 @@ def demo(args) -> int:
         layout = "swizzled" if f.swizzle_capable else "plain"
         qa = quantize(x, name, scale_layout=layout, a_offsets=a_offsets)
         qw = quantize_weights(w, name, scale_layout=layout)
-        expert_scales = None
-        if qa.global_scale is not None:
-            expert_scales = (qa.global_scale * qw.global_scale).float()
+        # Raw tensors: nvfp4's global scales go in expert_scales (bf16_nvfp4: the weights' alone).
+        globals_ = [g for g in (qa.global_scale, qw.global_scale) if g is not None]
+        expert_scales = math.prod(globals_).float() if globals_ else None
         call_args = (qa.data, qw.data, qa.scales, qw.scales, a_offsets, expert_ids)
         kwargs = dict(fmt=name, scale_layout=layout, expert_scales=expert_scales)
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        out = torch.zeros(m, n, dtype=torch.bfloat16, device=device)  # (rows of skipped groups stay zero)
         problem = validate_grouped_matmul(*call_args, **kwargs, a_scale_offsets=None, row_scales=None, out=out,
                                           out_dtype=torch.bfloat16)
         chosen = ops.resolve_backend(backend, problem, device)
-        ms = _time_call(lambda: ops.grouped_matmul(*call_args, **kwargs, out=out, backend=backend), device)
-        got = ops.grouped_matmul(*call_args, **kwargs, out=torch.zeros_like(out), backend=backend).double()
+        ms, got = _time_call(lambda: ops.grouped_matmul(*call_args, **kwargs, out=out, backend=backend), device)
+        got = got.double()
         ref = reference.grouped_matmul(*call_args, **kwargs, out_dtype=torch.float32, compute_dtype=torch.float64)
         err = float((got - ref.double()).norm() / ref.double().norm())
         qerr = float((got - full).norm() / full.norm())
@@ -107,9 +109,8 @@ def _demo_layer(device: torch.device, backend: str):
         w_gate_up, w_down = layer.weights()
         run = lambda: moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
                                   backend=backend)  # noqa: E731
-        got = run().float()
-        err = float((got - ref).norm() / ref.norm())
-        ms = _time_call(run, device)
+        ms, got = _time_call(run, device)
+        err = float((got.float() - ref).norm() / ref.norm())
         print(f"{name:<10} {err:>10.2e} {ms:>9.3f}")
 
 

@@ -33,6 +33,8 @@ def test_demo_on_cpu_reports_every_format():
     for fmt in layer_bound:
         err = float(rows[fmt][3])
         assert err < 4e-3, f"{fmt}: error vs reference {err}"
+        # the product against the unquantized one: at most the layer's quantization bound
+        assert float(rows[fmt][4]) < layer_bound[fmt], f"{fmt}: quantization error {rows[fmt][4]}"
         assert float(layer_rows[fmt][1]) < layer_bound[fmt], f"{fmt}: layer error {layer_rows[fmt][1]}"
 
 
