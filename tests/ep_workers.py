@@ -122,8 +122,9 @@ def check_layers(group, device, fmts, paths, sizes, tol):
 
 
 def check_functional(group, device):
-    """moe_forward(ep_group=...): dropped choices (ids -1 or >= E) and topk_weights None, as the
-    single-process call treats them; and the counts each rank sends."""
+    """moe_forward(ep_group=...) on both paths: dropped choices (ids -1 or >= E), topk_weights None
+    and per-expert scales (each rank's slice), as the single-process call treats them; and the
+    counts each rank sends."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     hidden, width, experts, top_k, tokens = 256, 128, 4 * world, 3, 10
     gen = torch.Generator(device="cpu").manual_seed(7)
@@ -136,7 +137,9 @@ def check_functional(group, device):
     ids_all[::4, 0] = -1
     ids_all[1::5, 1] = experts + 2
     mine = slice(rank * tokens, (rank + 1) * tokens)
-    want = moegemm.moe_forward(x_all, ids_all, None, w_gu, w_dn, gate_up_layout="interleaved")[mine]
+    scales = {"gate_up_scales": torch.rand(experts, generator=gen) + 0.5,
+              "down_scales": torch.rand(experts, generator=gen) + 0.5}
+    want = moegemm.moe_forward(x_all, ids_all, None, w_gu, w_dn, gate_up_layout="interleaved", **scales)[mine]
     first, last = distributed.expert_range(experts, group)
 
     def local(q):
@@ -144,9 +147,11 @@ def check_functional(group, device):
         return moegemm.QuantizedTensor(q.data[first:last], moegemm.layouts.swizzle_b_scales(scales), q.fmt, "b",
                                        "swizzled")
 
-    got = moegemm.moe_forward(x_all[mine], ids_all[mine], None, local(w_gu), local(w_dn),
-                              gate_up_layout="interleaved", ep_group=group, ep_path="prefill")
-    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    for path in ("prefill", "decode"):
+        got = moegemm.moe_forward(x_all[mine], ids_all[mine], None, local(w_gu), local(w_dn),
+                                  gate_up_layout="interleaved", ep_group=group, ep_path=path,
+                                  **{name: s[first:last] for name, s in scales.items()})
+        assert rel_err(got, want) <= 1e-5, (path, rel_err(got, want))
     sent = distributed.dispatch(x_all[mine], ids_all[mine], None, "mxfp8", num_experts=experts, group=group,
                                 path="prefill")
     ids = ids_all[mine].long()
