@@ -121,6 +121,37 @@ def check_layers(group, device, fmts, paths, sizes, tol):
                 assert err <= tol, f"{fmt} {path} rank {rank}: relative error {err:.2e} > {tol:.0e}"
 
 
+def check_loaders(group, device):
+    """load_fp8_block (DeepSeek FP8) and load_mxfp4 (gpt-oss, biases): the EP layer from the full
+    checkpoint (even ranks) or the rank's slice (odd ranks) against the single-process layer."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first, last = rank * 8 // world, (rank + 1) * 8 // world
+    cut = (lambda w: w[first:last]) if rank % 2 else (lambda w: w)
+    gen = torch.Generator().manual_seed(11)
+    h, i, e, k = 256, 128, 8, 2
+    x = torch.randn(world * 5, h, generator=gen)
+    mine = slice(rank * 5, (rank + 1) * 5)
+    fp8 = {name: (torch.randn(e, *shape, generator=gen) * 4).to(torch.float8_e4m3fn)
+           for name, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}
+    fp8.update({f"{name}_scale_inv": torch.rand(e, -(-w.shape[1] // 128), -(-w.shape[2] // 128), generator=gen) / 64
+                for name, w in list(fp8.items())})
+    mx = {"gate_up_blocks": torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=gen, dtype=torch.uint8),
+          "gate_up_scales": torch.randint(118, 122, (e, 2 * i, h // 32), generator=gen, dtype=torch.uint8),
+          "down_blocks": torch.randint(0, 256, (e, h, i // 32, 16), generator=gen, dtype=torch.uint8),
+          "down_scales": torch.randint(118, 122, (e, h, i // 32), generator=gen, dtype=torch.uint8),
+          "gate_up_bias": torch.randn(e, 2 * i, generator=gen) / 10, "down_bias": torch.randn(e, h, generator=gen) / 10}
+    router = torch.randn(e, h, generator=gen)
+    for loader, weights, kw in (("load_fp8_block", fp8, {"fmt": "fp8_block"}),
+                                ("load_mxfp4", mx, {"activation": "swiglu_oai", "router": "topk_softmax",
+                                                    "expert_bias": True})):
+        kw = {"dtype": torch.float32, **kw}
+        one = getattr(moegemm.MoE(h, i, e, k, **kw), loader)(**weights).load_router(router)
+        ep = moegemm.MoE(h, i, e, k, ep_group=group, **kw)
+        getattr(ep, loader)(**{name: cut(w) for name, w in weights.items()}).load_router(router)
+        err = rel_err(ep(x[mine]), one(x)[mine])
+        assert err <= 1e-5, f"{loader}: relative error {err:.2e}"
+
+
 def check_functional(group, device):
     """moe_forward(ep_group=...) on both paths: dropped choices (ids -1 or >= E), topk_weights None
     and per-expert scales (each rank's slice), as the single-process call treats them; and the

@@ -18,7 +18,7 @@ GPU_TOL = 1e-3  # relative (Frobenius): the combine adds fp32 partial sums in an
 # One spawn a group size (each rank imports torch and moegemm: seconds of make test's budget).
 def test_two_ranks_cpu():
     spawn(2, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode"), CPU_SIZES, 1e-5),
-          ("check_functional",), ("check_errors",))
+          ("check_functional",), ("check_loaders",), ("check_errors",))
 
 
 def test_transformers_blocks_two_ranks_cpu():
