@@ -72,7 +72,7 @@ def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
     amax = x.float().abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
     amax = amax.reshape(1).clone()
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax)).reshape(())
+    return act._nvfp4_global_of(amax)  # (the quantizers' rule, on the group's amax)
 
 
 _WORD = 8  # bytes: packed rows are moved as int64 words
@@ -80,10 +80,10 @@ _WORD = 8  # bytes: packed rows are moved as int64 words
 
 @dataclass(frozen=True)
 class _RowLayout:
-    """Where a token's parts lie in a packed row, (start, end) in bytes: its data first (a
-    multiple of 16 bytes for every format: K is a multiple of 32), then its k weights (fp32) and
-    ids (int32), then its scales, the row padded to whole words; every part starts aligned to its
-    dtype, so that each is read in place."""
+    """Where a token's parts lie in a packed row, (start, end) in bytes: its data first (whole
+    words for every format: K is a multiple of 16, and 16 e2m1 values take 8 bytes), then its k
+    weights (fp32) and ids (int32), then its scales, the row padded to whole words; every part
+    starts aligned to its dtype, so that each is read in place."""
 
     data: tuple[int, int]
     data_dtype: torch.dtype
@@ -111,11 +111,7 @@ def _pack(q: QuantizedTensor, layout: _RowLayout, topk_ids: torch.Tensor, topk_w
     rows = q.data.shape[0]
     packed = torch.empty(rows, layout.nbytes // _WORD, dtype=torch.int64, device=q.data.device)
     raw = packed.view(torch.uint8)
-    data = q.data.view(torch.uint8)
-    if layout.data[1] % _WORD == 0:
-        packed[:, :layout.data[1] // _WORD] = data.view(torch.int64)
-    else:
-        raw[:, slice(*layout.data)] = data
+    packed[:, :layout.data[1] // _WORD] = q.data.view(torch.uint8).view(torch.int64)
     raw[:, slice(*layout.weights)] = topk_weights.to(torch.float32).view(torch.uint8)
     raw[:, slice(*layout.ids)] = topk_ids.to(torch.int32).view(torch.uint8)
     end = layout.ids[1]
