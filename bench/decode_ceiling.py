@@ -34,10 +34,11 @@ sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve(
 
 import torch
 
-from moegemm import benchmark
+from moegemm import QuantizedTensor, benchmark, grouped_matmul
 from moegemm.config import MX_FORMATS, DecodeConfig, Mxfp8Config, deepest_ring, override_config, sm90_mx_config
-from moegemm.formats import FORMATS
+from moegemm.formats import FORMATS, PREPACK_FORMATS
 from moegemm.kernels.sm90 import launcher
+from moegemm.prepack import prepack_codes
 
 # the model-formats preset's shapes and regimes (moegemm/benchmark.py)
 SHAPES = {name: benchmark.MODEL_SHAPES[name] for name in benchmark.MODEL_FORMAT_SHAPES}
@@ -63,6 +64,14 @@ def ceiling_kernel():
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module.decode_kernel
+
+
+def prepacked_call(inp: benchmark.Inputs):
+    """inp's call on its weights in the prepacked order (moegemm.prepack_weights): the decoding
+    kernel decoding them into its wgmma's registers."""
+    weights = QuantizedTensor(prepack_codes(inp.b), inp.b_scales, inp.fmt, "b", inp.scale_layout, prepacked=True)
+    return lambda: grouped_matmul(inp.a, weights, inp.a_scales, None, inp.a_offsets, inp.expert_ids, fmt=inp.fmt,
+                                  out=inp.out, scale_layout=inp.scale_layout, expert_scales=inp.expert_scales)
 
 
 def timed(fn) -> float:
@@ -128,12 +137,26 @@ def run(regimes, fmts, out_dir: Path):
                     with override_config(cfg):
                         # (the format's own kernel where it runs the decoding kernel: timed once)
                         row["decoding_ms"] = row["ms"] if as_run else timed(inp.ours)
+                        inp.ours()
+                        decoded = inp.out.clone()
                         launcher.decode_kernel = no_decode
                         try:
                             row["no_decode_ms"] = timed(inp.ours)
                         finally:
                             launcher.decode_kernel = real_kernel
-                    for key in ("ms", "decoding_ms", "no_decode_ms"):
+                    keys = ["ms", "decoding_ms", "no_decode_ms"]
+                    if fmt in PREPACK_FORMATS:
+                        row["prepacked_config"] = str(sm90_mx_config(FORMATS[fmt], n, k, tokens / groups,
+                                                                     prepacked=True))
+                        # the decoding kernel's tiles: the same products in the same order
+                        inp.out.fill_(float("nan"))
+                        call = prepacked_call(inp)
+                        call()
+                        row["prepacked_bits_equal"] = bool(torch.equal(inp.out.view(torch.int16),
+                                                                       decoded.view(torch.int16)))
+                        row["prepacked_ms"] = timed(call)
+                        keys.append("prepacked_ms")
+                    for key in keys:
                         name = key.replace("_ms", "") if key != "ms" else "as_run"
                         row[f"{name}_x_torch"] = base["torch"] / row[key]
                         row[f"{name}_x_fp8_block"] = base["fp8_block"] / row[key]
@@ -143,7 +166,9 @@ def run(regimes, fmts, out_dir: Path):
                     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # (a run cut short keeps its rows)
                     print(f"{regime:7} {shape:11} {groups}x{nominal:<5} {fmt:11} as run {row['ms']:.3f} ms "
                           f"({row['as_run_x_torch']:.2f}x torch, {row['as_run_x_fp8_block']:.2f}x fp8_block) | "
-                          f"decoding {row['decoding_ms']:.3f} | no decode {row['no_decode_ms']:.3f} "
+                          f"decoding {row['decoding_ms']:.3f} | prepacked {row.get('prepacked_ms', 0):.3f} "
+                          f"({row.get('prepacked_x_torch', 0):.2f}x torch, {row.get('prepacked_x_fp8_block', 0):.2f}x "
+                          f"fp8_block, bits {row.get('prepacked_bits_equal')}) | no decode {row['no_decode_ms']:.3f} "
                           f"({row['no_decode_x_torch']:.2f}x torch, {row['no_decode_x_fp8_block']:.2f}x fp8_block, "
                           f"{row['no_decode_pct_copy']:.0f}% copy)", flush=True)
                     del inp

@@ -1,13 +1,28 @@
 """moegemm: grouped block-scaled matmuls for Mixture-of-Experts layers (PyTorch + Triton)."""
 
-from . import codecs, distributed, hf, layouts, reference, routing
-from . import library  # registers the torch.library custom ops  # noqa: F401
-from .formats import FORMATS, Format, get_format
+from . import (
+                       codecs,
+                       distributed,
+                       hf,
+                       layouts,
+                       library,  # registers the torch.library custom ops  # noqa: F401
+                       reference,
+                       routing,
+)
 from .activation import gather_quantize, interleave_gate_up, swiglu_quantize
+from .formats import FORMATS, Format, get_format
 from .moe import MoE, moe_forward, select_experts
 from .ops import BACKENDS, available_backends, grouped_matmul, grouped_matmul_swiglu
-from .quantize import QuantizedTensor, dequantize, dequantize_operand, quantize, quantize_weights
-from .routing import RoutingPlan, route, permute_tokens, unpermute_tokens
+from .quantize import (
+                       QuantizedTensor,
+                       dequantize,
+                       dequantize_operand,
+                       prepack_weights,
+                       quantize,
+                       quantize_weights,
+                       unpack_weights,
+)
+from .routing import RoutingPlan, permute_tokens, route, unpermute_tokens
 
 __version__ = "0.1.0"
 
@@ -32,6 +47,7 @@ __all__ = [
     "layouts",
     "moe_forward",
     "permute_tokens",
+    "prepack_weights",
     "quantize",
     "quantize_weights",
     "reference",
@@ -39,5 +55,6 @@ __all__ = [
     "routing",
     "select_experts",
     "swiglu_quantize",
+    "unpack_weights",
     "unpermute_tokens",
 ]

@@ -12,7 +12,7 @@ import functools
 import os
 from dataclasses import dataclass, replace
 
-from .formats import FORMATS, Format
+from .formats import FORMATS, PREPACK_FORMATS, Format
 
 __all__ = [
     "DecodeConfig",
@@ -150,6 +150,7 @@ class DecodeConfig:
     group_m: int
     consumer_regs: int = 192
     sub_steps: int = 1
+    prepacked: bool = False  # weights in moegemm.prepack's order, decoded into the wgmma's registers
 
     block_k = 64
     weight_tile = 128
@@ -165,7 +166,7 @@ class DecodeConfig:
         accumulator (of a 128-token half at most) when fused (the plain epilogue stores with
         masks)."""
         stage = int((self.token_tile * 2 + self.weight_tile * weight_bytes(fmt)) * self.stage_k)
-        operands = 2 * 2 * 64 * self.block_k * 2
+        operands = 0 if self.prepacked else 2 * 2 * 64 * self.block_k * 2
         # (a 256-token tile stores its two 128-token halves one after the other)
         epilogue = 2 * min(self.token_tile, 128) * 64 * 4 if fused else 0
         return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + _SCHEDULE
@@ -433,19 +434,27 @@ def _sm90_config(fmt_name: str, n: int, k: int, regime: int, out_bytes: int, fus
     return config
 
 
-def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: bool = False) -> MxConfig:
-    """The block formats' kernel and config: a pure function of (format, N, K, token regime).
-    `fused`: the ring is shortened, if need be, for the fused epilogue's scratch."""
+def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: bool = False,
+                   prepacked: bool = False) -> MxConfig:
+    """The block formats' kernel and config: a pure function of (format, N, K, token regime,
+    weight order). `fused`: the ring is shortened, if need be, for the fused epilogue's scratch.
+    `prepacked` weights (moegemm.prepack; formats.PREPACK_FORMATS, which run the decoding kernel
+    in every regime) are decoded into the wgmma's registers."""
     # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
     smallest = 8 if fmt.name in ("mxfp4", "w4a8") else 16
     config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k,
-                                                          _regime(_tokens_per_slot(tokens_per_slot), smallest))
+                                                          _regime(_tokens_per_slot(tokens_per_slot), smallest),
+                                                          prepacked)
+    if getattr(config, "prepacked", False) != prepacked:
+        raise ValueError(f"config: {config} does not read {'prepacked' if prepacked else 'plain'} weights")
     return _checked(config, fmt, 2, fused)
 
 
 @functools.cache
-def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
+def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int, prepacked: bool = False) -> MxConfig:
     fmt = FORMATS[fmt_name]
+    if prepacked and fmt_name not in PREPACK_FORMATS:
+        raise ValueError(f"config: prepacked weights are for {', '.join(PREPACK_FORMATS)}, not {fmt_name}")
     if fmt_name == "mxfp8" and regime in (16, 32):
         # Both operands are e4m3: fp8 wgmma straight from the ring, scales promoted per k32 block,
         # no weight decoding; at ~32-48 tokens an expert the decoding kernel's 64-token tiles
@@ -476,12 +485,17 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int) -> MxConfig:
         # (1.2-1.3x faster than one in every format and regime, four no better); 128- and
         # 256-token tiles keep one, an iteration taking two stages. 256-token tiles need 240
         # registers a consumer (the producer then 24) (docs/perf-notes.md, block formats).
-        tokens = regime if regime in (16, 32, 64) else 128 if regime == 192 else 256
-        cfg = DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
-                           consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1)
+        cfg = _decode_config(regime, prepacked)
     cfg = deepest_ring(cfg, fmt)
     _print_choice("sm90-mx", f"fmt={fmt_name} N={n} K={k} regime={regime or 'many'}", cfg)
     return cfg
+
+
+def _decode_config(regime: int, prepacked: bool = False) -> DecodeConfig:
+    tokens = regime if regime in (16, 32, 64) else 128 if regime == 192 else 256
+    return DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
+                        consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1,
+                        prepacked=prepacked)
 
 
 @functools.cache

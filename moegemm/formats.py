@@ -22,6 +22,7 @@ __all__ = [
     "OperandFormat",
     "Format",
     "FORMATS",
+    "PREPACK_FORMATS",
     "SWIZZLE_FORMATS",
     "E2M1",
     "E4M3",
@@ -162,6 +163,11 @@ FORMATS: dict[str, Format] = {
 
 # The formats whose block scales may come in the swizzled layout (docs/contract.md section 5).
 SWIZZLE_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable)
+
+# The formats whose weights may come prepacked (moegemm.prepack): those whose every sm90 kernel
+# is the decoding kernel, which reads the prepacked order into its wgmma's registers. mxfp4, w4a8
+# and mxfp8 run fp8 promotion kernels on the plain order at decode (faster there than decoding).
+PREPACK_FORMATS = ("nvfp4", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 
 
 def get_format(fmt: str | Format) -> Format:

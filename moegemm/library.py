@@ -44,15 +44,21 @@ def grouped_matmul_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor |
                       a_offsets: torch.Tensor, expert_ids: torch.Tensor, fmt: str,
                       a_scale_offsets: torch.Tensor | None, expert_scales: torch.Tensor | None,
                       row_scales: torch.Tensor | None, scale_layout: str, out_dtype: torch.dtype,
-                      backend: str) -> torch.Tensor:
-    return grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, a_scale_offsets=a_scale_offsets,
-                          expert_scales=expert_scales, row_scales=row_scales, scale_layout=scale_layout,
-                          out_dtype=out_dtype, backend=backend)
+                      backend: str, b_prepacked: bool) -> torch.Tensor:
+    return grouped_matmul(a, _weights(b, b_scales, fmt, scale_layout, b_prepacked), a_scales,
+                          None if b_prepacked else b_scales, a_offsets, expert_ids, fmt=fmt,
+                          a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
+                          scale_layout=scale_layout, out_dtype=out_dtype, backend=backend)
+
+
+def _weights(b, b_scales, fmt: str, scale_layout: str, prepacked: bool):
+    """b as the ops take it: prepacked codes travel through an op as their tensors and a flag."""
+    return QuantizedTensor(b, b_scales, fmt, "b", scale_layout, prepacked=True) if prepacked else b
 
 
 @grouped_matmul_op.register_fake
 def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, a_scale_offsets, expert_scales, row_scales, scale_layout,
-      out_dtype, backend):
+      out_dtype, backend, b_prepacked):
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
@@ -63,9 +69,10 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
                              expert_scales: torch.Tensor | None, bias: torch.Tensor | None, scale_layout: str,
                              out_scale_layout: str, num_scale_blocks: int | None,
                              out_global_scale: torch.Tensor | None, alpha: float, limit: float, fused: bool,
-                             backend: str, gate_up_layout: str
+                             backend: str, gate_up_layout: str, b_prepacked: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = grouped_matmul_swiglu(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt, out_fmt=out_fmt,
+    q = grouped_matmul_swiglu(a, _weights(b, b_scales, fmt, scale_layout, b_prepacked), a_scales,
+                              None if b_prepacked else b_scales, a_offsets, expert_ids, fmt=fmt, out_fmt=out_fmt,
                               activation=activation, a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
                               bias=bias, scale_layout=scale_layout, out_scale_layout=out_scale_layout,
                               num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha,
@@ -76,7 +83,7 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
 @grouped_matmul_swiglu_op.register_fake
 def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales, bias,
       scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend,
-      gate_up_layout):
+      gate_up_layout, b_prepacked):
     return _fake_a_operand(out_fmt, a.shape[0], b.shape[1] // 2, out_scale_layout == "swizzled", num_scale_blocks,
                            expert_ids.shape[0], a)
 
@@ -169,10 +176,11 @@ def moe_forward_op(
     gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
     gate_up_scales: torch.Tensor | None, down_scales: torch.Tensor | None,
     input_global_scale: torch.Tensor | None, intermediate_global_scale: torch.Tensor | None,
-    alpha: float, limit: float, fused: bool, backend: str,
+    alpha: float, limit: float, fused: bool, backend: str, gate_up_prepacked: bool, down_prepacked: bool,
 ) -> torch.Tensor:
-    w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global)
-    w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global)
+    w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global,
+                                prepacked=gate_up_prepacked)
+    w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global, prepacked=down_prepacked)
     return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
                         gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
                         gate_up_scales=gate_up_scales, down_scales=down_scales,
@@ -184,5 +192,6 @@ def moe_forward_op(
 @moe_forward_op.register_fake
 def _(x, topk_ids, topk_weights, gate_up_data, gate_up_scales_q, gate_up_global, down_data, down_scales_q,
       down_global, fmt, scale_layout, activation, gate_up_layout, gate_up_bias, down_bias, gate_up_scales,
-      down_scales, input_global_scale, intermediate_global_scale, alpha, limit, fused, backend):
+      down_scales, input_global_scale, intermediate_global_scale, alpha, limit, fused, backend, gate_up_prepacked,
+      down_prepacked):
     return x.new_empty(x.shape[0], down_data.shape[1])

@@ -47,10 +47,11 @@ import torch.nn.functional as F
 
 from . import activation as act
 from . import config, distributed, layouts
-from .formats import get_format
+from .formats import PREPACK_FORMATS, get_format
 from .fused import fused_pays, fused_supports
 from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
-from .quantize import QuantizedTensor, dequantize_operand, quantize_weights
+from .prepack import PREPACK_K, PREPACK_ROWS
+from .quantize import QuantizedTensor, dequantize_operand, prepack_weights, quantize_weights
 from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
 from .token_forms import TokenForm, token_form
 from .validation import GroupedProblem, check_no_grad
@@ -157,7 +158,8 @@ def moe_forward(
             x, topk_ids, topk_weights, w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data,
             w_down.scales, w_down.global_scale, w_gate_up.fmt, w_gate_up.scale_layout, activation,
             gate_up_layout, gate_up_bias, down_bias, gate_up_scales, down_scales,
-            input_global_scale, intermediate_global_scale, float(alpha), float(limit), fused, backend)
+            input_global_scale, intermediate_global_scale, float(alpha), float(limit), fused, backend,
+            w_gate_up.prepacked, w_down.prepacked)
     return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
                         gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
                         gate_up_scales=gate_up_scales, down_scales=down_scales,
@@ -349,6 +351,10 @@ class MoE(torch.nn.Module):
     [r*E/W, (r+1)*E/W) (expert_range); the router and the shared expert stay whole. forward takes
     this rank's tokens and returns their outputs, those of the single-GPU layer (within fp32
     rounding of the combine's order). ep_path: moe_forward's.
+
+    prepack: the loaders keep the weights of formats.PREPACK_FORMATS (bf16_mxfp4, gpt-oss's, among
+    them) in the order the sm90 decoding kernel reads (moegemm.prepack_weights), where N and K are
+    multiples of 64; weights() returns them so.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -357,7 +363,7 @@ class MoE(torch.nn.Module):
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  correction_bias: bool = False, shared_intermediate_size: int = 0,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, backend: str = "auto",
-                 fused: bool = True, ep_group=None, ep_path: str = "auto", device=None,
+                 fused: bool = True, ep_group=None, ep_path: str = "auto", prepack: bool = True, device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         act.check_activation(activation)
@@ -387,7 +393,8 @@ class MoE(torch.nn.Module):
         self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
-        self.backend, self.fused = backend, fused
+        self.backend, self.fused, self.prepack = backend, fused, prepack
+        self.gate_up_prepacked = self.down_prepacked = False
         factory = {"device": device, "dtype": dtype}
         # Inference only: the kernels have no backward, so the router is frozen too.
         self.router_weight = torch.nn.Parameter(torch.zeros(num_experts, hidden_size, **factory), requires_grad=False)
@@ -423,6 +430,9 @@ class MoE(torch.nn.Module):
         self.scale_layout = _weight_scale_layout(f.name)
 
     def _store(self, prefix: str, q: QuantizedTensor):
+        if self.prepack and q.fmt in PREPACK_FORMATS and q.data.shape[1] % PREPACK_ROWS == 0 and q.k % PREPACK_K == 0:
+            q = prepack_weights(q)
+        setattr(self, f"{prefix}_prepacked", q.prepacked)
         setattr(self, f"{prefix}_data", q.data)
         setattr(self, f"{prefix}_scales", q.scales)
         setattr(self, f"{prefix}_global", q.global_scale)
@@ -518,11 +528,10 @@ class MoE(torch.nn.Module):
                            ("down_scale_inv", down_scale_inv, down)):
             self._check_weight(name, s, (e, nb(w.shape[1]), nb(w.shape[2])))
         if self.fmt == "fp8_block" and i % 128 == 0:
-            self.gate_up_data = torch.cat((gate, up), dim=1).contiguous()
-            self.gate_up_scales = torch.cat((gate_scale_inv, up_scale_inv), dim=1).float().contiguous()
-            self.down_data = down.contiguous()
-            self.down_scales = down_scale_inv.float().contiguous()
-            self.gate_up_global = self.down_global = None
+            gate_up_scales = torch.cat((gate_scale_inv, up_scale_inv), dim=1).float().contiguous()
+            self._store("gate_up", QuantizedTensor(torch.cat((gate, up), dim=1).contiguous(), gate_up_scales,
+                                                   self.fmt, "b"))
+            self._store("down", QuantizedTensor(down.contiguous(), down_scale_inv.float().contiguous(), self.fmt, "b"))
             return self
         deq = lambda w, s: dequantize_operand(w, s.float(), "fp8_block", "b")  # noqa: E731
         return self.load_experts(gate=deq(gate, gate_scale_inv), up=deq(up, up_scale_inv),
@@ -554,13 +563,11 @@ class MoE(torch.nn.Module):
         gu_scales = gate_up_scales.view(torch.uint8).contiguous()
         dn_scales = down_scales.view(torch.uint8).contiguous()
         if get_format(self.fmt).b == get_format("mxfp4").b:  # (mxfp4, w4a8, bf16_mxfp4: MXFP4 weights)
-            self.gate_up_data, self.down_data = gu_data, dn_data
             swz = self.scale_layout == "swizzled"
-            gu_s = layouts.swizzle_b_scales(gu_scales) if swz else gu_scales
-            dn_s = layouts.swizzle_b_scales(dn_scales) if swz else dn_scales
-            self.gate_up_scales = gu_s.view(torch.float8_e8m0fnu)
-            self.down_scales = dn_s.view(torch.float8_e8m0fnu)
-            self.gate_up_global = self.down_global = None
+            for prefix, data, scales in (("gate_up", gu_data, gu_scales), ("down", dn_data, dn_scales)):
+                scales = layouts.swizzle_b_scales(scales) if swz else scales
+                self._store(prefix, QuantizedTensor(data, scales.view(torch.float8_e8m0fnu), self.fmt, "b",
+                                                    self.scale_layout))
             self._set_biases(gate_up_bias, down_bias)
             return self
         gate_up = dequantize_operand(gu_data, gu_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
@@ -590,8 +597,9 @@ class MoE(torch.nn.Module):
         if self.gate_up_data is None or self.down_data is None:
             raise ValueError("MoE: no expert weights loaded (load_experts, load_fp8_block or load_mxfp4)")
         return (QuantizedTensor(self.gate_up_data, self.gate_up_scales, self.fmt, "b", self.scale_layout,
-                                self.gate_up_global),
-                QuantizedTensor(self.down_data, self.down_scales, self.fmt, "b", self.scale_layout, self.down_global))
+                                self.gate_up_global, prepacked=self.gate_up_prepacked),
+                QuantizedTensor(self.down_data, self.down_scales, self.fmt, "b", self.scale_layout, self.down_global,
+                                prepacked=self.down_prepacked))
 
     def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k])."""

@@ -23,6 +23,7 @@ from .config import MX_FORMATS
 from .formats import get_format
 from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
+from .prepack import unpack_codes
 from .quantize import QuantizedTensor, quantized_from_op
 from .token_forms import KernelTokens, TokenForm
 from .validation import (GroupedProblem, Operands, check_no_grad, operands_of, validate_grouped_matmul,
@@ -85,7 +86,7 @@ def _plan_key(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_sc
     tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, a_scale_offsets,
                operands.expert_scales, row_scales, out, operands.quantized_a_offsets)
     try:
-        return (fmt, operands.scale_layout, operands.a_form, out_dtype, backend,
+        return (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend,
                 *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
     except (AttributeError, TypeError):
         return None
@@ -106,7 +107,7 @@ def _plan(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales
         operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=fmt,
         a_scale_offsets=a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
         scale_layout=operands.scale_layout, out=out, out_dtype=out_dtype,
-        quantized_a_offsets=operands.quantized_a_offsets, a_form=operands.a_form,
+        quantized_a_offsets=operands.quantized_a_offsets, a_form=operands.a_form, b_prepacked=operands.b_prepacked,
     )
     chosen = resolve_backend(backend, problem, operands.a.device)
     if operands.a_form is not None and chosen != "sm90":
@@ -184,7 +185,8 @@ def grouped_matmul(
         _not_traced(operands)
         return torch.ops.moegemm.grouped_matmul(operands.a, operands.b, operands.a_scales, operands.b_scales,
                                                 a_offsets, expert_ids, fmt, a_scale_offsets, operands.expert_scales,
-                                                row_scales, operands.scale_layout, out_dtype, backend)
+                                                row_scales, operands.scale_layout, out_dtype, backend,
+                                                operands.b_prepacked)
     problem, chosen = _plan(operands, a_offsets, expert_ids, a_scale_offsets, row_scales, out, fmt=fmt,
                             out_dtype=out_dtype, backend=backend)
     if chosen != "reference":  # (the reference is torch: autograd runs through it)
@@ -198,8 +200,11 @@ def grouped_matmul(
 
 def _run(problem: GroupedProblem, chosen: str, operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_scales,
          out):
-    """Launch a validated problem on the resolved backend into `out`."""
+    """Launch a validated problem on the resolved backend into `out`. Prepacked weights are read
+    as they are by the sm90 kernels only; the other backends take them unpacked (a copy)."""
     a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
+    if problem.prepacked and chosen != "sm90":
+        b = unpack_codes(b)
     if chosen == "reference":
         return reference.grouped_matmul(
             a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=problem.fmt.name,
@@ -291,7 +296,7 @@ def grouped_matmul_swiglu(
         outputs = torch.ops.moegemm.grouped_matmul_swiglu(
             operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt, out_fmt,
             activation, a_scale_offsets, operands.expert_scales, bias, operands.scale_layout, out_scale_layout,
-            num_scale_blocks, out_global_scale, alpha, limit, fused, backend, gate_up_layout)
+            num_scale_blocks, out_global_scale, alpha, limit, fused, backend, gate_up_layout, operands.b_prepacked)
         return quantized_from_op(outputs, out_fmt, out_scale_layout == "swizzled", a_offsets)
     problem, chosen = _plan(operands, a_offsets, expert_ids, a_scale_offsets, None, None, fmt=fmt,
                             out_dtype=torch.bfloat16, backend=backend)

@@ -3,6 +3,7 @@
 quantize(x, fmt)          activations [M, K]    -> A operand + A scales
 quantize_weights(w, fmt)  weights     [E, N, K] -> B operand + B scales
 dequantize(q)             either one            -> fp32 values (global scale included)
+prepack_weights(w)        B operand             -> its codes in the sm90 decoding kernel's order
 
 Beside them, the storage of an A operand as the kernels write it (allocate_a_operand,
 as_quantized) and a QuantizedTensor as a torch.library op returns it (quantized_to_op,
@@ -22,17 +23,17 @@ Encodings per docs/contract.md section 3 (codecs.py holds the element rules):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
-from . import codecs, layouts
-from .formats import E2M1, E4M3, SWIZZLE_FORMATS, Format, OperandFormat, get_format
+from . import codecs, layouts, prepack
+from .formats import E2M1, E4M3, PREPACK_FORMATS, SWIZZLE_FORMATS, Format, OperandFormat, get_format
 from .token_forms import TokenForm, dequantize_tokens
 
-__all__ = ["QuantizedTensor", "quantize", "quantize_weights", "dequantize", "dequantize_operand",
+__all__ = ["QuantizedTensor", "quantize", "quantize_weights", "prepack_weights", "unpack_weights", "dequantize",
+           "dequantize_operand",
            "allocate_a_operand", "as_quantized", "quantized_to_op", "quantized_from_op"]
 
 _NVFP4_GLOBAL_DIVISOR = 448.0 * 6.0  # e4m3 max times e2m1 max
@@ -51,6 +52,8 @@ class QuantizedTensor:
     a_offsets:     swizzled A and token forms: the group offsets the rows were placed by
     a_scale_offsets: swizzled A: where each slot's scale tiles start (layouts.a_scale_offsets of
                    a_offsets), so that the products need not derive them again
+    prepacked:     B only: data in moegemm.prepack's order (prepack_weights), the shape and dtype
+                   of the plain order; the scales keep their layout
     """
 
     data: torch.Tensor
@@ -61,6 +64,7 @@ class QuantizedTensor:
     global_scale: torch.Tensor | None = None
     a_offsets: torch.Tensor | None = None
     a_scale_offsets: torch.Tensor | None = None
+    prepacked: bool = False
 
     @property
     def k(self) -> int:
@@ -303,8 +307,35 @@ def _decode_scales(s: torch.Tensor, op: OperandFormat) -> torch.Tensor:
     return s.float()
 
 
+def prepack_weights(w: QuantizedTensor) -> QuantizedTensor:
+    """quantize_weights' output with its codes reordered once into the order the sm90 decoding
+    kernel reads (moegemm.prepack: each thread's share of a weight step in one load, already the
+    wgmma's register operand); same shapes, dtypes and scales. Formats: formats.PREPACK_FORMATS;
+    N and K multiples of 64. Every backend takes the result (the reference and portable kernels
+    unpack it first: a copy a call); unpack_weights undoes it bit for bit."""
+    if not isinstance(w, QuantizedTensor) or w.operand != "b":
+        raise TypeError(f"w: expected the QuantizedTensor of moegemm.quantize_weights, got {type(w).__name__}"
+                        + (f" of operand {w.operand!r}" if isinstance(w, QuantizedTensor) else ""))
+    if w.prepacked:
+        raise ValueError("w: already prepacked")
+    if w.fmt not in PREPACK_FORMATS:
+        raise ValueError(f"w: the prepacked order is for {', '.join(PREPACK_FORMATS)} (the formats the decoding "
+                         f"kernel runs in every regime), not {w.fmt}")
+    prepack.check_prepackable(w.data.shape, get_format(w.fmt).b.element.packed, "w")
+    return replace(w, data=prepack.prepack_codes(w.data), prepacked=True)
+
+
+def unpack_weights(w: QuantizedTensor) -> QuantizedTensor:
+    """The plain order of prepack_weights' output (bit for bit what quantize_weights gave)."""
+    if not isinstance(w, QuantizedTensor) or not w.prepacked:
+        raise ValueError("w: expected a QuantizedTensor of prepack_weights")
+    return replace(w, data=prepack.unpack_codes(w.data), prepacked=False)
+
+
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode a QuantizedTensor back to real values (its global scale included)."""
+    if q.prepacked:
+        q = unpack_weights(q)
     return dequantize_operand(
         q.data,
         q.scales,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from . import layouts
-from .formats import SWIZZLE_FORMATS, Format, get_format
+from .formats import PREPACK_FORMATS, SWIZZLE_FORMATS, Format, get_format
+from .prepack import check_prepackable
 from .quantize import QuantizedTensor
 from .token_forms import TokenForm, kb_major_columns, token_form
 
@@ -50,6 +51,7 @@ class GroupedProblem:
     num_groups: int
     scale_layout: str
     out_dtype: torch.dtype
+    prepacked: bool = False  # b's codes in moegemm.prepack's order
 
     @property
     def num_k_scales(self) -> int:
@@ -69,6 +71,7 @@ class Operands:
     quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
     a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
     a_scale_offsets: torch.Tensor | None = None  # those of a's swizzled scales, where a QuantizedTensor has them
+    b_prepacked: bool = False  # b's codes in moegemm.prepack's order (a QuantizedTensor of prepack_weights)
 
 
 def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -> Operands:
@@ -111,6 +114,7 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
     scale_layout = scale_layout or "plain"
     if isinstance(a, QuantizedTensor):
         a, a_scales = a.data, a.scales
+    b_prepacked = isinstance(b, QuantizedTensor) and b.prepacked
     if isinstance(b, QuantizedTensor):
         b, b_scales = b.data, b.scales
     if global_scale is not None and isinstance(b, torch.Tensor) and b.dim() == 3:  # (else validation names b)
@@ -120,7 +124,7 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
         elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
             expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
     return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
-                    a_scale_offsets)
+                    a_scale_offsets, b_prepacked)
 
 
 def check_no_grad(without_backward: str, **tensors):
@@ -176,12 +180,14 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 def validate_grouped_matmul(
     a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
     row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, values=True,
+    b_prepacked=False,
 ) -> GroupedProblem:
     """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
     quantized_a_offsets: the a_offsets swizzled A scales (or a token form) were made for (a
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
-    reads. values=False leaves out the checks that read tensor values (validate_values)."""
+    reads. values=False leaves out the checks that read tensor values (validate_values).
+    b_prepacked: b holds its codes in moegemm.prepack's order."""
     f = get_format(fmt)
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -220,7 +226,11 @@ def validate_grouped_matmul(
     g = a_offsets.numel() - 1
     _check(expert_ids, "expert_ids", (torch.int32,), device, (g,), "G = len(a_offsets) - 1")
 
-    problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype)
+    if b_prepacked:
+        if f.name not in PREPACK_FORMATS:
+            raise ValueError(f"b: prepacked weights are for {', '.join(PREPACK_FORMATS)}, not {f.name}")
+        check_prepackable(b.shape, f.b.element.packed)
+    problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype, b_prepacked)
     if a_form is not None:
         _validate_form(problem, a_form, a_scales, device)
     _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device, a_form is not None)

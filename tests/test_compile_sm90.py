@@ -175,12 +175,12 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
                    if not any("64x32x32" in t for t in loop)), "a wide loop waits for every wgmma"
 
 
-def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True):
+def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True, prepacked=False):
     from moegemm.config import DecodeConfig, sm90_mx_config, weight_bytes, with_epilogue_scratch
     from moegemm.kernels.sm90 import decode
 
     f = FORMATS[fmt]
-    cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot)
+    cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot, prepacked=prepacked)
     if not isinstance(cfg, DecodeConfig):
         return mxfp8_kernel_compiled(cfg, layout, epilogue, fmt, with_scales=with_scales)
     if epilogue is not None:
@@ -197,7 +197,7 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
                       SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None,
-                      CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE)
+                      CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE, PREPACKED=cfg.prepacked)
     return offline.gluon_compile_for_sm90(decode.decode_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
@@ -539,6 +539,20 @@ def test_offline_compile_names_every_argument():
 UNSCALED_CASES = [("sm90", "bf16", 16), ("sm90", "fp8_block", 40),
                   ("mx", "mxfp4", 20), ("mx", "mxfp4", 40), ("mx", "nvfp4", 20), ("mx", "w4a8", 40),
                   ("mx", "mxfp8", 8), ("mx", "mxfp8", 130), ("mx", "mxfp4", 2)]
+
+
+@pytest.mark.parametrize("fmt,tokens_per_slot,layout", [("bf16_mxfp4", 16, "plain"), ("nvfp4", 1024, "swizzled"),
+                                                       ("bf16_mxfp8", 100, "swizzled"), ("bf16_nvfp4", 40, "plain")])
+def test_prepacked_weights_decode_into_registers(fmt, tokens_per_slot, layout):
+    # Prepacked weights go from the ring to the wgmma's register operand: the K loop stores no
+    # decoded weights and has no proxy fence (only the scales' layout conversion touches shared
+    # memory), no register of an in-flight wgmma is touched, nothing spills.
+    sass = wgmma_sass(mx_kernel_compiled(fmt, tokens_per_slot, layout, prepacked=True))
+    for loop in innermost_mma_loops(sass):
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in loop]
+        assert not [o for o in ops if o.startswith("FENCE")], "a proxy fence in the prepacked K loop"
+        assert not [o for o in ops if o in ("STS.128", "STL", "LDL")], "decoded weights stored, or a spill"
+        assert any(o.startswith("HGMMA") for o in ops)
 
 
 @pytest.mark.parametrize("family,fmt,tokens_per_slot", UNSCALED_CASES)

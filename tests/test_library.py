@@ -33,21 +33,24 @@ def test_quantizer_ops(fmt):
                            1.702, 7.0), test_utils=CHECKS)
 
 
-@pytest.mark.parametrize("fmt", ("bf16", "mxfp8", "bf16_mxfp4"))
-def test_matmul_ops(fmt):
+@pytest.mark.parametrize("fmt,prepacked", (("bf16", False), ("mxfp8", False), ("bf16_mxfp4", False),
+                                           ("bf16_mxfp4", True)))
+def test_matmul_ops(fmt, prepacked):
     x, _, plan = _routed(fmt)
     layout = "swizzled" if moegemm.get_format(fmt).swizzle_capable else "plain"
     a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=layout)
     b = moegemm.quantize_weights(torch.randn(4, 128, 64), fmt, scale_layout=layout)
+    if prepacked:
+        b = moegemm.prepack_weights(b)
     # torch's schema checker compares input values with CPU ops that have no fp8 kernels.
     checks = CHECKS if fmt == "bf16" else ("test_faketensor",)
     torch.library.opcheck(torch.ops.moegemm.grouped_matmul,
                           (a.data, b.data, a.scales, b.scales, plan.a_offsets, plan.expert_ids, fmt, None, None, None,
-                           layout, torch.bfloat16, "triton"), test_utils=checks)
+                           layout, torch.bfloat16, "triton", prepacked), test_utils=checks)
     torch.library.opcheck(torch.ops.moegemm.grouped_matmul_swiglu,
                           (a.data, b.data, a.scales, b.scales, plan.a_offsets, plan.expert_ids, fmt, fmt, "swiglu",
-                           None, None, None, layout, layout, None, None, 1.702, 7.0, True, "triton", "interleaved"),
-                          test_utils=checks)
+                           None, None, None, layout, layout, None, None, 1.702, 7.0, True, "triton", "interleaved",
+                           prepacked), test_utils=checks)
 
 
 def test_routing_ops():

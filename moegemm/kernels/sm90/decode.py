@@ -19,7 +19,8 @@ kernel does the latter (docs/design.md records the measurements):
              bytes a row, took the same ~0.7 us per stage whatever its bytes, H100); each
              consumer warpgroup decodes its 64 weight rows times the block scales (gathered
              from global memory, plain or swizzled layout, one step ahead) into a bf16
-             shared-memory operand, two buffers a warpgroup
+             shared-memory operand, two buffers a warpgroup; prepacked weights (moegemm.prepack,
+             formats.PREPACK_FORMATS) into the wgmma's register operand instead
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
@@ -91,6 +92,61 @@ def _decode_into(operand, w_smem, scales, raw_layout: gl.constexpr, dec_layout: 
     operand.store(_decode_weights(w_smem, scales, raw_layout, dec_layout, NKB, FP4))
 
 
+@gluon.constexpr_function
+def fragment_layout(NKB, VEC):
+    """The [64, NKB, VEC] layout of a warpgroup's decoded weight step held as the wgmma's
+    register A operand (rows, K blocks, elements of a block), viewed with its K blocks apart so
+    that a block scale multiplies its elements in registers. Lane l of warp w holds rows
+    16w + l/4 and +8, K columns 2(l%4) + {0, 1} and +8, in each of the step's four k16 slices:
+    the bf16 wgmma fragment (DotOperandLayout(0, acc, k_width=2))."""
+    def col(c):  # a K column as (block, element)
+        return [0, c // VEC, c % VEC]
+    return gl.DistributedLinearLayout(
+        reg_bases=[col(1), [8, 0, 0], col(8), col(16), col(32)],
+        lane_bases=[col(2), col(4), [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, NKB, VEC])
+
+
+@gluon.jit
+def _decode_fragment(w_smem, scales, raw_layout: gl.constexpr, NKB: gl.constexpr, FP4: gl.constexpr):
+    """This warpgroup's prepacked [64, 64] weight step (layouts.prepack_weights) from the ring to
+    the bf16 wgmma A fragment in registers, times its [64, NKB] block scales. Each thread loads
+    its own 32 elements, contiguous (16 or 32 bytes); the reshape and permute only rename which
+    logical element each register holds (prepacked row 16w + 8 r4 + 4 r2 + 2 r1 + k4, column
+    32 k2 + 16 r8 + 8 k32 + 4 k16 + 2 k8 + k1 is weight row 16w + 8 r8 + 4 r4 + 2 r2 + r1, K
+    column 32 k32 + 16 k16 + 8 k8 + 4 k4 + 2 k2 + k1), so no value moves between threads."""
+    raw = w_smem.load(raw_layout)
+    if FP4:
+        w = gl.fp4_to_fp(raw, gl.bfloat16, 1)
+    else:
+        w = raw.to(gl.bfloat16)
+    w = gl.reshape(w, [4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    w = gl.reshape(gl.permute(w, (0, 6, 1, 2, 3, 7, 8, 9, 4, 5, 10)), [64, NKB, 64 // NKB])
+    fragment: gl.constexpr = fragment_layout(NKB, 64 // NKB)
+    scales = gl.convert_layout(scales, gl.SliceLayout(2, fragment))
+    w = gl.convert_layout(w, fragment) * gl.expand_dims(scales, 2)
+    return gl.reshape(w, [64, 64])
+
+
+@gluon.jit
+def _register_step(w_bufs, t_bufs, stage, j: gl.constexpr, scales, acc0, acc1, SUB: gl.constexpr, WG: gl.constexpr,
+                   NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr, HALVES: gl.constexpr,
+                   raw_layout: gl.constexpr):
+    """Decode 64-wide K step j of ring stage `stage` into registers and issue its wgmmas on them
+    (one a 128-token half), left in flight; returns the operand, which must stay untouched
+    until a wait retires them."""
+    TOK_HALF: gl.constexpr = t_bufs.shape[1] // HALVES
+    acc_layout: gl.constexpr = acc0.type.layout
+    raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
+    operand = _decode_fragment(raw, scales, raw_layout, NKB, FP4)
+    operand = gl.convert_layout(operand, gl.DotOperandLayout(0, acc_layout, 2))
+    tokens = t_bufs.index(stage * SUB + j)
+    acc0 = warpgroup_mma(operand, tokens.slice(0, TOK_HALF).permute((1, 0)), acc0, is_async=True)
+    if HALVES == 2:
+        acc1 = warpgroup_mma(operand, tokens.slice(TOK_HALF, TOK_HALF).permute((1, 0)), acc1, is_async=True)
+    return acc0, acc1, operand
+
+
 @gluon.jit
 def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.constexpr, scales, acc0, acc1, WG: gl.constexpr, SUB: gl.constexpr,
                  NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr, HALVES: gl.constexpr,
@@ -113,15 +169,19 @@ def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.conste
 def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
                   WG: gl.constexpr, SUB: gl.constexpr, NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr,
                   NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HALVES: gl.constexpr, raw_layout: gl.constexpr,
-                  dec_layout: gl.constexpr):
+                  dec_layout: gl.constexpr, scale_layout: gl.constexpr, PREPACKED: gl.constexpr):
     """acc_h = sum_k decode(W_k) * scales_k @ T_k,h^T over k_steps stages of SUB 64-wide steps,
     for the tile's HALVES 128-token halves (one accumulator each, the same decoded operand).
 
-    Each step's decoded tile is stored to one of this warpgroup's two bf16 operand buffers
-    (alternating) and the wgmmas read it from there, so the next step is decoded while the
-    previous step's wgmmas run. (A register operand cannot stay in flight: ptxas reuses its
-    registers once the wgmma is issued, though the wgmma reads them until its wait.) With one
-    step a stage (SUB == 1), an iteration takes two stages, so that every other step overlaps.
+    Plain weights: each step's decoded tile is stored to one of this warpgroup's two bf16
+    operand buffers (alternating) and the wgmmas read it from there. PREPACKED weights
+    (moegemm.prepack): each thread loads its own share of the step already in the wgmma's
+    register order and decodes it into the register A operand (_decode_fragment): no store, no
+    fence, no barrier. A register operand stays a dependency of the wait that retires its
+    wgmmas (the next step's), so ptxas keeps its registers until then; without that, ptxas
+    reused them while the wgmma still read them. Either way the next step is decoded while the
+    previous step's wgmmas run. With one step a stage (SUB == 1), an iteration takes two
+    stages, so that every other step overlaps.
 
     No wgmma is in flight across the loop's back edge: the last step of an iteration waits for
     all of them, then releases its stages. With one carried across it (a wait for all but
@@ -130,7 +190,6 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     registers before WARPGROUP.DEPBAR.LE gsb0, 0x0), so the tile's output missed 1 to 3 of
     the last step's four k16 wgmmas, differently each run (DeepSeek-V3 shapes at ~12 tokens an
     expert: 6-12% off; offline.wgmma_register_hazards finds such reads in SASS)."""
-    scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
     PAIR: gl.constexpr = 2 if SUB == 1 else 1  # stages an iteration
     STEPS: gl.constexpr = PAIR * SUB  # 64-wide steps an iteration
     acc0 = zero
@@ -147,10 +206,25 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
                 # loop would be carried by it as a runtime value)
                 next_scales = _load_scales(scale_rows, row_ok, kk * STEPS + p * SUB + j + 1, NUM_KB, scale_layout,
                                            NKB, SWIZZLED, NV_SCALE)
-                # The buffer was last read by the wgmmas two steps back, retired by a wait since.
-                acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, j, p * SUB + j, scales, acc0, acc1, WG, SUB,
-                                          NKB, BYTES, FP4, HALVES, raw_layout, dec_layout)
-                acc0, acc1 = warpgroup_mma_wait(0 if p * SUB + j == STEPS - 1 else HALVES, deps=(acc0, acc1))
+                if PREPACKED:
+                    # The operand's registers stay alive (a wait's dependency) until the wait
+                    # that retires its wgmmas: the next step's.
+                    acc0, acc1, operand = _register_step(w_bufs, t_bufs, stage, j, scales, acc0, acc1, SUB, WG, NKB,
+                                                         BYTES, FP4, HALVES, raw_layout)
+                    # (`previous`: the operand of the step before, static: defined by the unrolled
+                    # step before this one)
+                    if p * SUB + j == 0:
+                        acc0, acc1, operand = warpgroup_mma_wait(0 if p * SUB + j == STEPS - 1 else HALVES,
+                                                                 deps=(acc0, acc1, operand))
+                    else:
+                        acc0, acc1, operand, previous = warpgroup_mma_wait(  # noqa: F821
+                            0 if p * SUB + j == STEPS - 1 else HALVES, deps=(acc0, acc1, operand, previous))  # noqa: F821
+                    previous = operand  # noqa: F841
+                else:
+                    # The buffer was last read by the wgmmas two steps back, retired by a wait since.
+                    acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, j, p * SUB + j, scales, acc0, acc1, WG,
+                                              SUB, NKB, BYTES, FP4, HALVES, raw_layout, dec_layout)
+                    acc0, acc1 = warpgroup_mma_wait(0 if p * SUB + j == STEPS - 1 else HALVES, deps=(acc0, acc1))
                 scales = next_scales
         ring.release(first)
         if PAIR == 2:
@@ -159,9 +233,14 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     if PAIR == 2:  # noqa: SIM102 (a static test around a runtime one: they do not mix in one `and`)
         if k_steps % 2 == 1:  # an odd last stage, alone
             stage = ring.wait_ready(it)
-            acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, 0, 0, scales, acc0, acc1, WG, SUB, NKB, BYTES,
-                                      FP4, HALVES, raw_layout, dec_layout)
-            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+            if PREPACKED:
+                acc0, acc1, operand = _register_step(w_bufs, t_bufs, stage, 0, scales, acc0, acc1, SUB, WG, NKB,
+                                                     BYTES, FP4, HALVES, raw_layout)
+                acc0, acc1, operand = warpgroup_mma_wait(0, deps=(acc0, acc1, operand))
+            else:
+                acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, 0, 0, scales, acc0, acc1, WG, SUB, NKB,
+                                          BYTES, FP4, HALVES, raw_layout, dec_layout)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
             ring.release(stage)
             it += 1
     return acc0, acc1, it
@@ -187,10 +266,11 @@ class DecodeConsumer:
     VEC: gl.constexpr
     NV_SCALE: gl.constexpr
     SWIZZLED: gl.constexpr
+    PREPACKED: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, WG, SUB, VEC, NV_SCALE,
-                 SWIZZLED):
+                 SWIZZLED, PREPACKED):
         self.ring = ring
         self.t_bufs = t_bufs
         self.w_bufs = w_bufs
@@ -206,6 +286,7 @@ class DecodeConsumer:
         self.VEC = gl.constexpr(VEC)
         self.NV_SCALE = gl.constexpr(NV_SCALE)
         self.SWIZZLED = gl.constexpr(SWIZZLED)
+        self.PREPACKED = gl.constexpr(PREPACKED)
 
     @gluon.jit
     def tile(self, sched, slot, tok_block, w_block, it, done):
@@ -225,18 +306,19 @@ class DecodeConsumer:
         BYTES: gl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K  # of a weight row per 64-wide step
         raw_layout: gl.constexpr = gl.BlockedLayout([1, BYTES // 2], [16, 2], [4, 1], [1, 0])
         dec_layout: gl.constexpr = gl.BlockedLayout([1, NKB // 2, VEC], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+        scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
         N = sched.N
         k_steps = gl.cdiv(self.K, BLOCK_K * self.SUB)
         zero = gl.zeros([WG_ROWS, TOK_HALF], gl.float32, acc_layout)
         tok_offsets = gl.arange(0, TOK_HALF, layout=gl.SliceLayout(0, acc_layout))
         w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
-        w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, dec_layout)))
+        w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, scale_layout))
         tok0 = slot.s + tok_block * TOK_TILE
         ns_op = w_block * W_TILE + w_offsets_op
         scale_rows = self.b_scale_ptr + scale_row_offsets(slot.e, ns_op, N, self.NUM_KB, self.KB4, self.SWIZZLED)
         acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
                                        self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
-                                       self.SWIZZLED, HALVES, raw_layout, dec_layout)
+                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, scale_layout, self.PREPACKED)
         w0 = w_block * W_TILE + WG * WG_ROWS  # this warpgroup's first weight row
         ns = w_block * W_TILE + w_offsets
         self.epilogue(acc0, slot, tok0, tok_offsets, w0, ns, N)
@@ -265,7 +347,8 @@ def _consume(consumer, sched):
 def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                   row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                   VEC: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
-                  HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr):
+                  HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
+                  PREPACKED: gl.constexpr):
     """t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A; w_desc: raw weight tiles
     [128, SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of B viewed as [E*N, K or
     K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr: the weight scales
@@ -281,8 +364,12 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     # Two bf16 operand buffers per consumer warpgroup for its decoded weights (_upcast_chain).
-    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, WG_ROWS, BLOCK_K],
-                                       gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.bfloat16))
+    # (Prepacked weights are decoded into the wgmma's register operand: no buffers.)
+    if PREPACKED:
+        a_bufs = w_bufs
+    else:
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, WG_ROWS, BLOCK_K],
+                                           gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.bfloat16))
     ring = Ring.create(STAGES, 2)
     sched = Schedule.create(a_offsets_ptr, expert_ids_ptr, M, N, E, G, a_offsets_ptr, 0, TOK_TILE, W_TILE, GROUP_M,
                             2)
@@ -292,9 +379,9 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     NUM_KB = gl.to_tensor(NUM_KB)
     KB4 = gl.to_tensor(KB4)
     consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 0, SUB, VEC,
-                               NV_SCALE, SWIZZLED)
+                               NV_SCALE, SWIZZLED, PREPACKED)
     consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
-                               NV_SCALE, SWIZZLED)
+                               NV_SCALE, SWIZZLED, PREPACKED)
     producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB)
     # The default partition (consumer 0) gets the registers the workers leave: 512 a thread
     # slot less theirs, so the producer takes 504 - 2 * CONSUMER_REGS and both consumers get

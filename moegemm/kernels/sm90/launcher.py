@@ -117,7 +117,8 @@ def launch(args: LaunchArgs) -> torch.Tensor:
     if p.fmt.name in MX_FORMATS:
         if args.tokens is not None:
             check_kernel_tokens(p, args.tokens)
-        cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=args.epilogue is not None)
+        cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=args.epilogue is not None,
+                             prepacked=p.prepacked)
         if isinstance(cfg, DecodeConfig):
             return _launch_decode(args, cfg)
         if isinstance(cfg, Mxfp8Config):
@@ -237,7 +238,8 @@ def _launch_decode(args: LaunchArgs, cfg) -> torch.Tensor:
         p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi,
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
         SWIZZLED=p.scale_layout == "swizzled", HAS_EXPERT_SCALES=args.expert_scales is not None,
-        HAS_ROW_SCALES=args.row_scales is not None, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        HAS_ROW_SCALES=args.row_scales is not None, CONSUMER_REGS=cfg.consumer_regs, PREPACKED=cfg.prepacked,
+        num_warps=4,
     )
     return out
 

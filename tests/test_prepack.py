@@ -1,0 +1,236 @@
+"""The prepacked weight order (moegemm.prepack, prepack_weights): the documented element mapping,
+bit-for-bit round trips, the formats and shapes it takes, and every backend and the MoE layer
+giving the same bits on prepacked weights as on the plain order. GPU: the decoding kernel reading
+prepacked weights into its wgmma's registers, against the reference and bit for bit against the
+same config on plain weights."""
+
+import pytest
+import torch
+from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, tolerance
+
+import moegemm
+from moegemm import codecs
+from moegemm.config import DecodeConfig, override_config
+from moegemm.formats import PREPACK_FORMATS
+from moegemm.kernels.tl_source import interpreter_usable
+from moegemm.prepack import prepack_codes, unpack_codes
+
+needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
+
+
+def _bits(row: int, col: int) -> dict:
+    names = {"r8": (row, 3), "r4": (row, 2), "r2": (row, 1), "r1": (row, 0), "k32": (col, 5), "k16": (col, 4),
+             "k8": (col, 3), "k4": (col, 2), "k2": (col, 1), "k1": (col, 0)}
+    out = {name: (value >> bit) & 1 for name, (value, bit) in names.items()}
+    out["w"] = row >> 4
+    return out
+
+
+def test_prepacked_order_is_the_documented_mapping():
+    codes = torch.randint(0, 256, (2, 128, 128), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    packed = prepack_codes(codes).view(torch.uint8)
+    plain = codes.view(torch.uint8)
+    for row in range(64):
+        for col in range(64):
+            b = _bits(row, col)
+            packed_row = 16 * b["w"] + 8 * b["r4"] + 4 * b["r2"] + 2 * b["r1"] + b["k4"]
+            packed_col = 32 * b["k2"] + 16 * b["r8"] + 8 * b["k32"] + 4 * b["k16"] + 2 * b["k8"] + b["k1"]
+            for e, nb, kb in ((0, 0, 0), (1, 1, 1)):
+                assert packed[e, 64 * nb + packed_row, 64 * kb + packed_col] == plain[e, 64 * nb + row, 64 * kb + col]
+
+
+@pytest.mark.parametrize("k", (64, 192))
+def test_prepacked_round_trips_and_keeps_e2m1_pairs(k):
+    fp4 = torch.randint(0, 256, (3, 128, k // 2), dtype=torch.uint8)
+    packed = prepack_codes(fp4)
+    assert packed.shape == fp4.shape and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed), fp4)
+    # packed e2m1 moves as its elements would, one byte a pair of K neighbours
+    elements = codecs.unpack_fp4(fp4).to(torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(codecs.unpack_fp4(packed).to(torch.uint8), prepack_codes(elements).view(torch.uint8))
+    fp8 = torch.randint(0, 256, (3, 128, k), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(unpack_codes(prepack_codes(fp8)).view(torch.uint8), fp8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", ("plain", "swizzled"))
+@pytest.mark.parametrize("fmt", PREPACK_FORMATS)
+def test_prepack_weights_round_trip(fmt, layout):
+    w = moegemm.quantize_weights(torch.randn(2, 128, 192), fmt, scale_layout=layout)
+    p = moegemm.prepack_weights(w)
+    assert p.prepacked and p.scales is w.scales and p.data.shape == w.data.shape and p.data.dtype == w.data.dtype
+    assert not torch.equal(p.data.view(torch.uint8), w.data.view(torch.uint8))
+    back = moegemm.unpack_weights(p)
+    assert not back.prepacked and torch.equal(back.data.view(torch.uint8), w.data.view(torch.uint8))
+    torch.testing.assert_close(moegemm.dequantize(p), moegemm.dequantize(w), rtol=0, atol=0)
+
+
+def test_prepack_weights_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="bf16_mxfp4.*not mxfp4"):
+        moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 128, 64), "mxfp4"))
+    with pytest.raises(ValueError, match="multiples of 64.*N=96"):
+        moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 96, 64), "bf16_mxfp4"))
+    with pytest.raises(ValueError, match="multiples of 64.*K=96"):
+        moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 128, 96), "bf16_mxfp8"))
+    with pytest.raises(TypeError, match="w:"):
+        moegemm.prepack_weights(moegemm.quantize(torch.randn(4, 64), "nvfp4"))
+    p = moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 128, 64), "nvfp4"))
+    with pytest.raises(ValueError, match="already prepacked"):
+        moegemm.prepack_weights(p)
+    # a QuantizedTensor that claims the order for another format is named by the op
+    bad = moegemm.QuantizedTensor(torch.zeros(2, 128, 32, dtype=torch.uint8), p.scales, "mxfp4", "b", prepacked=True)
+    a = moegemm.quantize(torch.randn(4, 64), "mxfp4")
+    with pytest.raises(ValueError, match="b: prepacked weights are for"):
+        moegemm.grouped_matmul(a, bad, None, None, torch.tensor([0, 4], dtype=torch.int32),
+                               torch.tensor([0], dtype=torch.int32), fmt="mxfp4", backend="reference")
+
+
+PATTERN = TokenPattern("ragged_skips", (37, 0, 70, 21), (2, 1, -1, 0), experts=3, why="partial tiles and a skip")
+
+
+def _products(fmt, layout, backend, fused=None):
+    p = make_problem(fmt, layout, PATTERN, 128, 192, "cpu")
+    prepacked = moegemm.prepack_weights(p.w)
+    outs = []
+    for w in (p.w, prepacked):
+        if fused is None:
+            outs.append(moegemm.grouped_matmul(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
+                                               expert_scales=p.expert_scales, row_scales=p.row_scales,
+                                               backend=backend))
+        else:
+            q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
+                                              expert_scales=p.expert_scales, gate_up_layout="interleaved",
+                                              out_fmt=fmt, backend=backend)
+            outs.append(q.data.view(torch.uint8) if q.data.dtype != torch.bfloat16 else q.data)
+    return outs
+
+
+@pytest.mark.parametrize("layout", ("plain", "swizzled"))
+@pytest.mark.parametrize("fmt", PREPACK_FORMATS)
+def test_reference_reads_prepacked_weights(fmt, layout):
+    plain, prepacked = _products(fmt, layout, "reference")
+    assert torch.equal(plain.view(torch.int16), prepacked.view(torch.int16))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "nvfp4"))
+def test_portable_kernel_reads_prepacked_weights(fmt):
+    plain, prepacked = _products(fmt, "swizzled", "triton")
+    assert torch.equal(plain.view(torch.int16), prepacked.view(torch.int16))
+    plain, prepacked = _products(fmt, "plain", "reference", fused=True)
+    assert torch.equal(plain.view(torch.uint8), prepacked.view(torch.uint8))
+
+
+def _gpt_oss_like(prepack: bool, device="cpu", backend="reference"):
+    torch.manual_seed(3)
+    e, i, h = 4, 128, 64
+    layer = moegemm.MoE(h, i, e, 2, activation="swiglu_oai", router_bias=True, expert_bias=True, backend=backend,
+                        prepack=prepack, device=device)
+    blocks = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device=device)  # noqa: E731
+    scales = lambda *shape: torch.randint(118, 126, shape, dtype=torch.uint8, device=device)  # noqa: E731
+    layer.load_mxfp4(gate_up_blocks=blocks(e, 2 * i, h // 32, 16), gate_up_scales=scales(e, 2 * i, h // 32),
+                     down_blocks=blocks(e, h, i // 32, 16), down_scales=scales(e, h, i // 32),
+                     gate_up_bias=torch.randn(e, 2 * i, device=device), down_bias=torch.randn(e, h, device=device))
+    layer.load_router(torch.randn(e, h, device=device), torch.randn(e, device=device))
+    return layer
+
+
+def test_moe_loaders_prepack_and_answer_the_same():
+    prepacked, plain = _gpt_oss_like(True), _gpt_oss_like(False)
+    assert prepacked.fmt == "bf16_mxfp4" and prepacked.gate_up_prepacked and prepacked.down_prepacked
+    assert not plain.gate_up_prepacked
+    w_gate_up, w_down = prepacked.weights()
+    assert w_gate_up.prepacked and w_down.prepacked
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(prepacked(x).view(torch.int16), plain(x).view(torch.int16))
+    # formats whose kernels read the plain order keep it
+    layer = moegemm.MoE(64, 128, 4, 2, fmt="mxfp4").load_experts(gate=torch.randn(4, 128, 64),
+                                                                 up=torch.randn(4, 128, 64),
+                                                                 down=torch.randn(4, 64, 128))
+    assert not layer.gate_up_prepacked and not layer.weights()[0].prepacked
+
+
+gpu = pytest.mark.gpu
+
+
+def _forced(token_tile: int, prepacked: bool) -> DecodeConfig:
+    return DecodeConfig(token_tile=token_tile, stages=4, group_m=1 if token_tile < 128 else 4,
+                        consumer_regs=240 if token_tile == 256 else 192, sub_steps=2 if token_tile < 128 else 1,
+                        prepacked=prepacked)
+
+
+def _sm90_both(p, fmt: str, n: int, token_tile: int | None):
+    """The sm90 products of problem p on plain and on prepacked weights (token_tile: the same
+    forced tiles, else each order's default config), each into a poisoned output."""
+    outs = []
+    for w in (p.w, moegemm.prepack_weights(p.w)):
+        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
+        out = poisoned.clone()
+        call = lambda: moegemm.grouped_matmul(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,  # noqa: E731
+                                              expert_scales=p.expert_scales, row_scales=p.row_scales, out=out,
+                                              backend="sm90")
+        if token_tile is None:
+            call()
+        else:
+            with override_config(_forced(token_tile, w.prepacked)):
+                call()
+        outs.append((out, poisoned))
+    return outs
+
+
+@gpu
+@pytest.mark.parametrize("token_tile", [16, 64, 128, 256])
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", PREPACK_FORMATS)
+def test_sm90_prepacked_matches_reference_and_plain(fmt, layout, pattern, token_tile):
+    # N=320: a partial last weight tile (64 rows of a 128-row tile); K=576: an odd number of
+    # one-step stages (128/256-token tiles take them in pairs), a partial two-step stage.
+    p = make_problem(fmt, layout, pattern, 320, 576, "cuda")
+    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, 320, token_tile)
+    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+
+
+MODEL_SMALL_GROUPS = TokenPattern("decode_256x16", tuple(8 + (7 * s) % 17 for s in range(256)),
+                                  tuple(s % 16 for s in range(256)), experts=16,
+                                  why="decode: 256 slots of 8-24 tokens (16 experts' weights), more tiles than SMs")
+MODEL_WIDE = TokenPattern("prefill_wide", (1000, 130, 300, 257, 129, 2000, 5, 700, 384, 256),
+                          (3, 0, 5, 1, 2, 4, 0, -1, 7, 3), experts=8, why="256-token tiles, a skipped slot")
+
+
+@gpu
+@pytest.mark.parametrize("pattern", (MODEL_SMALL_GROUPS, MODEL_WIDE), ids=lambda p: p.name)
+@pytest.mark.parametrize("n,k", [(2880, 2880), (7168, 2048)], ids=["gptoss-down", "dsv3-down"])
+@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "nvfp4"))
+def test_sm90_prepacked_at_model_shapes(fmt, n, k, pattern):
+    # The default configs (16/32-token tiles at decode, 256-token tiles at prefill), more tiles
+    # than SMs: against the reference, rows outside the slots untouched, the plain order's bits,
+    # and two calls bit-identical.
+    p = make_problem(fmt, "swizzled", pattern, n, k, "cuda")
+    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, n, None)
+    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+    (_, _), (again, _) = _sm90_both(p, fmt, n, None)
+    assert torch.equal(again[valid].view(torch.int16), prepacked[valid].view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", PREPACK_FORMATS)
+def test_sm90_prepacked_fused_epilogue_and_layer(fmt):
+    p = make_problem(fmt, "swizzled", MODEL_WIDE, 2 * 1024, 1024, "cuda")
+    outs = []
+    for w in (p.w, moegemm.prepack_weights(p.w)):
+        q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
+                                          expert_scales=p.expert_scales, gate_up_layout="interleaved", out_fmt=fmt,
+                                          backend="sm90")
+        valid = p.valid_rows().to("cuda")
+        outs.append(q.data[valid].view(torch.uint8))
+    assert torch.equal(outs[0], outs[1])
+    if fmt == "bf16_mxfp4":
+        prepacked, plain = (_gpt_oss_like(flag, "cuda", "auto") for flag in (True, False))
+        x = torch.randn(300, 64, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            assert torch.equal(prepacked(x).view(torch.int16), plain(x).view(torch.int16))
