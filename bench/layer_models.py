@@ -19,6 +19,7 @@ sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve(
 
 import moegemm
 from moegemm import layouts
+from moegemm.formats import PREPACK_FORMATS
 
 # "fmts": the formats every script times the model in. "table_fmts": formats moe_layer.py's
 # table also times, at these token counts only; gpt-oss's weight-only MXFP4 (bf16 activations,
@@ -162,8 +163,11 @@ class Mxfp4Weights:
 
                 self._mx_scales = (swz(self.gu_sbytes), swz(self.dn_sbytes))
             if fmt not in self._mx:
-                self._mx[fmt] = (moegemm.QuantizedTensor(self.gu_data, self._mx_scales[0], fmt, "b", "swizzled"),
-                                 moegemm.QuantizedTensor(self.dn_data, self._mx_scales[1], fmt, "b", "swizzled"))
+                weights = (moegemm.QuantizedTensor(self.gu_data, self._mx_scales[0], fmt, "b", "swizzled"),
+                           moegemm.QuantizedTensor(self.dn_data, self._mx_scales[1], fmt, "b", "swizzled"))
+                if fmt in PREPACK_FORMATS:  # as MoE.load_mxfp4 keeps them
+                    weights = tuple(moegemm.prepack_weights(w) for w in weights)
+                self._mx[fmt] = weights
             return self._mx[fmt]
         raise ValueError(fmt)
 

@@ -4,6 +4,8 @@ giving the same bits on prepacked weights as on the plain order. GPU: the decodi
 prepacked weights into its wgmma's registers, against the reference and bit for bit against the
 same config on plain weights."""
 
+import dataclasses
+
 import pytest
 import torch
 from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, tolerance
@@ -163,10 +165,12 @@ def _sm90_both(p, fmt: str, n: int, token_tile: int | None):
     """The sm90 products of problem p on plain and on prepacked weights (token_tile: the same
     forced tiles, else each order's default config), each into a poisoned output."""
     outs = []
-    for w in (p.w, moegemm.prepack_weights(p.w)):
+    # (nvfp4's global scales are in p.expert_scales already)
+    a, w = (dataclasses.replace(q, global_scale=None) for q in (p.a, p.w))
+    for w in (w, moegemm.prepack_weights(w)):
         poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
         out = poisoned.clone()
-        call = lambda: moegemm.grouped_matmul(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,  # noqa: E731
+        call = lambda: moegemm.grouped_matmul(a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,  # noqa: E731
                                               expert_scales=p.expert_scales, row_scales=p.row_scales, out=out,
                                               backend="sm90")
         if token_tile is None:
@@ -222,10 +226,11 @@ def test_sm90_prepacked_at_model_shapes(fmt, n, k, pattern):
 def test_sm90_prepacked_fused_epilogue_and_layer(fmt):
     p = make_problem(fmt, "swizzled", MODEL_WIDE, 2 * 1024, 1024, "cuda")
     outs = []
+    global_scale = torch.ones((), device="cuda") if fmt == "nvfp4" else None  # (nvfp4 out: a static one)
     for w in (p.w, moegemm.prepack_weights(p.w)):
         q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
                                           expert_scales=p.expert_scales, gate_up_layout="interleaved", out_fmt=fmt,
-                                          backend="sm90")
+                                          out_global_scale=global_scale, backend="sm90")
         valid = p.valid_rows().to("cuda")
         outs.append(q.data[valid].view(torch.uint8))
     assert torch.equal(outs[0], outs[1])
