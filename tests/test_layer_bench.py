@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import moegemm
 from moegemm.formats import FORMATS
 
 BENCH = str(Path(__file__).resolve().parents[1] / "bench")
@@ -41,8 +42,8 @@ def test_layer_table_rows_per_model():
 
 
 def test_weight_only_mxfp4_layer_weights_read_the_mxfp4_bytes():
-    """The weight-only rows read the mxfp4 rows' e2m1 codes and e8m0 scales: the same weight bytes
-    for ours / weight read."""
+    """The weight-only rows read the mxfp4 rows' e2m1 codes (prepacked, as MoE.load_mxfp4 keeps
+    them) and e8m0 scales: the same weight bytes for ours / weight read."""
     if "bf16_mxfp4" not in FORMATS:
         pytest.skip("bf16_mxfp4 is not in moegemm.formats.FORMATS in this tree")
     layer_models, _ = bench_modules()
@@ -53,7 +54,7 @@ def test_weight_only_mxfp4_layer_weights_read_the_mxfp4_bytes():
     e, h, i = cfg["experts"], cfg["hidden"], cfg["width"]
     for q, mx, n, k in ((gu, mx_gu, 2 * i, h), (dn, mx_dn, h, i)):
         assert q.fmt == "bf16_mxfp4" and q.scale_layout == "swizzled"
-        assert q.data is mx.data and q.scales is mx.scales
+        assert q.prepacked and torch.equal(moegemm.unpack_weights(q).data, mx.data) and q.scales is mx.scales
         assert q.data.shape == (e, n, k // 2) and q.scales.dtype == torch.float8_e8m0fnu
     e2m1_e8m0 = (2 * i * h + h * i) * (0.5 + 1 / 32)  # bytes per expert
     assert layer_models.weight_bytes_per_expert(gu, dn) == e2m1_e8m0
