@@ -13,7 +13,9 @@ fp32 output. Two problems in five are drawn "large": K >= 2048 and more 128 x 12
 GPU has SMs. Each backend that applies (sm90 on Hopper, triton) runs it twice into poisoned
 outputs: rows outside valid groups must keep their poison, the two results must be identical,
 and the valid rows must be within the format's tolerance of the fp64 reference
-(tests/cases.py: elementwise against sum |a*b|, and normalized).
+(tests/cases.py: elementwise against sum |a*b|, and normalized). The formats that take
+prepacked weights (formats.PREPACK_FORMATS, N and K multiples of 64) run sm90 once more on them
+("sm90-prepacked"): checked the same way, and bit-identical to sm90 on the plain order.
 
 Workers: processes sharing the GPU (and Triton's cache), so kernel compilation runs on several
 cores; the problems are the same whatever their number.
@@ -113,8 +115,10 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     import torch
 
     import moegemm
+    from moegemm.formats import PREPACK_FORMATS
     from moegemm.kernels import sm90
     from moegemm.ops import resolve_backend
+    from moegemm.prepack import prepack_codes
     from moegemm.validation import validate_grouped_matmul
 
     from cases import TokenPattern, check_output, make_problem, poison_like, tolerance
@@ -128,15 +132,23 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     checked = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=out_dtype)
     record = dict(problem, m=p.m, results={})
     valid = p.valid_rows().to(device)
-    for backend in backends_for(device):
-        if only_backend not in (None, backend) or (backend == "sm90" and not sm90.supports(checked)):
+    runs = [(b, b, p.args()) for b in backends_for(device)]
+    prepackable = problem["fmt"] in PREPACK_FORMATS and p.n % 64 == 0 and problem["k"] % 64 == 0
+    if "sm90" in backends_for(device) and prepackable:
+        # (nvfp4's global scales ride in p.expert_scales, as with the raw operands)
+        prepacked = moegemm.QuantizedTensor(prepack_codes(p.w.data), p.w.scales, p.fmt, "b", p.layout, prepacked=True)
+        a, _, a_scales, _, a_offsets, expert_ids = p.args()
+        runs.append(("sm90-prepacked", "sm90", (a, prepacked, a_scales, None, a_offsets, expert_ids)))
+    firsts = {}
+    for name, backend, args in runs:
+        if only_backend not in (None, backend, name) or (backend == "sm90" and not sm90.supports(checked)):
             continue
         outs, note = [], "ok"
         try:
             for _ in range(2):
                 poisoned = poison_like(p.m, p.n, out_dtype, device)
                 out = poisoned.clone()
-                moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend=backend)
+                moegemm.grouped_matmul(*args, **p.kwargs(), out=out, out_dtype=out_dtype, backend=backend)
                 outs.append((poisoned, out))
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -146,15 +158,20 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
                 note = "rows outside valid groups were written (second call)"
             elif not torch.equal(first[valid].view(bits), second[valid].view(bits)):
                 note = "two identical calls gave different bits"
+            elif name == "sm90-prepacked" and "sm90" in firsts and not torch.equal(first[valid].view(bits),
+                                                                                  firsts["sm90"][valid].view(bits)):
+                note = "prepacked weights gave other bits than the plain order"
             else:
                 check_output(p, first, poisoned, tolerance(problem["fmt"], backend))
+            firsts[name] = first
         except AssertionError as exc:
             note = f"check: {exc}"
         except Exception as exc:  # noqa: BLE001 (a crash is a failure of the problem, reported with it)
             note = f"{type(exc).__name__}: {str(exc)[:300]}"
         chosen = resolve_backend(backend, checked, torch.device(device))
-        record["results"][backend] = dict(ok=note == "ok", note=note, ran=chosen)
-    del p, outs
+        record["results"][name] = dict(ok=note == "ok", note=note, ran=chosen + ("-prepacked" if name != backend
+                                                                                 else ""))
+    del p, outs, firsts
     if device == "cuda":
         torch.cuda.empty_cache()
     return record
@@ -224,7 +241,7 @@ def main():
         seconds=round(time.time() - t0, 1), problems=len(records), runs=len(runs), failures=len(failures),
         large_problems=sum(r["large"] for r in records),
         by_format={f: sum(r["fmt"] == f for r in records) for f in FORMATS},
-        by_backend={b: sum(1 for _, bb, _ in runs if bb == b) for b in ("sm90", "triton")},
+        by_backend={b: sum(1 for _, bb, _ in runs if bb == b) for b in ("sm90", "sm90-prepacked", "triton")},
         by_kernel_path={ran: sum(1 for _, _, res in runs if res["ran"] == ran) for ran in {res["ran"] for _, _, res
                                                                                             in runs}},
         deterministic=not any("different bits" in f["note"] for f in failures),

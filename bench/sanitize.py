@@ -9,6 +9,8 @@ result also checked against the fp64 reference, so the sanitized path is the rig
     mx-decoding     the bf16-decoding block-format kernel (kernels/sm90/decode.py): mxfp4, nvfp4,
                     w4a8, mxfp8 on 32-, 64-, 128- and 256-token tiles, bf16_mxfp4 (bf16 tokens)
                     on 32 and 256, unscaled and scaled calls
+    prepacked       the same kernel on prepacked weights (decoded into the wgmma's registers):
+                    bf16_mxfp4, nvfp4 and bf16_mxfp8 on 16-, 64-, 128- and 256-token tiles
     mxfp8-promotion kernels/sm90/mxfp8.py: 16- and 32-token tiles (slot walk from
                     chunks), wide 64- and 128-token tiles with tails and short tails
     e2m1-split-k    the same kernel with e2m1 weights (mxfp4, w4a8): split-K 8- and 16-token
@@ -54,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
-WORKLOADS = ("sm90", "mx-decoding", "mxfp8-promotion", "e2m1-split-k", "fused-swiglu", "routing", "adversarial")
+WORKLOADS = ("sm90", "mx-decoding", "prepacked", "mxfp8-promotion", "e2m1-split-k", "fused-swiglu", "routing",
+             "adversarial")
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -114,6 +117,35 @@ def workload_mx_decoding():
         for fmt in fmts[:1 if _racecheck() else len(fmts)]:
             _check(fmt, "swizzled" if fmt != "w4a8" else "plain", pattern, 1024, 256, cfg,
                    with_scales=fmt == "nvfp4" or tokens == 64)
+
+
+def workload_prepacked():
+    import dataclasses
+
+    import torch
+
+    import moegemm
+    from cases import check_output, make_problem, poison_like, tolerance
+    from moegemm.config import DecodeConfig, override_config
+
+    for tokens, (lo, hi) in ((16, (2, 16)), (64, (30, 60)), (128, (60, 200)), (256, (200, 600))):
+        cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4,
+                           consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1,
+                           prepacked=True)
+        pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
+        fmts = ("bf16_mxfp4", "nvfp4", "bf16_mxfp8")
+        for fmt in fmts[:1 if _racecheck() else len(fmts)]:
+            p = make_problem(fmt, "swizzled", pattern, 1024, 256, "cuda", with_scales=tokens == 64)
+            # (nvfp4's global scales are in p.expert_scales already)
+            a, w = (dataclasses.replace(q, global_scale=None) for q in (p.a, p.w))
+            poisoned = poison_like(p.m, p.n, torch.bfloat16, "cuda")
+            out = poisoned.clone()
+            with override_config(cfg):
+                moegemm.grouped_matmul(a, moegemm.prepack_weights(w), None, None, p.a_offsets, p.expert_ids,
+                                       fmt=fmt, expert_scales=p.expert_scales, row_scales=p.row_scales, out=out,
+                                       backend="sm90")
+            check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+            print(f"ok {fmt} prepacked {pattern.name} N=1024 K=256 {cfg}", flush=True)
 
 
 def workload_mxfp8_promotion():
