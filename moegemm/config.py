@@ -477,7 +477,8 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int, prepacked: bool 
         # warpgroups, one 128-K half of every stage to each pair (docs/perf-notes.md, e2m1 weights).
         cfg = E2m1Config(token_tile=regime, stages=2, group_m=1, consumer_regs=112, split_k=True)
     else:
-        # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand);
+        # Weights are always the 128-row wgmma side (decoded into shared memory, the A operand;
+        # prepacked ones into the A operand's registers: 1.0-1.26x, docs/perf-notes.md);
         # the tokens (bf16) the N side: one group's tokens at decode, 128 for small groups, 256
         # (two 128-token halves on one decoded operand: the decode paid once for 256 tokens) for
         # many; mxfp8 too at many tokens an expert, where its 256-token tiles ran 1.10-1.15x the
