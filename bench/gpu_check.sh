@@ -19,7 +19,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/nvidia-smi-$mode.txt" 2>&1
 case "$mode" in
   tests)
-    echo "# bash bench/gpu_check.sh tests (python3 -m pytest -q -m gpu -n 8 tests), one $gpu, commit $commit" \
+    echo "# bash bench/gpu_check.sh tests (python3 -m pytest -q -m gpu -n ${WORKERS:-8} tests), one $gpu, commit $commit" \
       > "$OUT/gpu-tests.log"
     timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n ${WORKERS:-8} tests >> "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -5
