@@ -49,7 +49,7 @@ from . import activation as act
 from . import config, distributed, layouts
 from .formats import PREPACK_FORMATS, get_format
 from .fused import fused_pays, fused_supports
-from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
+from .ops import available_backends, grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .prepack import PREPACK_K, PREPACK_ROWS
 from .quantize import QuantizedTensor, dequantize_operand, prepack_weights, quantize_weights
 from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
@@ -354,7 +354,9 @@ class MoE(torch.nn.Module):
 
     prepack: the loaders keep the weights of formats.PREPACK_FORMATS (bf16_mxfp4, gpt-oss's, among
     them) in the order the sm90 decoding kernel reads (moegemm.prepack_weights), where N and K are
-    multiples of 64; weights() returns them so.
+    multiples of 64; weights() returns them so. None (the default): where that kernel will read
+    them, i.e. weights on a Hopper GPU and backend "auto" or "sm90" (elsewhere every call would
+    unpack them); True: wherever N and K allow; False: never.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -363,7 +365,7 @@ class MoE(torch.nn.Module):
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  correction_bias: bool = False, shared_intermediate_size: int = 0,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, backend: str = "auto",
-                 fused: bool = True, ep_group=None, ep_path: str = "auto", prepack: bool = True, device=None,
+                 fused: bool = True, ep_group=None, ep_path: str = "auto", prepack: bool | None = None, device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         act.check_activation(activation)
@@ -430,12 +432,20 @@ class MoE(torch.nn.Module):
         self.scale_layout = _weight_scale_layout(f.name)
 
     def _store(self, prefix: str, q: QuantizedTensor):
-        if self.prepack and q.fmt in PREPACK_FORMATS and q.data.shape[1] % PREPACK_ROWS == 0 and q.k % PREPACK_K == 0:
+        if self._prepacks(q):
             q = prepack_weights(q)
         setattr(self, f"{prefix}_prepacked", q.prepacked)
         setattr(self, f"{prefix}_data", q.data)
         setattr(self, f"{prefix}_scales", q.scales)
         setattr(self, f"{prefix}_global", q.global_scale)
+
+    def _prepacks(self, q: QuantizedTensor) -> bool:
+        """Whether the loaders keep q prepacked (the class docstring's `prepack`)."""
+        if self.prepack is False or q.fmt not in PREPACK_FORMATS:
+            return False
+        if q.data.shape[1] % PREPACK_ROWS or q.k % PREPACK_K:
+            return False
+        return bool(self.prepack) or (self.backend in ("auto", "sm90") and "sm90" in available_backends(q.data.device))
 
     def _check_weight(self, name, w, shape):
         if not isinstance(w, torch.Tensor):

@@ -122,7 +122,7 @@ def test_portable_kernel_reads_prepacked_weights(fmt):
     assert torch.equal(plain.view(torch.uint8), prepacked.view(torch.uint8))
 
 
-def _gpt_oss_like(prepack: bool, device="cpu", backend="reference"):
+def _gpt_oss_like(prepack: bool | None, device="cpu", backend="reference"):
     torch.manual_seed(3)
     e, i, h = 4, 128, 64
     layer = moegemm.MoE(h, i, e, 2, activation="swiglu_oai", router_bias=True, expert_bias=True, backend=backend,
@@ -140,6 +140,8 @@ def test_moe_loaders_prepack_and_answer_the_same():
     prepacked, plain = _gpt_oss_like(True), _gpt_oss_like(False)
     assert prepacked.fmt == "bf16_mxfp4" and prepacked.gate_up_prepacked and prepacked.down_prepacked
     assert not plain.gate_up_prepacked
+    # by default only where the sm90 kernels read them (elsewhere every call would unpack them)
+    assert not _gpt_oss_like(None).gate_up_prepacked
     w_gate_up, w_down = prepacked.weights()
     assert w_gate_up.prepacked and w_down.prepacked
     x = torch.randn(7, 64, dtype=torch.bfloat16)
@@ -235,7 +237,8 @@ def test_sm90_prepacked_fused_epilogue_and_layer(fmt):
         outs.append(q.data[valid].view(torch.uint8))
     assert torch.equal(outs[0], outs[1])
     if fmt == "bf16_mxfp4":
-        prepacked, plain = (_gpt_oss_like(flag, "cuda", "auto") for flag in (True, False))
+        prepacked, plain = (_gpt_oss_like(flag, "cuda", "auto") for flag in (None, False))
+        assert prepacked.gate_up_prepacked  # (the default on a Hopper GPU)
         x = torch.randn(300, 64, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             assert torch.equal(prepacked(x).view(torch.int16), plain(x).view(torch.int16))

@@ -109,7 +109,7 @@ def fragment_layout(NKB, VEC):
 
 @gluon.jit
 def _decode_fragment(w_smem, scales, raw_layout: gl.constexpr, NKB: gl.constexpr, FP4: gl.constexpr):
-    """This warpgroup's prepacked [64, 64] weight step (layouts.prepack_weights) from the ring to
+    """This warpgroup's prepacked [64, 64] weight step (moegemm.prepack) from the ring to
     the bf16 wgmma A fragment in registers, times its [64, NKB] block scales. Each thread loads
     its own 32 elements, contiguous (16 or 32 bytes); the reshape and permute only rename which
     logical element each register holds (prepacked row 16w + 8 r4 + 4 r2 + 2 r1 + k4, column
@@ -169,7 +169,7 @@ def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.conste
 def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
                   WG: gl.constexpr, SUB: gl.constexpr, NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr,
                   NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HALVES: gl.constexpr, raw_layout: gl.constexpr,
-                  dec_layout: gl.constexpr, scale_layout: gl.constexpr, PREPACKED: gl.constexpr):
+                  dec_layout: gl.constexpr, PREPACKED: gl.constexpr):
     """acc_h = sum_k decode(W_k) * scales_k @ T_k,h^T over k_steps stages of SUB 64-wide steps,
     for the tile's HALVES 128-token halves (one accumulator each, the same decoded operand).
 
@@ -190,6 +190,7 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     registers before WARPGROUP.DEPBAR.LE gsb0, 0x0), so the tile's output missed 1 to 3 of
     the last step's four k16 wgmmas, differently each run (DeepSeek-V3 shapes at ~12 tokens an
     expert: 6-12% off; offline.wgmma_register_hazards finds such reads in SASS)."""
+    scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
     PAIR: gl.constexpr = 2 if SUB == 1 else 1  # stages an iteration
     STEPS: gl.constexpr = PAIR * SUB  # 64-wide steps an iteration
     acc0 = zero
@@ -306,19 +307,18 @@ class DecodeConsumer:
         BYTES: gl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K  # of a weight row per 64-wide step
         raw_layout: gl.constexpr = gl.BlockedLayout([1, BYTES // 2], [16, 2], [4, 1], [1, 0])
         dec_layout: gl.constexpr = gl.BlockedLayout([1, NKB // 2, VEC], [16, 2, 1], [4, 1, 1], [2, 1, 0])
-        scale_layout: gl.constexpr = gl.SliceLayout(2, dec_layout)
         N = sched.N
         k_steps = gl.cdiv(self.K, BLOCK_K * self.SUB)
         zero = gl.zeros([WG_ROWS, TOK_HALF], gl.float32, acc_layout)
         tok_offsets = gl.arange(0, TOK_HALF, layout=gl.SliceLayout(0, acc_layout))
         w_offsets = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
-        w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, scale_layout))
+        w_offsets_op = WG * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, dec_layout)))
         tok0 = slot.s + tok_block * TOK_TILE
         ns_op = w_block * W_TILE + w_offsets_op
         scale_rows = self.b_scale_ptr + scale_row_offsets(slot.e, ns_op, N, self.NUM_KB, self.KB4, self.SWIZZLED)
         acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
                                        self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
-                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, scale_layout, self.PREPACKED)
+                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, self.PREPACKED)
         w0 = w_block * W_TILE + WG * WG_ROWS  # this warpgroup's first weight row
         ns = w_block * W_TILE + w_offsets
         self.epilogue(acc0, slot, tok0, tok_offsets, w0, ns, N)
