@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .formats import PREPACK_FORMATS, get_format
+
 __all__ = ["PREPACK_ROWS", "PREPACK_K", "prepack_codes", "unpack_codes", "check_prepackable"]
 
 PREPACK_ROWS = 64  # weight rows of a block: one consumer warpgroup
@@ -34,7 +36,7 @@ _PACKED_ROW_BITS = ("w", "r4", "r2", "r1", "k4")
 _PACKED_K_BITS = ("k2", "r8", "k32", "k16", "k8", "k1")
 
 
-def check_prepackable(shape, packed: bool, name: str = "b"):
+def _check_shape(shape, packed: bool, name: str):
     """ValueError unless codes of this shape ([E, N, K] or packed [E, N, K/2]) can be prepacked:
     N and K multiples of 64."""
     if len(shape) != 3:
@@ -42,6 +44,15 @@ def check_prepackable(shape, packed: bool, name: str = "b"):
     n, k = shape[1], shape[2] * (2 if packed else 1)
     if n % PREPACK_ROWS or k % PREPACK_K:
         raise ValueError(f"{name}: the prepacked order needs N and K multiples of {PREPACK_ROWS}, got N={n}, K={k}")
+
+
+def check_prepackable(fmt: str, shape, name: str):
+    """ValueError (naming `name`) unless weight codes of format `fmt` and this shape can be
+    prepacked: a format of formats.PREPACK_FORMATS, N and K multiples of 64."""
+    if fmt not in PREPACK_FORMATS:
+        raise ValueError(f"{name}: prepacked weights are for {', '.join(PREPACK_FORMATS)} (the formats the decoding "
+                         f"kernel runs in every regime), not {fmt}")
+    _check_shape(shape, get_format(fmt).b.element.packed, name)
 
 
 def _reorder(codes: torch.Tensor, source: tuple[str, ...], target: tuple[str, ...]) -> torch.Tensor:
@@ -68,7 +79,7 @@ def prepack_codes(codes: torch.Tensor) -> torch.Tensor:
     """Weight codes [E, N, K] (e4m3) or packed e2m1 [E, N, K/2] (uint8) in the prepacked order
     (module docstring); same shape and dtype."""
     packed = codes.dtype == torch.uint8
-    check_prepackable(codes.shape, packed)
+    _check_shape(codes.shape, packed, "codes")
     plain, prepacked = _orders(packed)
     return _reorder(codes, plain, prepacked)
 
@@ -76,6 +87,6 @@ def prepack_codes(codes: torch.Tensor) -> torch.Tensor:
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     """The inverse of prepack_codes: prepacked codes back in the plain [E, N, K] order."""
     packed = codes.dtype == torch.uint8
-    check_prepackable(codes.shape, packed)
+    _check_shape(codes.shape, packed, "codes")
     plain, prepacked = _orders(packed)
     return _reorder(codes, prepacked, plain)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import codecs, layouts, prepack
-from .formats import E2M1, E4M3, PREPACK_FORMATS, SWIZZLE_FORMATS, Format, OperandFormat, get_format
+from .formats import E2M1, E4M3, SWIZZLE_FORMATS, Format, OperandFormat, get_format
 from .token_forms import TokenForm, dequantize_tokens
 
 __all__ = ["QuantizedTensor", "quantize", "quantize_weights", "prepack_weights", "unpack_weights", "dequantize",
@@ -318,10 +318,7 @@ def prepack_weights(w: QuantizedTensor) -> QuantizedTensor:
                         + (f" of operand {w.operand!r}" if isinstance(w, QuantizedTensor) else ""))
     if w.prepacked:
         raise ValueError("w: already prepacked")
-    if w.fmt not in PREPACK_FORMATS:
-        raise ValueError(f"w: the prepacked order is for {', '.join(PREPACK_FORMATS)} (the formats the decoding "
-                         f"kernel runs in every regime), not {w.fmt}")
-    prepack.check_prepackable(w.data.shape, get_format(w.fmt).b.element.packed, "w")
+    prepack.check_prepackable(w.fmt, w.data.shape, "w")
     return replace(w, data=prepack.prepack_codes(w.data), prepacked=True)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import layouts
-from .formats import PREPACK_FORMATS, SWIZZLE_FORMATS, Format, get_format
+from .formats import SWIZZLE_FORMATS, Format, get_format
 from .prepack import check_prepackable
 from .quantize import QuantizedTensor
 from .token_forms import TokenForm, kb_major_columns, token_form
@@ -227,9 +227,7 @@ def validate_grouped_matmul(
     _check(expert_ids, "expert_ids", (torch.int32,), device, (g,), "G = len(a_offsets) - 1")
 
     if b_prepacked:
-        if f.name not in PREPACK_FORMATS:
-            raise ValueError(f"b: prepacked weights are for {', '.join(PREPACK_FORMATS)}, not {f.name}")
-        check_prepackable(b.shape, f.b.element.packed)
+        check_prepackable(f.name, b.shape, "b")
     problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype, b_prepacked)
     if a_form is not None:
         _validate_form(problem, a_form, a_scales, device)
