@@ -29,6 +29,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 import moegemm
+from moegemm.kernels.launch import direct_launches
 
 
 @triton.jit
@@ -86,6 +87,7 @@ def recorded_launches(fn) -> list:
     torch.cuda.synchronize()
     original = JITFunction.run
     launches = []
+    direct = direct_launches(False)  # (every launch through JITFunction.run, to be recorded)
 
     def recording(self, *args, grid, warmup, **kwargs):
         kernel = original(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -97,6 +99,7 @@ def recorded_launches(fn) -> list:
         fn()
     finally:
         JITFunction.run = original
+        direct_launches(direct)
     return launches
 
 

@@ -31,6 +31,7 @@ import triton
 from . import layouts
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
 from .kernels import tl_source
+from .kernels.launch import launch
 from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantize, quantized_from_op
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 
@@ -195,26 +196,28 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
         block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
         grid = (triton.cdiv(x.shape[0] if topk else rows, block_m), triton.cdiv(k_out, nb * vec))
-        module.activation_quantize_kernel[grid](
-            x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
-            expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
-            a_scale_offsets if a_scale_offsets is not None else dummy,
-            global_scale if global_scale is not None else dummy,
-            data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
-            rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad,
-            float(alpha), float(limit),
+        sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
+        consts = dict(
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
             BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
             EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=triton.next_power_of_2(max(topk, 1)),
             PAIR_WORDS=pair_words, COLUMN_BLOCK=form.column_block if form else 4,
-            num_warps=CUDA_WARPS if device.type == "cuda" else 4,
-        )
+            num_warps=CUDA_WARPS if device.type == "cuda" else 4)
+        given = (expert_ids is None, a_offsets is None, a_scale_offsets is None, global_scale is None, scales is None,
+                 scale_bytes is None)
+        launch(module.activation_quantize_kernel, (sizes, given, *consts.values()), grid, (
+            x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
+            expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
+            a_scale_offsets if a_scale_offsets is not None else dummy,
+            global_scale if global_scale is not None else dummy,
+            data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
+            *sizes, float(alpha), float(limit)), consts)
     if scale_bytes is not None:
         grid = (triton.cdiv(rows, SCALE_MOVE_ROWS), triton.cdiv(nkb, SCALE_MOVE_BLOCKS))
-        module.kb_major_scales_kernel[grid](scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad,
-                                            COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS,
-                                            BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4)
+        launch(module.kb_major_scales_kernel, (rows, num_groups, nkb, m_pad, form.column_block), grid,
+               (scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad),
+               dict(COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS, BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4))
     if form is not None:
         if form.kind == "e4m3":
             data = data.view(torch.float8_e4m3fn)

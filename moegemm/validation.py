@@ -10,6 +10,7 @@ write outside `out` or read outside `b`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -56,6 +57,12 @@ class GroupedProblem:
     @property
     def num_k_scales(self) -> int:
         return math.ceil(self.k / self.fmt.scale_vec) if self.fmt.scaled else 0
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """The problem as a tuple of plain values (cheap to hash: the kernels' launch keys)."""
+        return (self.fmt.name, self.m, self.n, self.k, self.num_experts, self.num_groups, self.scale_layout,
+                self.out_dtype, self.prepacked)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# Every launch through a kernel's compiled launcher compares what its key promises with the
+# arguments given (moegemm/kernels/launch.py): a key that misses an argument fails loudly.
+os.environ.setdefault("MOEGEMM_CHECK_LAUNCH", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -5,6 +5,7 @@ the tile count, and the kernel itself skips the tiles that do not exist.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ..formats import E2M1, E4M3
 from ..token_forms import kb_major_columns
 from ..validation import GroupedProblem
 from . import tl_source
+from .launch import launch
 
 _SOURCE = Path(__file__).with_name("_portable_tl.py")
 
@@ -46,12 +48,13 @@ def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _num_programs(device: torch.device, upper_bound_tiles: int, programs_per_sm: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 1
-    return max(1, min(sms * programs_per_sm, upper_bound_tiles))
+    return max(1, min(_sm_count(device) * programs_per_sm, upper_bound_tiles))
 
 
 def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
@@ -88,7 +91,9 @@ def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, exper
     upper_tiles = (math.ceil(p.m / cfg.block_m) + p.num_groups) * math.ceil(p.n / cfg.block_n)
     grid = (_num_programs(a.device, upper_tiles, cfg.programs_per_sm),)
     dummy = a_offsets  # stands in for absent optional pointers; never read
-    module.grouped_matmul_kernel[grid](
+    key = (p.key, cfg, expert_scales is None, row_scales is None, a_scale_offsets is None,
+           a_scales.shape[0] if a_swizzled else 0, interpret)
+    launch(module.grouped_matmul_kernel, key, grid, (
         _bytes(a), _bytes(b),
         _bytes(a_scales) if a_scales is not None else dummy,
         _bytes(b_scales) if b_scales is not None else dummy,
@@ -98,11 +103,10 @@ def grouped_matmul(p: GroupedProblem, a, b, a_scales, b_scales, a_offsets, exper
         row_scales if row_scales is not None else dummy,
         out,
         p.m, p.n, p.k, p.num_experts, p.num_groups,
-        num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if a_swizzled else p.m,
+        num_kb, math.ceil(num_kb / 4), a_scales.shape[0] * 128 if a_swizzled else p.m), dict(
         HAS_EXPERT_SCALES=expert_scales is not None, HAS_ROW_SCALES=row_scales is not None,
         **constexprs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     return out
 
 
@@ -126,14 +130,13 @@ def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_sca
     # Enough programs to fill the GPU whatever the group sizes: parts per slot.
     parts = max(1, min(math.ceil(p.m / block_m), math.ceil(4 * _num_programs(a.device, 1 << 30, 1) / p.num_groups)))
     num_kb = p.num_k_scales
-    module.dequantize_rows_kernel[(p.num_groups, parts)](
+    launch(module.dequantize_rows_kernel, (p.key, a_scales.shape[0], interpret), (p.num_groups, parts), (
         _bytes(a), _bytes(a_scales), a_offsets, expert_ids,
         a_scale_offsets if a_scale_offsets is not None else a_offsets, out,
         p.m, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
-        a_scales.shape[0] * 128 if swizzled else p.m,
+        a_scales.shape[0] * 128 if swizzled else p.m), dict(
         A_ELEM=_elem_code(f.a.element, module), SCALE=_scale_code(f.a.scale, module), VEC=f.scale_vec,
-        SWIZZLED=swizzled, INTERPRETED=interpret, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
-    )
+        SWIZZLED=swizzled, INTERPRETED=interpret, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4))
     return out
 
 
@@ -150,9 +153,9 @@ def e2m1_to_e4m3(a: torch.Tensor, exponent: int = 0, even_odd: bool = False) -> 
     if num_bytes == 0:
         return out
     block = 1024
-    kernel_module(a.device.type == "cpu").e2m1_to_e4m3_kernel[(math.ceil(num_bytes / block), )](
-        _bytes(a.contiguous()), out.view(torch.uint8), num_bytes, EXP=exponent, EVEN_ODD=even_odd, BLOCK=block,
-        num_warps=4)
+    launch(kernel_module(a.device.type == "cpu").e2m1_to_e4m3_kernel, (num_bytes, exponent, even_odd),
+           (math.ceil(num_bytes / block), ), (_bytes(a.contiguous()), out.view(torch.uint8), num_bytes),
+           dict(EXP=exponent, EVEN_ODD=even_odd, BLOCK=block, num_warps=4))
     return out
 
 
@@ -194,8 +197,9 @@ def decode_row_scales(p: GroupedProblem, a_scales, a_offsets, expert_ids, a_scal
     out, args, consts, parts = _row_scales_launch(p, a_scales, a_offsets, expert_ids, a_scale_offsets, pad_stages,
                                                   kb_major, stage_blocks, column_block)
     if parts:
-        kernel_module(a_scales.device.type == "cpu").decode_row_scales_kernel[(p.num_groups, parts)](
-            *args, **consts, num_warps=4)
+        launch(kernel_module(a_scales.device.type == "cpu").decode_row_scales_kernel,
+               (p.key, a_scales.shape[0], *args[11:], *consts.values()), (p.num_groups, parts), args,
+               dict(consts, num_warps=4))
     return out
 
 
@@ -212,9 +216,10 @@ def token_prepass(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale
     num_bytes, block = a.numel(), 1024
     programs = p.num_groups * parts + math.ceil(num_bytes / block)
     if programs:
-        kernel_module(a.device.type == "cpu").token_prepass_kernel[(programs, )](
-            *args[:5], _bytes(a.contiguous()), tokens.view(torch.uint8), *args[5:], max(parts, 1), num_bytes,
-            **consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=block, num_warps=4)
+        launch(kernel_module(a.device.type == "cpu").token_prepass_kernel,
+               (p.key, a_scales.shape[0], *args[11:], *consts.values(), exponent, even_odd, parts), (programs, ),
+               (*args[:5], _bytes(a.contiguous()), tokens.view(torch.uint8), *args[5:], max(parts, 1), num_bytes),
+               dict(consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=block, num_warps=4))
     return out, tokens
 
 

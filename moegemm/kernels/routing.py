@@ -12,6 +12,7 @@ import torch
 import triton
 
 from . import tl_source
+from .launch import launch
 
 _SOURCE = Path(__file__).with_name("_routing_tl.py")
 
@@ -96,13 +97,15 @@ def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, su
     num_blocks = triton.cdiv(n, block)
     counts = torch.empty(num_blocks, e + 1, **i32)
     base = torch.empty(num_blocks, e + 1, **i32)
-    module.routing_histogram_kernel[(num_blocks,)](ids, counts, n, e, NUM_BINS=bins, BLOCK=block, num_warps=4)
-    module.routing_offsets_kernel[(1,)](counts, base, plan["a_offsets"], plan["a_scale_offsets"], plan["expert_ids"],
-                                        num_blocks, e, NUM_BINS=bins, CHUNK=offsets_chunk(bins), num_warps=8)
-    module.routing_scatter_kernel[(num_blocks,)](ids, base, plan["grouped_row"], plan["token_index"],
-                                                 plan["expert_of_row"], plan["valid"].view(torch.uint8), n, e,
-                                                 topk_ids.shape[1], NUM_BINS=bins, BLOCK=block, SUB=sub,
-                                                 num_warps=4)
+    key = (n, e, topk_ids.shape[1], block, sub)
+    launch(module.routing_histogram_kernel, key, (num_blocks,), (ids, counts, n, e),
+           dict(NUM_BINS=bins, BLOCK=block, num_warps=4))
+    launch(module.routing_offsets_kernel, key, (1,),
+           (counts, base, plan["a_offsets"], plan["a_scale_offsets"], plan["expert_ids"], num_blocks, e),
+           dict(NUM_BINS=bins, CHUNK=offsets_chunk(bins), num_warps=8))
+    launch(module.routing_scatter_kernel, key, (num_blocks,),
+           (ids, base, plan["grouped_row"], plan["token_index"], plan["expert_of_row"], plan["valid"].view(torch.uint8),
+            n, e, topk_ids.shape[1]), dict(NUM_BINS=bins, BLOCK=block, SUB=sub, num_warps=4))
     return plan
 
 
@@ -136,15 +139,16 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
     dummy = grouped_row  # stands in for absent optional pointers; never read
     has_bias = expert_bias is not None and expert_bias.numel() > 0  # E == 0: every choice is dropped
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
-    module.routing_combine_kernel[grid](
+    strides = (y.stride(0), y.stride(1), expert_bias.stride(0) if has_bias else 0,
+               expert_bias.stride(1) if has_bias else 0)
+    launch(module.routing_combine_kernel, (t, n, k, strides, weights is None, has_bias, block_t, block_n), grid, (
         y, grouped_row, valid,
         weights.contiguous() if weights is not None else dummy,
         expert_of_row.contiguous() if has_bias else dummy,
         expert_bias if has_bias else dummy,
-        out, t, n, y.stride(0), y.stride(1),
-        expert_bias.stride(0) if has_bias else 0, expert_bias.stride(1) if has_bias else 0,
-        K=k, HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=COMBINE_WARPS,
-    )
+        out, t, n, *strides), dict(
+        K=k, HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n,
+        num_warps=COMBINE_WARPS))
     return out
 
 
@@ -162,7 +166,7 @@ def scatter_rows(src: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tens
     module = kernel_module(src.device.type == "cpu")
     block_t, block_c = SCATTER_ROWS_BLOCK[0], max(16, SCATTER_ROWS_BLOCK[1] // src.element_size())
     grid = (triton.cdiv(t, block_t), triton.cdiv(c, block_c))
-    module.routing_scatter_rows_kernel[grid](src, grouped_row.contiguous(), valid.contiguous().view(torch.uint8), out,
-                                             t, c, src.stride(0), out.stride(0), K=k, BLOCK_T=block_t,
-                                             BLOCK_C=block_c, num_warps=4)
+    launch(module.routing_scatter_rows_kernel, (t, c, src.stride(0), k, block_c), grid,
+           (src, grouped_row.contiguous(), valid.contiguous().view(torch.uint8), out, t, c, src.stride(0),
+            out.stride(0)), dict(K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4))
     return out

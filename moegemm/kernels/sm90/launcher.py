@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import layouts
 from ...config import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, sm90_config, sm90_mx_config, weight_bytes
 from ...token_forms import ACC_ORDER_BLOCK, KernelTokens, kb_major_columns, token_form
 from ...validation import GroupedProblem
 from .. import portable
+from ..launch import Tma, launch as launch_kernel
 from .decode import decode_kernel
 from .dense import dense_kernel
 from .e2m1 import E2M1_WEIGHT_EXP, e2m1_kernel
@@ -55,6 +55,12 @@ class EpilogueSpec:
     out_swizzled: bool
     vec: int
     dequant: bool = False
+
+    def launch_key(self) -> tuple:
+        """What of this epilogue the compiled kernel depends on (kernels/launch.py): every field but
+        the tensors' addresses and the two floats."""
+        return (self.num_scale_rows, self.num_out_kb, self.out_kb4, self.act, self.out_code, self.out_swizzled,
+                self.vec, self.dequant, self.bias is None, self.global_scale is None, self.a_scale_offsets is None)
 
     def kernel_args(self, dummy: torch.Tensor) -> tuple[tuple, tuple]:
         """The kernels' (epi, EPI) arguments, in the order swiglu.Swiglu.create reads them."""
@@ -145,8 +151,8 @@ def _unswizzled_32bit_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
-def _descriptor(tensor: torch.Tensor, block: tuple) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(tensor, list(block), _layout(tuple(block), tensor.dtype))
+def _descriptor(tensor: torch.Tensor, block: tuple) -> Tma:
+    return Tma(tensor, block, _layout(tuple(block), tensor.dtype))
 
 
 @functools.cache
@@ -155,7 +161,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _placeholder_descriptor(n: int, block_n: int, device: torch.device) -> TensorDescriptor:
+def _placeholder_descriptor(n: int, block_n: int, device: torch.device) -> Tma:
     """A [1, n] bf16 C descriptor of a kernel that never stores through it (made once)."""
     return _descriptor(torch.empty(1, n, dtype=torch.bfloat16, device=device), (WG_ROWS.value, block_n))
 
@@ -180,6 +186,14 @@ def _epilogue_args(args: LaunchArgs) -> tuple[tuple, tuple]:
     return plain_epilogue_args(dummy) if args.epilogue is None else args.epilogue.kernel_args(dummy)
 
 
+def _launch_key(args: LaunchArgs, cfg, *extra) -> tuple:
+    """The launch key of a kernel of this family (kernels/launch.py): the problem's sizes, the
+    config, the epilogue and which optional tensors are given determine every int and constexpr."""
+    epilogue = None if args.epilogue is None else args.epilogue.launch_key()
+    return (args.problem.key, cfg, epilogue, args.expert_scales is None, args.row_scales is None, args.tokens is None,
+            *extra)
+
+
 def _or_dummy(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return tensor if tensor is not None else dummy
 
@@ -198,15 +212,14 @@ def _launch_dense(args: LaunchArgs) -> torch.Tensor:
         c_desc = _placeholder_descriptor(p.n, cfg.epilogue_n(promote), out.device)
     dummy = args.a_offsets
     epi, epi_consts = _epilogue_args(args)
-    dense_kernel[(num_programs, )](
+    launch_kernel(dense_kernel, _launch_key(args, cfg, counter is None), (num_programs, ), (
         a_desc, b_desc, c_desc, out, args.a_scales if promote else dummy, args.b_scales if promote else dummy,
         args.a_offsets, args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups,
-        p.num_k_scales if promote else 0, epi,
+        p.num_k_scales if promote else 0, epi), dict(
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
         HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, num_warps=4,
-    )
+        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, num_warps=4))
     return out
 
 
@@ -233,15 +246,14 @@ def _launch_decode(args: LaunchArgs, cfg) -> torch.Tensor:
                          (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt))))
     dummy = args.a_offsets
     epi, epi_consts = _epilogue_args(args)
-    decode_kernel[(num_programs, )](
+    launch_kernel(decode_kernel, _launch_key(args, cfg), (num_programs, ), (
         t_desc, w_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
-        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi,
+        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), dict(
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
         SWIZZLED=p.scale_layout == "swizzled", HAS_EXPERT_SCALES=args.expert_scales is not None,
         HAS_ROW_SCALES=args.row_scales is not None, CONSUMER_REGS=cfg.consumer_regs, PREPACKED=cfg.prepacked,
-        num_warps=4,
-    )
+        num_warps=4))
     return out
 
 
@@ -274,9 +286,9 @@ def _weight_scales(args: LaunchArgs) -> torch.Tensor:
     return weight_scales.view(torch.int32) if args.problem.scale_layout == "swizzled" else weight_scales
 
 
-def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> TensorDescriptor:
+def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> Tma:
     """A [K blocks of a stage, tokens] box of the K-block-major token scales."""
-    return TensorDescriptor.from_tensor(token_scales, [cfg.stage_k // 32, tokens], _unswizzled_32bit_layout())
+    return Tma(token_scales, [cfg.stage_k // 32, tokens], _unswizzled_32bit_layout())
 
 
 def _launch_mxfp8(args: LaunchArgs, cfg: Mxfp8Config) -> torch.Tensor:
@@ -293,16 +305,16 @@ def _launch_mxfp8(args: LaunchArgs, cfg: Mxfp8Config) -> torch.Tensor:
         tail_s_desc = _token_scale_desc(token_scales, cfg, cfg.tail_tokens)
     dummy = args.a_offsets
     epi, epi_consts = _epilogue_args(args)
-    mxfp8_kernel[(num_programs, )](
+    launch_kernel(mxfp8_kernel, _launch_key(args, cfg, counter is None, tuple(token_scales.shape)),
+                  (num_programs, ), (
         t_desc, w_desc, s_desc, tail_desc, tail_s_desc, out, token_scales, _weight_scales(args), args.a_offsets,
         args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
-        math.ceil(p.num_k_scales / 4), 0 if s_desc is not None else token_scales.shape[1], epi,
+        math.ceil(p.num_k_scales / 4), 0 if s_desc is not None else token_scales.shape[1], epi), dict(
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=p.scale_layout == "swizzled",
         HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, CHUNK_WALK=cfg.chunk_walk,
-        SHORT_TAILS=cfg.short_tails, num_warps=4,
-    )
+        SHORT_TAILS=cfg.short_tails, num_warps=4))
     return out
 
 
@@ -320,23 +332,21 @@ def _launch_e2m1(args: LaunchArgs, cfg: E2m1Config) -> torch.Tensor:
     weight_scales = _weight_scales(args)
     ws_desc = w_half_desc = None
     if swizzled:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
-        ws_desc = TensorDescriptor.from_tensor(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4],
-                                               _unswizzled_32bit_layout())
+        ws_desc = Tma(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4], _unswizzled_32bit_layout())
     if cfg.split_k and 0 < p.n % cfg.weight_tile <= cfg.weight_tile // 2:  # (gpt-oss down: 2880 = 22.5 x 128)
         w_half_desc = _descriptor(weight_rows, (cfg.weight_tile // 2, cfg.block_k))
     acc_factor = 1.0 if p.fmt.a.element.packed else float(2**E2M1_WEIGHT_EXP)  # w4a8 (see E2M1_WEIGHT_EXP)
     dummy = args.a_offsets
     epi, epi_consts = _epilogue_args(args)
-    e2m1_kernel[(num_programs, )](
+    launch_kernel(e2m1_kernel, _launch_key(args, cfg, counter is None), (num_programs, ), (
         t_desc, w_desc, s_desc, ws_desc, w_half_desc, out, weight_scales, args.a_offsets, args.expert_ids,
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy), _or_dummy(counter, dummy),
         cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
-        math.ceil(p.num_k_scales / 4), epi,
+        math.ceil(p.num_k_scales / 4), epi), dict(
         EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
         HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
         CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k,
-        DYNAMIC=counter is not None, num_warps=4,
-    )
+        DYNAMIC=counter is not None, num_warps=4))
     return out
 
 

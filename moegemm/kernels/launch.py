@@ -1,0 +1,214 @@
+"""Kernel launches through the compiled kernels' own launchers: plan once, launch many.
+
+`fn[grid](*args)` costs a Triton JITFunction.run on every call: binding and specializing each
+argument, a cache lookup, and for each TMA descriptor a fresh cuTensorMapEncodeTiled (measured
+on an H200 host: 15-22 us for a 30-argument kernel before the launch itself, 7 us). launch()
+runs that path once per call-site key, keeps the compiled kernel, and launches it afterwards
+through its C launcher with the arguments as given:
+
+    launch(module.some_kernel, key, grid, (a, b, Tma(x, block, layout), n), dict(BLOCK=64, num_warps=4))
+
+`key` (hashable, cheap: a tuple of ints and strings) must determine every int argument, every
+tensor dtype and every keyword argument (the constexprs and launch options): together with the
+kernel it names the compiled specialization. What the key cannot promise is checked per call:
+each tensor argument 16-byte aligned where the compiled kernel assumed it (else the call takes
+Triton's path, which compiles the other specialization).
+
+TMA operands are given as `Tma(tensor, block, layout)`. Their encoded descriptors are cached by
+(address, shape, strides, box, encoding), so a weight's descriptor is encoded once, and an
+activation's once per buffer address the allocator hands out; a descriptor is passed to the
+kernel by value, so a CUDA graph captures it as launched.
+
+On the CPU (Triton's interpreter), with a launch hook set (profilers), with MOEGEMM_LAUNCH=triton
+(or direct_launches(False)), or for kernels that need a global scratch buffer, every call goes
+through fn[grid] unchanged. MOEGEMM_CHECK_LAUNCH=1 compares, on every call, what a key promises
+with the arguments given (the GPU tests set it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from triton import knobs
+from triton.compiler.compiler import CompiledKernel
+from triton.runtime import driver
+
+
+__all__ = ["Tma", "launch", "clear", "direct_launches"]
+
+_MAX_DESCRIPTORS = 4096  # cached encodings kept at once (cleared when full)
+
+
+class Tma:
+    """A TMA operand: `tensor` read in boxes of `block` staged in shared `layout` (the fields a
+    TensorDescriptor has, without building one: Triton's make_tensordesc_arg reads these)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+    def __init__(self, tensor: torch.Tensor, block, layout):
+        self.base = tensor
+        self.shape = tensor.shape
+        self.strides = tensor.stride()
+        self.block_shape = list(block)
+        self.layout = layout
+        self.padding = "zero"
+
+    def descriptor(self):
+        """The Gluon TensorDescriptor of Triton's launch path (which checks its fields)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), self.block_shape, self.layout)
+
+
+def _triton_args(args):
+    return [a.descriptor() if type(a) is Tma else a for a in args]
+
+
+def _raw_launcher(launcher):
+    """The C launch function under the kernel's CudaLauncher (Triton 3.6 wraps it in a closure
+    that encodes every TMA descriptor); None where the structure differs."""
+    inner = launcher.launch
+    closure = getattr(inner, "__closure__", None)
+    if not closure:
+        return inner
+    for name, cell in zip(inner.__code__.co_freevars, closure):
+        if name == "launcher":
+            return cell.cell_contents
+    return None
+
+
+class _Record:
+    """One compiled specialization of a kernel and how to call its C launcher."""
+
+    __slots__ = ("raw", "function", "packed_metadata", "coop", "pdl", "tail", "tma", "tensors", "check")
+
+    def __init__(self, fn, kernel, args, kwargs):
+        launcher = kernel.run
+        self.raw = _raw_launcher(launcher)
+        self.function = kernel.function
+        self.packed_metadata = kernel.packed_metadata
+        self.coop = launcher.launch_cooperative_grid
+        self.pdl = launcher.launch_pdl
+        # Parameters after the positional arguments: keyword constexprs (or defaults), which the C
+        # launcher parses and ignores; passed as Triton passes them.
+        params = list(inspect.signature(fn.fn).parameters.values())[len(args):]
+        self.tail = tuple(kwargs.get(p.name, p.default) for p in params)
+        metas = kernel.metadata.tensordesc_meta or []
+        positions = [i for i, a in enumerate(args) if type(a) is Tma]
+        if len(metas) != len(positions) or kernel.metadata.global_scratch_size or kernel.metadata.profile_scratch_size:
+            self.raw = None  # (a kernel lowered otherwise: Triton's path serves it)
+        self.tma = list(zip(positions, metas))[::-1]
+        # Each tensor argument (also inside a tuple argument): its dtype and whether the kernel
+        # was specialized for a 16-byte aligned address.
+        self.tensors = [(i, j, t.dtype, t.data_ptr() % 16 == 0) for i, j, t in _tensor_args(args)]
+        # MOEGEMM_CHECK_LAUNCH=1 (the GPU tests): everything else the key promises, compared on
+        # every call.
+        self.check = _key_facts(args, kwargs) if os.environ.get("MOEGEMM_CHECK_LAUNCH") == "1" else None
+
+    def fits(self, args) -> bool:
+        for i, j, dtype, aligned in self.tensors:
+            t = args[i] if j < 0 else args[i][j]
+            if t.dtype != dtype or (aligned and t.data_ptr() % 16):
+                return False
+        return True
+
+    def run(self, grid, args, device: int):
+        expanded = list(args)
+        for i, meta in self.tma:
+            expanded[i:i + 1] = _encoded(args[i], meta)
+        stream = driver.active.get_current_stream(device)
+        self.raw(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, self.function,
+                 self.coop, self.pdl, None, None, self.packed_metadata, None, None, None, *expanded, *self.tail)
+
+
+def _tensor_args(args):
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            yield i, -1, a
+        elif type(a) is tuple:
+            for j, b in enumerate(a):
+                if isinstance(b, torch.Tensor):
+                    yield i, j, b
+
+
+def _key_facts(args, kwargs) -> tuple:
+    """What a launch key must determine: every non-tensor argument's value (floats aside: they
+    are never specialized), which arguments are tensors, and the keyword arguments."""
+    def fact(a):
+        if isinstance(a, torch.Tensor):
+            return "tensor"
+        if type(a) is tuple:
+            return tuple(fact(b) for b in a)
+        if type(a) is Tma:
+            return ("tma", tuple(a.shape), tuple(a.block_shape))
+        return "float" if type(a) is float else a
+    return tuple(fact(a) for a in args), tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
+
+
+_RECORDS: dict = {}
+_ENCODED: dict = {}
+
+
+def _current_device() -> int:
+    """The current CUDA device's index (-1 where CUDA is not initialized: the interpreter)."""
+    return torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1
+
+
+def _encoded(tma: Tma, meta: dict) -> list:
+    """[descriptor, *shape, *strides] of a TMA operand for a kernel parameter of encoding `meta`."""
+    key = (tma.base.data_ptr(), tuple(tma.shape), tuple(tma.strides), tuple(meta["block_size"]), meta["swizzle"],
+           meta["elem_type"], meta["fp4_padded"])
+    found = _ENCODED.get(key)
+    if found is None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        if len(_ENCODED) >= _MAX_DESCRIPTORS:
+            _ENCODED.clear()
+        found = _ENCODED[key] = make_tensordesc_arg(tma, meta)
+    return found
+
+
+_DIRECT = os.environ.get("MOEGEMM_LAUNCH", "direct") != "triton"
+
+
+def direct_launches(enabled: bool) -> bool:
+    """Turn launches through the compiled launchers on or off (off: every call takes Triton's
+    path, e.g. to record the launches); returns the previous setting."""
+    global _DIRECT
+    previous, _DIRECT = _DIRECT, bool(enabled)
+    return previous
+
+
+def _no_hook(hook) -> bool:
+    """Whether a launch hook knob calls nothing (Triton 3.6 keeps an empty HookChain there)."""
+    return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)
+
+
+def _direct() -> bool:
+    runtime = knobs.runtime
+    return _DIRECT and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)
+
+
+def launch(fn, key, grid: tuple, args: tuple, kwargs: dict):
+    """fn[grid](*args, **kwargs), through the compiled kernel's launcher once `key` has been
+    launched before (module docstring). Tma arguments become TMA descriptors."""
+    # (a compiled kernel is loaded per device: Triton launches on the current one)
+    device = _current_device()
+    record = _RECORDS.get((fn, key, device))
+    if record is not None and record.raw is not None and record.fits(args) and _direct():
+        if record.check is not None and record.check != _key_facts(args, kwargs):
+            raise RuntimeError(f"launch key {key!r} of {fn.__name__} does not determine its arguments: "
+                               f"{record.check} then {_key_facts(args, kwargs)}")
+        record.run(grid, args, device)
+        return
+    kernel = fn[grid](*_triton_args(args), **kwargs)
+    if isinstance(kernel, CompiledKernel):
+        _RECORDS[(fn, key, device)] = _Record(fn, kernel, args, kwargs)
+
+
+def clear():
+    """Forget every record and cached descriptor (tests)."""
+    _RECORDS.clear()
+    _ENCODED.clear()
