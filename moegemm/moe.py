@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import activation as act
-from . import config, distributed, layouts
+from . import config, distributed, graphed, layouts
 from .formats import PREPACK_FORMATS, get_format
 from .fused import fused_pays, fused_supports
 from .ops import available_backends, grouped_matmul, grouped_matmul_swiglu, resolve_backend
@@ -396,6 +396,7 @@ class MoE(torch.nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.backend, self.fused, self.prepack = backend, fused, prepack
+        self._graphs = graphed.GraphedCalls()
         self.gate_up_prepacked = self.down_prepacked = False
         factory = {"device": device, "dtype": dtype}
         # Inference only: the kernels have no backward, so the router is frozen too.
@@ -623,13 +624,38 @@ class MoE(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [..., H] of any float dtype -> [..., H] of the same dtype (computed in the
-        layer's dtype, the router's)."""
+        layer's dtype, the router's). An eager call of few tokens replays a CUDA graph of the
+        layer captured once for its shape (moegemm/graphed.py)."""
         if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states: expected a floating-point tensor, got "
                             f"{getattr(hidden_states, 'dtype', type(hidden_states).__name__)}")
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size).to(self.router_weight.dtype)
+        if self.ep_group is None and graphed.usable(x, *self._state()):
+            y = self._graphs(self._graph_key(), self._forward_tokens, x)
+        else:
+            y = self._forward_tokens(x)
+        return y.reshape(hidden_states.shape).to(hidden_states.dtype)
+
+    def _state(self) -> list:
+        """Every tensor the forward reads besides the tokens."""
+        state = [self.router_weight, self.router_bias, self.correction_bias, self.gate_up_bias, self.down_bias,
+                 self.intermediate_global_scale]
+        for prefix in ("gate_up", "down"):
+            state += [getattr(self, f"{prefix}_{part}") for part in ("data", "scales", "global")]
+        if self.shared is not None:
+            state += [linear.weight for linear in self.shared.values()]
+        return state
+
+    def _graph_key(self) -> tuple:
+        """What a captured forward bakes in besides the tokens: the tensors' addresses and the options."""
+        return (tuple(None if t is None else t.data_ptr() for t in self._state()), self.fmt, self.activation,
+                self.router, self.backend, self.fused, self.swiglu_alpha, self.swiglu_limit, self.norm_topk_prob,
+                self.routed_scaling_factor, self.gate_up_prepacked, self.down_prepacked)
+
+    def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] in the layer's dtype -> [T, H]: the router, the routed experts, the shared expert."""
         topk_ids, topk_weights = self.route_tokens(x)
         w_gate_up, w_down = self.weights()
         y = moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=self.activation,
@@ -640,4 +666,4 @@ class MoE(torch.nn.Module):
         if self.shared is not None:
             s = self.shared
             y = y + s["down"](F.silu(s["gate"](x)) * s["up"](x))
-        return y.reshape(hidden_states.shape).to(hidden_states.dtype)
+        return y
