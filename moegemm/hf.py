@@ -1,8 +1,36 @@
-"""Drop-in construction of `moegemm.MoE` from a transformers MoE block (transformers 5.x).
+"""transformers integration: an experts backend, and drop-in construction of `moegemm.MoE`.
 
-    layer = moegemm.hf.from_transformers(model.model.layers[3].mlp, fmt="mxfp8")
+The experts backend (transformers 5.x ExpertsInterface):
 
-Supported blocks and the checkpoint layouts they hold (read from transformers 5.23):
+    moegemm.hf.register()                                   # once: adds "moegemm"
+    model = AutoModelForCausalLM.from_pretrained(..., experts_implementation="moegemm")
+    model.set_experts_implementation("moegemm")             # or switch an existing model
+
+Every experts module that dispatches through the interface then runs here: transformers'
+router picks (top_k_index, top_k_weights) and moegemm computes the routed experts (moe_forward).
+Supported: gated experts (gate_up_proj + down_proj, optional biases) in any of transformers'
+layouts ([out, in] or transposed [in, out]; gate and up rows concatenated or interleaved) whose
+`_apply_gate` is SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU, recognised by computing
+it once on a probe; transformers' fine-grained FP8 experts (FP8Experts, 128x128 block scales).
+Anything else (no gate, a post-expert norm, another activation) raises a ValueError naming the
+module.
+
+Weights: the format is the weights' own unless register(fmt=...) names one: bf16 experts run
+bf16 (read in place where their layout is the kernels' [E, N, K], else a copy kept with the
+module), FP8Experts run fp8_block on their own bytes and scales, and a named format quantizes
+the experts once (e.g. fmt="bf16_mxfp4" for gpt-oss: MXFP4 weights, bf16 activations; a
+gpt-oss checkpoint that transformers dequantized to bf16 gets back exactly its MXFP4 codes).
+Converted weights are kept with the module and made again when a source parameter is replaced
+or changed in place (its version counter: optimizer steps, load_state_dict, copy_ under no_grad);
+changes made through `.data` are not seen: call refresh(model). prepare(model) converts every
+module up front (before torch.compile, which traces the call into moegemm's custom op and needs
+the converted weights to exist).
+
+Gradients (training): with bf16 weights, a call under grad runs moegemm.training (gradients to
+the hidden states, the router weights, the expert weights and biases); quantized formats raise.
+
+from_transformers(block) builds a standalone moegemm.MoE from a whole MoE block (router
+included). Supported blocks and the checkpoint layouts they hold (read from transformers 5.23):
     Qwen3MoeSparseMoeBlock  experts.gate_up_proj [E, 2I, H] ([out, in], gate rows then up rows),
                             experts.down_proj [E, H, I]; router gate.weight [E, H], softmax then
                             top-k, renormalized when norm_topk_prob
@@ -12,16 +40,269 @@ Supported blocks and the checkpoint layouts they hold (read from transformers 5.
                             clamped SwiGLU (alpha, limit)
     DeepseekV3MoE           experts as Qwen3; gate.weight, gate.e_score_correction_bias,
                             grouped sigmoid routing, routed_scaling_factor; shared_experts MLP
-transformers is not imported here: the block's tensors are read by attribute.
+transformers is imported only by register(): the modules' tensors are read by attribute.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from .moe import MoE
+from . import graphed
+from .activation import swiglu
+from .formats import get_format
+from .moe import MoE, moe_forward
+from .ops import BACKENDS
+from .quantize import QuantizedTensor, dequantize_operand
+from .training import experts_with_grad
 
-__all__ = ["from_transformers"]
+__all__ = ["from_transformers", "register", "prepare", "refresh", "experts_forward", "NAME"]
+
+NAME = "moegemm"
+
+# register()'s choices: the format (None: the weights' own), the backend and the fused epilogue.
+_settings = {"fmt": None, "backend": "auto", "fused": True}
+
+
+def register(fmt: str | None = None, *, backend: str = "auto", fused: bool = True) -> str:
+    """Add "moegemm" to transformers' experts interfaces (the bf16 one and the fine-grained FP8
+    one); calling it again only changes the settings, which the next forward uses. fmt: the
+    experts' format (any of moegemm.FORMATS; None: the weights' own, module docstring).
+    Returns the name to pass as experts_implementation."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    if fmt is not None:
+        fmt = get_format(fmt).name
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    _settings.update(fmt=fmt, backend=backend, fused=bool(fused))
+    ExpertsInterface.register(NAME, experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # (a transformers without fine-grained FP8 experts)
+        return NAME
+    FP8ExpertsInterface.register(NAME, experts_forward)
+    return NAME
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How an experts module computes: its activation, gate/up order and weight layout."""
+
+    activation: str  # "swiglu" or "swiglu_oai"
+    gate_up_layout: str  # of gate_up_proj's output columns: "concat" or "interleaved"
+    transposed: bool  # weights [E, in, out] (gpt-oss) rather than [E, out, in]
+    alpha: float
+    limit: float
+    fp8_block: bool  # FP8Experts: e4m3 weights with 128x128 scale_inv
+
+
+_SPECS: dict = {}  # by experts class: (activation, layout, alpha attribute, limit attribute)
+_ALPHA_LIMIT = (("alpha", "limit"), ("swiglu_alpha", "swiglu_limit"))
+
+
+def _unsupported(module, why: str) -> ValueError:
+    return ValueError(f"{type(module).__name__}: moegemm's experts backend {why}; run this model with another "
+                      f"experts_implementation (e.g. 'grouped_mm')")
+
+
+def _gate_kind(module) -> tuple:
+    """(activation, gate/up order, alpha attribute, limit attribute) of the module's _apply_gate,
+    found by computing it once on a probe against each candidate (cached by class)."""
+    cls = type(module)
+    found = _SPECS.get(cls)
+    if found is not None:
+        return found
+    width = 2 * 8
+    probe = torch.randn(4, width, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 6
+    param = module.down_proj
+    device, dtype = param.device, param.dtype if param.is_floating_point() and param.element_size() > 1 else \
+        torch.float32
+    with torch.no_grad():
+        got = module._apply_gate(probe.to(device=device, dtype=dtype)).float().cpu()
+    candidates = [("swiglu", layout, None, None) for layout in ("concat", "interleaved")]
+    candidates += [("swiglu_oai", layout, alpha, limit) for layout in ("concat", "interleaved")
+                   for alpha, limit in _ALPHA_LIMIT if hasattr(module, alpha) and hasattr(module, limit)]
+    for activation, layout, alpha_name, limit_name in candidates:
+        alpha = float(getattr(module, alpha_name)) if alpha_name else 1.702
+        limit = float(getattr(module, limit_name)) if limit_name else 7.0
+        want = swiglu(probe.to(dtype).float(), activation, gate_up_layout=layout, alpha=alpha, limit=limit)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+            _SPECS[cls] = found = (activation, layout, alpha_name, limit_name)
+            return found
+    raise _unsupported(module, "runs SwiGLU and gpt-oss's clamped SwiGLU only, and this module's _apply_gate "
+                               "computes neither")
+
+
+def _spec(module) -> _Spec:
+    if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
+        raise _unsupported(module, "needs gated experts (gate_up_proj)")
+    if getattr(module, "has_post_expert_norm", False):
+        raise _unsupported(module, "has no post-expert norm")
+    fp8_block = hasattr(module, "gate_up_proj_scale_inv")
+    if fp8_block and (tuple(getattr(module, "block_size", None) or ()) != (128, 128)
+                      or module.gate_up_proj.dtype != torch.float8_e4m3fn):
+        raise _unsupported(module, f"reads FP8 experts with 128x128 e4m3 blocks only (block_size "
+                                   f"{getattr(module, 'block_size', None)}, {module.gate_up_proj.dtype})")
+    activation, layout, alpha_name, limit_name = _gate_kind(module)
+    return _Spec(activation, layout, bool(getattr(module, "is_transposed", False)),
+                 float(getattr(module, alpha_name)) if alpha_name else 1.702,
+                 float(getattr(module, limit_name)) if limit_name else 7.0, fp8_block)
+
+
+@dataclass
+class _Experts:
+    """The weights a module's calls read, and what they were made from."""
+
+    fmt: str
+    sources: tuple  # (tensor, version, address) of each source parameter, to notice a change
+    w_gate_up: QuantizedTensor
+    w_down: QuantizedTensor
+    gate_up_layout: str
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    graphs: graphed.GraphedCalls = field(default_factory=graphed.GraphedCalls)  # calls replayed at decode sizes
+
+    def current(self, fmt: str, sources: tuple) -> bool:
+        return self.fmt == fmt and len(sources) == len(self.sources) and all(
+            a is b and a._version == v and a.data_ptr() == p for a, (b, v, p) in zip(sources, self.sources))
+
+
+def _source_tensors(module) -> tuple:
+    names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", "gate_up_proj_scale_inv",
+             "down_proj_scale_inv")
+    return tuple(t for t in (getattr(module, n, None) for n in names) if isinstance(t, torch.Tensor))
+
+
+def _float_weights(module, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) in nn.Linear's [out, in] convention, fp32 for the
+    quantizers (FP8 experts dequantized with their 128x128 scales)."""
+    gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+    if spec.fp8_block:
+        gate_up = dequantize_operand(gate_up, module.gate_up_proj_scale_inv.detach().float(), "fp8_block", "b")
+        down = dequantize_operand(down, module.down_proj_scale_inv.detach().float(), "fp8_block", "b")
+    if spec.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def _bias(t) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+@torch.no_grad()
+def _convert(module, spec: _Spec, fmt: str, sources: tuple) -> _Experts:
+    gate_up_bias, down_bias = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+    if (fmt == "fp8_block" and spec.fp8_block) or (
+            fmt == "bf16" and not spec.transposed and module.gate_up_proj.dtype == torch.bfloat16):
+        # The weights as transformers holds them are the kernels' [E, N, K] operand: read in place.
+        scale = (lambda name: getattr(module, name).detach().float().contiguous()) if spec.fp8_block else \
+            (lambda name: None)
+        w_gate_up = QuantizedTensor(module.gate_up_proj.detach(), scale("gate_up_proj_scale_inv"), fmt, "b")
+        w_down = QuantizedTensor(module.down_proj.detach(), scale("down_proj_scale_inv"), fmt, "b")
+        return _Experts(fmt, sources, w_gate_up, w_down, spec.gate_up_layout, _bias(gate_up_bias), _bias(down_bias))
+    gate_up, down = _float_weights(module, spec)
+    num_experts, two_i, hidden = gate_up.shape
+    layer = MoE(hidden, two_i // 2, num_experts, 1, fmt=fmt, activation=spec.activation, expert_bias=(
+        gate_up_bias is not None or down_bias is not None), device=gate_up.device)
+    layer.load_experts(gate_up=gate_up, gate_up_order=spec.gate_up_layout, down=down, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias)
+    w_gate_up, w_down = layer.weights()
+    return _Experts(fmt, sources, w_gate_up, w_down, layer.gate_up_layout, layer.gate_up_bias, layer.down_bias)
+
+
+def _format_of(module, spec: _Spec) -> str:
+    if _settings["fmt"] is not None:
+        return _settings["fmt"]
+    return "fp8_block" if spec.fp8_block else "bf16"
+
+
+def _experts(module, spec: _Spec) -> _Experts:
+    """The module's converted weights, made again where a source changed (module docstring)."""
+    fmt = _format_of(module, spec)
+    cached = module.__dict__.get("_moegemm_experts")
+    if torch.compiler.is_compiling():
+        if cached is None:
+            raise RuntimeError(f"{type(module).__name__}: moegemm converts the experts' weights before "
+                               f"torch.compile traces them: call moegemm.hf.prepare(model) (or run the model once) "
+                               f"first")
+        return cached
+    sources = _source_tensors(module)
+    if cached is None or not cached.current(fmt, sources):
+        module.__dict__["_moegemm_experts"] = None  # (the old copy freed before the new one is made)
+        cached = _convert(module, spec, fmt, tuple((t, t._version, t.data_ptr()) for t in sources))
+        module.__dict__["_moegemm_experts"] = cached
+    return cached
+
+
+def _module_spec(module) -> _Spec:
+    spec = module.__dict__.get("_moegemm_spec")
+    if spec is None:
+        spec = module.__dict__["_moegemm_spec"] = _spec(module)
+    return spec
+
+
+def _needs_grad(module, hidden_states, top_k_weights) -> bool:
+    """Whether the call must give gradients: to its inputs, or to trainable (not 1-byte, not
+    block-scale) weights and biases."""
+    if not torch.is_grad_enabled():
+        return False
+    trainable = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"))
+    return hidden_states.requires_grad or top_k_weights.requires_grad or any(
+        t.requires_grad and t.element_size() > 1 for t in trainable if isinstance(t, torch.Tensor))
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts call: hidden_states [T, H], top_k_index [T, k] (ids outside [0, E)
+    are dropped), top_k_weights [T, k] -> [T, H] in hidden_states' dtype (module docstring)."""
+    spec = _module_spec(self)
+    backend = _settings["backend"]
+    if _needs_grad(self, hidden_states, top_k_weights):
+        fmt = _format_of(self, spec)
+        if fmt != "bf16" or self.gate_up_proj.dtype != torch.bfloat16:
+            raise ValueError(f"{type(self).__name__}: gradients run on bf16 experts only, these run {fmt} "
+                             f"({self.gate_up_proj.dtype} weights); train with moegemm.hf.register(fmt=None) "
+                             f"on bf16 weights or another experts_implementation, or call under torch.no_grad()")
+        return experts_with_grad(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                 gate_up_layout=spec.gate_up_layout, activation=spec.activation,
+                                 gate_up_bias=getattr(self, "gate_up_proj_bias", None),
+                                 down_bias=getattr(self, "down_proj_bias", None), alpha=spec.alpha,
+                                 limit=spec.limit, transposed=spec.transposed, backend=backend)
+    experts = _experts(self, spec)
+
+    def call(hidden_states, top_k_index, top_k_weights):
+        return moe_forward(hidden_states, top_k_index, top_k_weights, experts.w_gate_up, experts.w_down,
+                           gate_up_layout=experts.gate_up_layout, activation=spec.activation,
+                           gate_up_bias=experts.gate_up_bias, down_bias=experts.down_bias, alpha=spec.alpha,
+                           limit=spec.limit, fused=_settings["fused"], backend=backend)
+
+    if graphed.usable(hidden_states):  # (decode sizes: a graph of the call, captured once a shape)
+        return experts.graphs((spec, _settings["fused"], backend), call, hidden_states, top_k_index, top_k_weights)
+    return call(hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_modules(model):
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")
+            and hasattr(m, "_apply_gate")]
+
+
+def prepare(model) -> int:
+    """Convert the weights of every experts module of `model` now (and check that moegemm runs
+    them: a ValueError names a module it cannot); returns how many there are."""
+    modules = _experts_modules(model)
+    for module in modules:
+        _experts(module, _module_spec(module))
+    return len(modules)
+
+
+def refresh(model) -> None:
+    """Forget the converted weights of every experts module of `model` (the next call makes
+    them again from the parameters)."""
+    for module in _experts_modules(model):
+        module.__dict__.pop("_moegemm_experts", None)
+        module.__dict__.pop("_moegemm_spec", None)
 
 
 @torch.no_grad()

@@ -1,0 +1,309 @@
+"""moegemm as a transformers experts backend (moegemm.hf.register): tiny random models of five
+families run with experts_implementation="moegemm" against transformers' own "eager" experts,
+outputs and gradients; the formats, the weight cache and the errors. CPU here (the reference
+backend; bf16 experts: 2e-2 relative on the experts' outputs, 3e-2 on the gradients); the GPU
+tests at real sizes are marked gpu."""
+
+import inspect
+
+import pytest
+import torch
+
+import moegemm
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations.moe import ExpertsInterface, use_experts_implementation  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+KINDS = ("qwen3_moe", "gpt_oss", "mixtral", "qwen2_moe", "deepseek_v3")
+SMALL = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _config(kind: str, hidden: int = 64, width: int = 32, experts: int = 8, top_k: int = 2):
+    """A random-init config of `kind` with two decoder layers, every MLP an MoE."""
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(hidden_size=hidden, intermediate_size=3 * width, moe_intermediate_size=width,
+                                           num_experts=experts, num_experts_per_tok=top_k, num_key_value_heads=2,
+                                           head_dim=16, **SMALL)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(hidden_size=hidden, intermediate_size=width, num_local_experts=experts,
+                                         num_experts_per_tok=top_k, num_key_value_heads=2, head_dim=16,
+                                         layer_types=["full_attention"] * 2, **SMALL)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(hidden_size=hidden, intermediate_size=width, num_local_experts=experts,
+                                          num_experts_per_tok=top_k, num_key_value_heads=2, head_dim=16, **SMALL)
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(hidden_size=hidden, intermediate_size=3 * width, moe_intermediate_size=width,
+                                           shared_expert_intermediate_size=width, num_experts=experts,
+                                           num_experts_per_tok=top_k, num_key_value_heads=2, **SMALL)
+    return transformers.DeepseekV3Config(hidden_size=hidden, intermediate_size=3 * width, moe_intermediate_size=width,
+                                         n_routed_experts=experts, num_experts_per_tok=top_k, n_group=2, topk_group=1,
+                                         first_k_dense_replace=0, num_key_value_heads=4, q_lora_rank=None,
+                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                         **SMALL)
+
+
+def _model(kind: str, device: str = "cpu", **sizes):
+    """A tiny random model of `kind` in bf16; every parameter drawn N(0, 0.1) (routers included,
+    so that the choices spread over the experts)."""
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **sizes), dtype=torch.bfloat16).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+def _experts_modules(model):
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "_apply_gate")]
+
+
+def _rel(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    moegemm.hf.register()
+    yield
+    moegemm.hf.register()  # back to the defaults for the next test
+
+
+def _experts_calls(model, ids, implementation):
+    """(inputs, output) of every experts module in one forward of `model` under `implementation`."""
+    calls = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args, out)))
+             for m in _experts_modules(model)]
+    model.set_experts_implementation(implementation)
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, calls
+
+
+def _eager_experts(module, *inputs):
+    module.config._experts_implementation = "eager"
+    try:
+        return module(*inputs)
+    finally:
+        module.config._experts_implementation = "moegemm"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_outputs_match_the_eager_experts(kind, device):
+    """A model run with experts_implementation="moegemm": each experts call computes what the
+    eager experts compute on the same inputs. (The logits of the two runs are not compared: a
+    rounding difference can flip a later router's choice, which changes them by more than any
+    tolerance.)"""
+    model = _model(kind, device, **({} if device == "cpu" else dict(hidden=256, width=128)))
+    ids = torch.randint(0, 128, (2, 9), device=device)
+    logits, calls = _experts_calls(model, ids, "moegemm")
+    assert len(calls) == 2 and torch.isfinite(logits).all()
+    for module, inputs, got in calls:
+        with torch.no_grad():
+            want = _eager_experts(module, *inputs)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert _rel(got, want) < 2e-2, (kind, _rel(got, want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_match_the_eager_experts(kind, device):
+    """Each family's experts module alone, under grad: the gradients to the hidden states, the
+    router weights, the expert weights and biases against the eager experts' (3e-2)."""
+    model = _model(kind, device, **({} if device == "cpu" else dict(hidden=256, width=128)))
+    module = _experts_modules(model)[0]
+    module.config._experts_implementation = "moegemm"
+    tokens, hidden = 37, model.config.hidden_size
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    top_k_index = torch.stack([torch.randperm(8, device=device)[:2] for _ in range(tokens)])
+    top_k_weights = torch.rand(tokens, 2, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    assert len(params) == (4 if kind == "gpt_oss" else 2)
+    grads = []
+    for run in (lambda: _eager_experts(module, x, top_k_index, top_k_weights),
+                lambda: module(x, top_k_index, top_k_weights)):
+        grads.append(torch.autograd.grad(run(), [x, top_k_weights, *params], dout))
+    for name, want, got in zip(["x", "top_k_weights", *names], *grads):
+        assert got.shape == want.shape and _rel(got, want) < 3e-2, (kind, name, _rel(got, want))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_training_step_runs_through_the_backend(kind):
+    """A whole model's loss.backward() with the moegemm experts: every expert weight (and bias)
+    and router gets a finite, nonzero gradient, and the loss is the eager experts' (the
+    gradients themselves: test_gradients_match_the_eager_experts)."""
+    model = _model(kind).train()
+    ids = torch.randint(0, 128, (2, 9))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        eager_loss = model(ids, labels=ids).loss
+    model.set_experts_implementation("moegemm")
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - eager_loss.item()) < 2e-2 * abs(eager_loss.item())
+    trained = [(n, p) for n, p in model.named_parameters() if ".experts." in n or ".gate." in n or ".router." in n]
+    assert trained and all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+                           for _, p in trained), [n for n, p in trained if p.grad is None]
+
+
+def test_register_is_idempotent_and_fills_both_interfaces():
+    assert moegemm.hf.register() == "moegemm" == moegemm.hf.register()
+    assert ExpertsInterface._global_mapping["moegemm"] is moegemm.hf.experts_forward
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    assert FP8ExpertsInterface._global_mapping["moegemm"] is moegemm.hf.experts_forward
+    with pytest.raises(ValueError, match="fmt"):
+        moegemm.hf.register(fmt="fp7")
+    with pytest.raises(ValueError, match="backend"):
+        moegemm.hf.register(backend="cuda")
+
+
+def test_a_named_format_quantizes_the_experts_once():
+    model = _model("qwen3_moe")
+    with torch.no_grad():  # weights holding MXFP8 values: the reference differs by the tokens' quantization
+        for module in _experts_modules(model):
+            for w in (module.gate_up_proj, module.down_proj):
+                w.copy_(moegemm.dequantize(moegemm.quantize_weights(w.float(), "mxfp8")))
+    ids = torch.randint(0, 128, (2, 9))
+    ref_logits, ref_calls = _experts_calls(model, ids, "eager")
+    moegemm.hf.register(fmt="mxfp8")
+    logits, calls = _experts_calls(model, ids, "moegemm")
+    for (module, _, want), (_, _, got) in zip(ref_calls, calls):
+        assert module._moegemm_experts.fmt == "mxfp8"
+        assert _rel(got, want) < 0.1  # mxfp8's layer error on its own weights (tests/test_moe_parity.py)
+    first = [m._moegemm_experts for m in _experts_modules(model)]
+    _experts_calls(model, ids, "moegemm")
+    assert [m._moegemm_experts for m in _experts_modules(model)] == first  # kept, not made again
+
+
+def test_gpt_oss_mxfp4_weights_round_trip_exactly():
+    """bf16 weights holding MXFP4 values (a dequantized gpt-oss checkpoint) quantize back to the
+    same codes: fmt="bf16_mxfp4" then computes what the bf16 experts compute."""
+    model = _model("gpt_oss")
+    with torch.no_grad():
+        for module in _experts_modules(model):
+            for w in (module.gate_up_proj, module.down_proj):  # [E, in, out]: MXFP4 blocks along `in`
+                q = moegemm.quantize_weights(w.transpose(1, 2).float(), "mxfp4")
+                w.copy_(moegemm.dequantize(q).transpose(1, 2))
+    ids = torch.randint(0, 128, (2, 9))
+    _, bf16_calls = _experts_calls(model, ids, "moegemm")
+    moegemm.hf.register(fmt="bf16_mxfp4")
+    _, mxfp4_calls = _experts_calls(model, ids, "moegemm")
+    for (_, _, want), (_, _, got) in zip(bf16_calls, mxfp4_calls):
+        assert _rel(got, want) < 1e-2
+
+
+def test_weights_are_converted_again_after_an_optimizer_step():
+    """gpt-oss's [in, out] weights run from a copy: an in-place update (an optimizer step) makes
+    it again, so the next call reads the new weights."""
+    model = _model("gpt_oss").train()
+    ids = torch.randint(0, 128, (2, 9))
+    _experts_calls(model, ids, "moegemm")  # (converts the weights)
+    before = [m._moegemm_experts for m in _experts_modules(model)]
+    model(ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    _, calls = _experts_calls(model, ids, "moegemm")
+    for (module, inputs, got), old in zip(calls, before):
+        assert module._moegemm_experts is not old
+        with torch.no_grad():
+            assert _rel(got, _eager_experts(module, *inputs)) < 2e-2
+
+
+def test_quantized_formats_refuse_gradients():
+    model = _model("qwen3_moe").train()
+    ids = torch.randint(0, 128, (1, 5))
+    moegemm.hf.register(fmt="mxfp8")
+    model.set_experts_implementation("moegemm")
+    with pytest.raises(ValueError, match="gradients run on bf16 experts only"):
+        model(ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        model(ids)  # inference still runs
+
+
+def _custom_experts(**flags):
+    """An experts class of the interface's shape with a GELU gate (no SwiGLU)."""
+
+    @use_experts_implementation(**flags)
+    class GeluExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 32, 16, dtype=torch.bfloat16))
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 16, dtype=torch.bfloat16))
+            self.act_fn = torch.nn.GELU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise AssertionError("the interface dispatches to the backend")
+
+    return GeluExperts(transformers.PretrainedConfig(experts_implementation="moegemm"))
+
+
+def test_unsupported_experts_raise_naming_the_module():
+    module = _custom_experts()
+    x, index, weights = torch.randn(3, 16, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="GeluExperts.*neither"):
+        module(x, index, weights)
+    ungated = _custom_experts(has_gate=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="GeluExperts.*gated experts"):
+        ungated(x, index, weights)
+    if "has_post_expert_norm" in inspect.signature(use_experts_implementation).parameters:  # (transformers >= 5.2x)
+        normed = _custom_experts(has_post_expert_norm=True)
+        with torch.no_grad(), pytest.raises(ValueError, match="GeluExperts.*post-expert norm"):
+            normed(x, index, weights)
+
+
+def _fp8_experts(config, device):
+    """transformers' fine-grained FP8 experts with random e4m3 weights and 128x128 scales."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+
+    cls = use_experts_implementation(FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    module = cls(config, block_size=(128, 128)).to(device)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(module, name)
+            w.copy_(torch.randn(w.shape, device=device).clamp(-8, 8).to(torch.float8_e4m3fn))
+            s = getattr(module, name + "_scale_inv")
+            s.copy_(torch.rand(s.shape, device=device) * 0.01 + 0.005)
+    return module
+
+
+def _reference_experts(x, index, weights, gate_up, down):
+    """The routed SwiGLU experts in fp64 on [out, in] weights, gate rows before up rows."""
+    x, gate_up, down = x.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            gate, up = (gate_up[index[t, j]] @ x[t]).chunk(2)
+            out[t] += weights[t, j].double() * (down[index[t, j]] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fine_grained_fp8_experts_run_fp8_block_on_their_own_bytes(device):
+    config = _config("qwen3_moe", hidden=256, width=128)
+    config._experts_implementation = "moegemm"
+    module = _fp8_experts(config, device)
+    x = torch.randn(13, 256, device=device, dtype=torch.bfloat16)
+    index = torch.randint(0, 8, (13, 2), device=device)
+    weights = torch.rand(13, 2, device=device)
+    with torch.no_grad():
+        got = module(x, index, weights)
+    experts = module._moegemm_experts
+    assert experts.fmt == "fp8_block" and experts.w_gate_up.data.data_ptr() == module.gate_up_proj.data_ptr()
+    dequant = [moegemm.dequantize_operand(getattr(module, n).detach(), getattr(module, n + "_scale_inv").detach(),
+                                          "fp8_block", "b") for n in ("gate_up_proj", "down_proj")]
+    want = _reference_experts(x.float(), index, weights, *dequant)
+    assert got.dtype == torch.bfloat16 and _rel(got, want) < 0.1  # fp8_block's layer error
+
+
+def test_import_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, moegemm; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
