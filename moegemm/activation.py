@@ -22,11 +22,11 @@ comes from its slot in a_offsets / expert_ids.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import torch
-import triton
 
 from . import layouts
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
@@ -50,6 +50,11 @@ CUDA_WARPS = 4
 # Tile of kb_major_scales_kernel (the scatter form's scale move): rows x scale blocks.
 SCALE_MOVE_ROWS = 64
 SCALE_MOVE_BLOCKS = 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (triton.cdiv is a constexpr function: a host call of it costs ~10x this)."""
+    return -(-a // b)
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -97,6 +102,7 @@ def swiglu(h: torch.Tensor, activation: str = "swiglu", *, gate_up_layout: str =
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
+@functools.cache
 def _kernels(interpret: bool):
     """_activation_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
     return tl_source.load(_SOURCE, interpret)
@@ -195,13 +201,13 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
         dummy = data
         block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
-        grid = (triton.cdiv(x.shape[0] if topk else rows, block_m), triton.cdiv(k_out, nb * vec))
+        grid = (_cdiv(x.shape[0] if topk else rows, block_m), _cdiv(k_out, nb * vec))
         sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
         consts = dict(
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
             HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
             BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
-            EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=triton.next_power_of_2(max(topk, 1)),
+            EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=1 << (max(topk, 1) - 1).bit_length(),
             PAIR_WORDS=pair_words, COLUMN_BLOCK=form.column_block if form else 4,
             num_warps=CUDA_WARPS if device.type == "cuda" else 4)
         given = (expert_ids is None, a_offsets is None, a_scale_offsets is None, global_scale is None, scales is None,
@@ -214,7 +220,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
             *sizes, float(alpha), float(limit)), consts)
     if scale_bytes is not None:
-        grid = (triton.cdiv(rows, SCALE_MOVE_ROWS), triton.cdiv(nkb, SCALE_MOVE_BLOCKS))
+        grid = (_cdiv(rows, SCALE_MOVE_ROWS), _cdiv(nkb, SCALE_MOVE_BLOCKS))
         launch(module.kb_major_scales_kernel, (rows, num_groups, nkb, m_pad, form.column_block), grid,
                (scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad),
                dict(COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS, BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4))

@@ -360,6 +360,12 @@ def planned_tokens_per_slot(tokens_per_slot: float):
         _planned.reset(token)
 
 
+def choice_context():
+    """What besides a problem's shapes the config choice depends on, for callers that cache it:
+    the planned tokens a slot, or None while a test forces a config (then nothing is cached)."""
+    return None if _overrides else ("planned", _planned.get())
+
+
 def _tokens_per_slot(tokens_per_slot: float) -> float:
     planned = _planned.get()
     return tokens_per_slot if planned is None else planned

@@ -172,6 +172,10 @@ PREPACK_FORMATS = ("nvfp4", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 
 def get_format(fmt: str | Format) -> Format:
     """Look up a format by name; the error lists the valid names."""
+    if fmt.__class__ is str:  # (the common case first: every op call looks up its format)
+        found = FORMATS.get(fmt)
+        if found is not None:
+            return found
     if isinstance(fmt, Format):
         return fmt
     if not isinstance(fmt, str):

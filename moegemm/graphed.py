@@ -16,7 +16,8 @@ result is a fresh tensor (a copy of the graph's output), so callers may keep it.
 Used only where capture is safe and cheap: CUDA tensors, no gradient needed, not inside
 another capture or torch.compile (where the outer graph already captures the launches), at most
 MAX_TOKENS tokens (the graphs' buffers stay allocated). MOEGEMM_EAGER_GRAPHS=0 turns it off.
-The first call of a shape pays its capture (one warm-up call and one captured one).
+A shape is captured at its second call (one warm-up call and the captured one): the decode
+steps of a batch size repeat it, a prompt's length usually does not.
 """
 
 from __future__ import annotations
@@ -71,17 +72,26 @@ class GraphedCalls:
     def __init__(self, max_graphs: int = MAX_GRAPHS):
         self.max_graphs = max_graphs
         self.graphs: OrderedDict = OrderedDict()
+        self.seen: OrderedDict = OrderedDict()  # keys called once, not captured (yet)
 
     def __call__(self, key, fn, *inputs: torch.Tensor) -> torch.Tensor:
+        """fn(*inputs), from the graph of `key` and the inputs' shapes: captured at the second call
+        of a shape (a shape met once, e.g. a prompt's length, is not worth a capture)."""
         key = (key, *((t.shape, t.dtype, t.stride()) for t in inputs))
         graph = self.graphs.get(key)
-        if graph is None:
-            if len(self.graphs) >= self.max_graphs:
-                self.graphs.popitem(last=False)
-            graph = self.graphs[key] = _Graph(fn, inputs)
-        else:
+        if graph is not None:
             self.graphs.move_to_end(key)
+            return graph(inputs)
+        if self.seen.pop(key, None) is None:
+            self.seen[key] = True
+            if len(self.seen) > 4 * self.max_graphs:
+                self.seen.popitem(last=False)
+            return fn(*inputs)
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        graph = self.graphs[key] = _Graph(fn, inputs)
         return graph(inputs)
 
     def clear(self):
         self.graphs.clear()
+        self.seen.clear()

@@ -22,6 +22,7 @@ from .launch import launch
 _SOURCE = Path(__file__).with_name("_portable_tl.py")
 
 
+@functools.cache
 def kernel_module(interpret: bool):
     """_portable_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
     return tl_source.load(_SOURCE, interpret)

@@ -59,6 +59,7 @@ def load_beside(tl_file: str, name: str):
     return load(Path(tl_file).with_name(name), interpreted())
 
 
+@functools.cache
 def interpreter_usable() -> bool:
     """Triton 3.6's CPU interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses."""
     major, minor = (int(part) for part in numpy.__version__.split(".")[:2])

@@ -20,7 +20,8 @@ import torch
 from triton.experimental.gluon import language as gl
 
 from ... import layouts
-from ...config import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, sm90_config, sm90_mx_config, weight_bytes
+from ...config import (MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, choice_context, sm90_config,
+                       sm90_mx_config, weight_bytes)
 from ...token_forms import ACC_ORDER_BLOCK, KernelTokens, kb_major_columns, token_form
 from ...validation import GroupedProblem
 from .. import portable
@@ -116,6 +117,26 @@ def fused_supports(p: GroupedProblem) -> bool:
     return supports(p) and p.fmt.name != "fp8_block" and p.n % 128 == 0
 
 
+_CONFIGS: dict = {}
+
+
+def _config(p: GroupedProblem, fused: bool, out_bytes: int):
+    """The problem's kernel config (moegemm/config.py), looked up once per problem and context."""
+    context = choice_context()
+    key = (p.key, fused, out_bytes, context)
+    cfg = _CONFIGS.get(key) if context is not None else None
+    if cfg is None:
+        if p.fmt.name in MX_FORMATS:
+            cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=fused, prepacked=p.prepacked)
+        else:
+            cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out_bytes, fused=fused)
+        if context is not None:
+            if len(_CONFIGS) >= 4096:
+                _CONFIGS.clear()
+            _CONFIGS[key] = cfg
+    return cfg
+
+
 def launch(args: LaunchArgs) -> torch.Tensor:
     """Run the problem on its kernel (module docstring); the caller checked `supports`."""
     p = args.problem
@@ -124,8 +145,7 @@ def launch(args: LaunchArgs) -> torch.Tensor:
     if p.fmt.name in MX_FORMATS:
         if args.tokens is not None:
             check_kernel_tokens(p, args.tokens)
-        cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=args.epilogue is not None,
-                             prepacked=p.prepacked)
+        cfg = _config(p, args.epilogue is not None, 2)
         if isinstance(cfg, DecodeConfig):
             return _launch_decode(args, cfg)
         if isinstance(cfg, Mxfp8Config):
@@ -200,7 +220,7 @@ def _or_dummy(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 def _launch_dense(args: LaunchArgs) -> torch.Tensor:
     p, out = args.problem, args.out
-    cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out.element_size(), fused=args.epilogue is not None)
+    cfg = _config(p, args.epilogue is not None, out.element_size())
     num_programs, upper_tiles = _grid(p, cfg, out.device)
     counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
     promote = p.fmt.name == "fp8_block"
