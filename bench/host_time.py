@@ -194,3 +194,103 @@ def measure(layer_tokens=(1, 64), models=None, fmts=None) -> list[dict]:
     add(dict(what="triton launch, 30 arguments",
              host_us=round(host_us(lambda: _tiny30[(1, )](buf, *([3] * 27), 16, X=1)), 1)))
     return rows
+
+
+def eager_us(fn, reps: int = 60) -> float:
+    """Median time of one call as an eager caller waits for it: GPU idle before, synchronized
+    after (host and device time together, whichever binds)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def decode_products() -> list[dict]:
+    """grouped_matmul at a decode size (8 slots of one token, N=512, K=1024) in every format, QuantizedTensor
+    operands, beside torch._grouped_mm bf16 on the same groups: host_us and eager_us."""
+    device = torch.device("cuda")
+    experts, n, k = 8, 512, 1024
+    a_offsets = torch.arange(experts + 1, dtype=torch.int32, device=device)
+    ids = torch.arange(experts, dtype=torch.int32, device=device)
+    x, w = torch.randn(experts, k, device=device), torch.randn(experts, n, k, device=device) / 32
+    rows = []
+    for fmt in moegemm.FORMATS:
+        layout = "swizzled" if moegemm.get_format(fmt).swizzle_capable else "plain"
+        if fmt == "bf16":
+            a, b = x.bfloat16(), w.bfloat16()
+        else:
+            a = x.bfloat16() if fmt.startswith("bf16_") else moegemm.quantize(x, fmt, scale_layout=layout,
+                                                                                a_offsets=a_offsets)
+            b = moegemm.quantize_weights(w, fmt, scale_layout=layout)
+
+        def call():
+            return moegemm.grouped_matmul(a, b, None, None, a_offsets, ids, fmt=fmt)
+
+        rows.append(dict(what="grouped_matmul", fmt=fmt, slots=experts, n=n, k=k, host_us=round(host_us(call), 1),
+                         eager_us=round(eager_us(call), 1)))
+    xb, wb = x.bfloat16(), w.bfloat16()
+
+    def torch_grouped():
+        return torch._grouped_mm(xb, wb.transpose(-2, -1), offs=a_offsets[1:])
+
+    rows.append(dict(what="torch._grouped_mm", fmt="bf16", slots=experts, n=n, k=k,
+                     host_us=round(host_us(torch_grouped), 1), eager_us=round(eager_us(torch_grouped), 1)))
+    return rows
+
+
+def transformers_blocks(tokens=(1, 32, 2048)) -> list[dict]:
+    """transformers' own MoE blocks at real sizes (random init, bf16, router included): Qwen3-30B-A3B's
+    Qwen3MoeSparseMoeBlock and gpt-oss-20b's GptOssMLP, with the experts of "grouped_mm",
+    "batched_mm" (up to 256 tokens) and "moegemm" (bf16, and quantized: fp8_block / bf16_mxfp4),
+    eager (eager_us, host_us) and as a CUDA-graph replay (graph_us); the outputs' error against
+    grouped_mm's (quantized rows: the format's quantization of these random weights)."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    device = torch.device("cuda")
+    moegemm.hf.register()
+    blocks = {
+        "Qwen3-30B-A3B": (Qwen3MoeSparseMoeBlock, transformers.Qwen3MoeConfig(
+            hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8), "fp8_block"),
+        "gpt-oss-20b": (GptOssMLP, transformers.GptOssConfig(
+            hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4), "bf16_mxfp4"),
+    }
+    rows = []
+    for name, (cls, config, quantized) in blocks.items():
+        with torch.device(device):
+            block = cls(config).to(torch.bfloat16).eval()
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.02)
+        for count in tokens:
+            x = torch.randn(1, count, config.hidden_size, device=device, dtype=torch.bfloat16)
+            reference = None
+            for impl, fmt in (("grouped_mm", None), ("batched_mm", None), ("moegemm", None), ("moegemm", quantized)):
+                if impl == "batched_mm" and count > 256:
+                    continue
+                moegemm.hf.register(fmt=fmt)
+                config._experts_implementation = impl
+
+                def call():
+                    out = block(x)
+                    return out[0] if isinstance(out, tuple) else out
+
+                out = call()
+                reference = out if reference is None else reference
+                err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+                rows.append(dict(what="block", model=name, impl=impl if fmt is None else f"{impl}:{fmt}",
+                                 tokens=count, eager_us=round(eager_us(call), 1), host_us=round(host_us(call), 1),
+                                 graph_us=round(graph_us(call), 1), err_vs_grouped_mm=round(err, 5)))
+                print(rows[-1], flush=True)
+        moegemm.hf.register()
+        del block
+        torch.cuda.empty_cache()
+    return rows

@@ -7,6 +7,9 @@ the layer's steps timed one by one.
                                                          moe_forward of bench/moe_layer.py's models
     python bench/profiling.py layer --steps [--out DIR]    each step of the layer timed alone, and
                                                          the device time of each kernel of one replay
+    python bench/profiling.py host --blocks [--out DIR]  grouped_matmul at decode size in every format and
+                                                         transformers' MoE blocks (Qwen3-30B-A3B, gpt-oss-20b)
+                                                         with each experts backend: eager, host and graph time
     python bench/profiling.py host [--model M] [--fmt F] [--tokens T] [--out DIR]
                                                          where an eager call's host time goes:
                                                          grouped_matmul and the layer at decode sizes
@@ -137,6 +140,9 @@ def main(argv=None) -> int:
     p_host.add_argument("--model", action="append", help="only this model (repeatable; default all)")
     p_host.add_argument("--fmt", action="append", help="only this format (repeatable; default all)")
     p_host.add_argument("--tokens", type=int, action="append", help="layer tokens (repeatable; default 1 and 64)")
+    p_host.add_argument("--blocks", action="store_true", help="grouped_matmul at decode size in every format beside "
+                        "torch._grouped_mm, and transformers' MoE blocks with each experts backend "
+                        "(host_time.decode_products, transformers_blocks)")
     for p in (p_kernel, p_layer):
         p.add_argument("--warmup", type=int, default=3)
         p.add_argument("--runs", type=int, default=1)
@@ -148,7 +154,10 @@ def main(argv=None) -> int:
         if args.target == "host":
             import host_time
 
-            rows = host_time.measure(tuple(args.tokens or (1, 64)), args.model, args.fmt)
+            if args.blocks:
+                rows = host_time.decode_products() + host_time.transformers_blocks()
+            else:
+                rows = host_time.measure(tuple(args.tokens or (1, 64)), args.model, args.fmt)
             if args.out:
                 _write(args.out, "host-time", "bench/profiling.py host", dict(rows=rows))
         elif args.target == "kernel":
