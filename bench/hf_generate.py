@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
-        args.batches, args.new_tokens, args.prefill, args.reps = "1,2", 3, 24, 1
+        args.batches, args.new_tokens, args.prefill, args.reps = "2", 2, 24, 1
         args.modes = "eager"
     args.modes = [m for m in args.modes.split(",") if m]
     args.batches = [int(b) for b in args.batches.split(",")]

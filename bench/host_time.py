@@ -45,9 +45,10 @@ def _tiny30(p, a1, a2, a3, a4, a5, a6, a7, a8, a9, b1, b2, b3, b4, b5, b6, b7, b
     tl.store(p + offsets, offsets + a1 + b1 + c1 + X, mask=offsets < n)
 
 
-def host_us(fn, reps: int = 200) -> float:
-    """Median host time of one call started with the GPU idle."""
-    for _ in range(10):
+def _call_us(fn, reps: int, warmup: int, wait: bool) -> float:
+    """Median time of one call started with the GPU idle: until it returns, or (wait) until the
+    GPU has finished it too."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     samples = []
@@ -55,9 +56,16 @@ def host_us(fn, reps: int = 200) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
+        if wait:
+            torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def host_us(fn, reps: int = 200) -> float:
+    """Median host time of one call started with the GPU idle."""
+    return _call_us(fn, reps, warmup=10, wait=False)
 
 
 def graph_us(fn, reps: int = 200) -> float:
@@ -199,17 +207,7 @@ def measure(layer_tokens=(1, 64), models=None, fmts=None) -> list[dict]:
 def eager_us(fn, reps: int = 60) -> float:
     """Median time of one call as an eager caller waits for it: GPU idle before, synchronized
     after (host and device time together, whichever binds)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+    return _call_us(fn, reps, warmup=5, wait=True)
 
 
 def decode_products() -> list[dict]:

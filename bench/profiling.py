@@ -159,7 +159,8 @@ def main(argv=None) -> int:
             else:
                 rows = host_time.measure(tuple(args.tokens or (1, 64)), args.model, args.fmt)
             if args.out:
-                _write(args.out, "host-time", "bench/profiling.py host", dict(rows=rows))
+                _write(args.out, "host-time", "bench/profiling.py host" + (" --blocks" if args.blocks else ""),
+                       dict(rows=rows))
         elif args.target == "kernel":
             kernel(args)
         elif not args.steps:

@@ -59,3 +59,21 @@ def test_weight_only_mxfp4_layer_weights_read_the_mxfp4_bytes():
     e2m1_e8m0 = (2 * i * h + h * i) * (0.5 + 1 / 32)  # bytes per expert
     assert layer_models.weight_bytes_per_expert(gu, dn) == e2m1_e8m0
     assert weights.ours("bf16_mxfp4") is weights.ours("bf16_mxfp4")
+
+
+def test_hf_generate_runs_on_the_cpu(tmp_path):
+    """bench/hf_generate.py --cpu-smoke: toy gpt-oss and Qwen3-MoE models through every backend row,
+    each moegemm row's experts checked against grouped_mm's (exit status 0), a record written."""
+    pytest.importorskip("transformers")
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import json
+
+    import hf_generate
+
+    assert hf_generate.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "hf-generate-cpu.json").read_text())
+    rows = {(r["model"], r["impl"]): r for r in record["rows"]}
+    assert rows[("tiny-gpt-oss", "moegemm:bf16")]["check_err"] < 2e-2
+    assert all(r["eager_b2_tok_s"] > 0 for r in rows.values())
+    assert record["record"]["script"] == "bench/hf_generate.py"
