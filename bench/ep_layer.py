@@ -106,11 +106,6 @@ class Row:
     notes: list = field(default_factory=list)
 
 
-def _sliced(q, first, last):
-    return moegemm.QuantizedTensor(q.data[first:last], None if q.scales is None else q.scales[first:last], q.fmt,
-                                   "b", q.scale_layout, None if q.global_scale is None else q.global_scale[first:last])
-
-
 def _flush(cache):
     import triton
 
@@ -224,7 +219,7 @@ def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) ->
     local_kw = {**kw, "gate_up_bias": None if gu_bias is None else gu_bias[first:last],
                 "down_bias": None if dn_bias is None else dn_bias[first:last]}
     whole_kw = {**kw, "gate_up_bias": gu_bias, "down_bias": dn_bias}
-    local = (_sliced(w_gu, first, last), _sliced(w_dn, first, last))
+    local = (w_gu.experts(first, last), w_dn.experts(first, last))  # (every field kept: prepacked too)
     x_all, ids_all, tw_all = routing_inputs(cfg, world * tokens, 7 + tokens, device)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     x, ids, tw = x_all[mine], ids_all[mine], tw_all[mine]

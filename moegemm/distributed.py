@@ -20,10 +20,15 @@ Two paths, which every rank of the group must take together:
     "prefill"  a token goes once to each rank that owns at least one of its choices. The counts
                are exchanged first (one all_to_all_single of W integers) and read on the host
                to size the exchange.
-    "decode"   no host read, so it captures in a CUDA graph: fixed capacity, T rows for every
+    "decode"   no host read, so it captures in a CUDA graph: a fixed number of rows for every
                pair of ranks (every token to every rank; a rank runs nothing for a token none
-               of whose choices it owns). Every rank must pass the same number of tokens T,
-               as a CUDA-graph batch does (checked with MOEGEMM_DEBUG=1, which synchronizes).
+               of whose choices it owns). With a `capacity` C every rank sends C rows, its T <= C
+               tokens and padding that no expert takes, so ranks may hold any count up to C (a
+               serving batch of its own a rank); a rank whose T exceeds C still takes its part in
+               the exchange (with no tokens, so that the other ranks' tokens are served and no
+               rank waits forever) and then raises a ValueError naming the capacity. Without a
+               capacity every rank must pass the same number of tokens T, as a CUDA-graph batch
+               does (checked with MOEGEMM_DEBUG=1, which synchronizes).
     "auto"     "decode" while a CUDA graph is being captured, else "prefill".
 
 Combine returns each rank's partial weighted sum of a token's choices once per token, in fp32
@@ -45,7 +50,8 @@ from .formats import get_format
 from .quantize import QuantizedTensor
 from .validation import debug_mode
 
-__all__ = ["EP_PATHS", "Dispatched", "combine", "dispatch", "expert_range", "group_global_scale", "rank_and_size"]
+__all__ = ["EP_PATHS", "Dispatched", "check_agreement", "combine", "dispatch", "expert_range", "group_global_scale",
+           "rank_and_size"]
 
 EP_PATHS = ("auto", "prefill", "decode")
 
@@ -73,6 +79,24 @@ def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
     amax = amax.reshape(1).clone()
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return act._nvfp4_global_of(amax)  # (the quantizers' rule, on the group's amax)
+
+
+def check_agreement(what: str, descriptor: dict, group) -> None:
+    """ValueError on every rank unless every rank of `group` passes the same `descriptor` (plain
+    values: sizes, format, path, ...): one small collective (all_gather_object), so ranks that
+    would disagree later, inside a collective of mismatched sizes, fail here together instead
+    of hanging there. The message names `what` and each field that differs, with every rank's
+    value. Reads on the host: for load time, not for a forward."""
+    _, world = rank_and_size(group)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, descriptor, group=group)
+    keys = list(dict.fromkeys([key for other in gathered for key in other]))  # (the descriptors' own order)
+    differing = [key for key in keys if any(other.get(key) != gathered[0].get(key) for other in gathered)]
+    if differing:
+        values = "; ".join(f"{key}: " + ", ".join(f"rank {r} {g.get(key)!r}" for r, g in enumerate(gathered))
+                           for key in differing)
+        raise ValueError(f"{differing[0]}: expected the same on every rank of the expert-parallel group ({what}), "
+                         f"got {values.split(': ', 1)[1] if len(differing) == 1 else values}")
 
 
 _WORD = 8  # bytes: packed rows are moved as int64 words
@@ -140,9 +164,11 @@ class Dispatched:
                   where its partial sum from r lies in what comes back): destination-major,
                   token order within a destination
     send_splits, recv_splits: rows sent to and received from each rank
-    group_tokens: the tokens of every rank together (the batch a single GPU would run)
+    group_tokens: the tokens of every rank together (the batch a single GPU would run; the
+                  decode path with a capacity: W * capacity, the batch it is planned for)
     row_bytes:    bytes of one packed token row
     path:         "prefill" or "decode", the path taken
+    overflow:     the decode path's capacity this rank's tokens exceeded (combine raises), or None
     """
 
     tokens: QuantizedTensor
@@ -156,6 +182,7 @@ class Dispatched:
     row_bytes: int
     path: str
     group: object
+    overflow: int | None = None
 
     def bytes_to_others(self) -> tuple[int, int]:
         """(dispatch bytes, combine bytes per hidden column) this rank sends to other ranks."""
@@ -201,12 +228,18 @@ def _check_same_tokens(num_tokens: int, group, device):
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, fmt: str, *,
-             num_experts: int, group, path: str = "auto", global_scale: torch.Tensor | None = None) -> Dispatched:
+             num_experts: int, group, path: str = "auto", global_scale: torch.Tensor | None = None,
+             capacity: int | None = None) -> Dispatched:
     """Send this rank's tokens x [T, H] with their router choices (global expert ids [T, k], ids
     outside [0, E) dropped; weights [T, k], ones when None) to the ranks that own the experts,
     quantized into `fmt`'s A operand. nvfp4: global_scale of the tokens, group_global_scale(x)
-    when None (the same on every rank, so that the received tokens share one)."""
+    when None (the same on every rank, so that the received tokens share one). capacity: the
+    decode path's rows a rank (module docstring), the same on every rank; None: T, the same T on
+    every rank."""
     _check_dispatch_args(x, topk_ids, topk_weights, path)
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ValueError(f"capacity: expected an int >= 0 (tokens a rank on the decode path) or None, got "
+                         f"{capacity!r}")
     f = get_format(fmt)
     _, world = rank_and_size(group)
     first, last = expert_range(num_experts, group)
@@ -214,10 +247,12 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     num_tokens, top_k = topk_ids.shape
     device = x.device
     path = _chosen_path(path, device)
+    overflow = capacity if path == "decode" and capacity is not None and num_tokens > capacity else None
     if path == "decode":
-        if debug_mode():
+        if debug_mode() and capacity is None:
             _check_same_tokens(num_tokens, group, device)
-        sent_to = torch.ones(num_tokens, world, dtype=torch.bool, device=device)
+        # (a rank over its capacity sends padding alone: none of its tokens is served)
+        sent_to = torch.full((num_tokens, world), overflow is None, dtype=torch.bool, device=device)
     else:
         ids = topk_ids.long()
         dest = torch.where((ids >= 0) & (ids < num_experts), ids.div(per_rank, rounding_mode="floor"), world)
@@ -230,8 +265,13 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         dist.all_to_all_single(received, exchanged, group=group)
     # Row of token t's copy for rank r among the rows sent, destination-major. (The scan runs along
     # the tokens as the last dimension: along the first, torch scans [T, W] with W threads.)
-    before = sent_to.t().long().cumsum(dim=1) - 1
-    source_rows = (before + (counts.cumsum(dim=0) - counts).unsqueeze(1)).t()
+    rows_each = num_tokens if capacity is None else capacity  # the decode path's rows for each rank
+    if path == "decode":
+        source_rows = (torch.arange(num_tokens, device=device).unsqueeze(1)
+                       + rows_each * torch.arange(world, device=device)).clamp(max=max(rows_each * world - 1, 0))
+    else:
+        before = sent_to.t().long().cumsum(dim=1) - 1
+        source_rows = (before + (counts.cumsum(dim=0) - counts).unsqueeze(1)).t()
     if f.a.global_scale and global_scale is None:
         global_scale = group_global_scale(x, group)
     tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
@@ -239,17 +279,18 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     layout = _row_layout(tokens, top_k)
     packed = _pack(tokens, layout, topk_ids, weights)
     if path == "decode":
-        send_splits = recv_splits = [num_tokens] * world
-        group_tokens = world * num_tokens
+        send_splits = recv_splits = [rows_each] * world
+        group_tokens = world * rows_each
+        send = _padded(packed, layout, rows_each, overflow is not None).repeat(world, 1)
     else:  # the host read (after the work above is queued)
         send_splits = counts.tolist()
         recv_splits, tokens_of = (list(column) for column in zip(*received.tolist()))
         group_tokens = sum(tokens_of)
-    total = sum(send_splits)
-    spare = torch.where(sent_to, source_rows, total).reshape(-1)  # rows not sent go to a spare slot
-    send_token = torch.empty(total + 1, dtype=torch.long, device=device)
-    send_token.scatter_(0, spare, torch.arange(num_tokens, device=device).repeat_interleave(world))
-    send = packed.index_select(0, send_token[:total])
+        total = sum(send_splits)
+        spare = torch.where(sent_to, source_rows, total).reshape(-1)  # rows not sent go to a spare slot
+        send_token = torch.empty(total + 1, dtype=torch.long, device=device)
+        send_token.scatter_(0, spare, torch.arange(num_tokens, device=device).repeat_interleave(world))
+        send = packed.index_select(0, send_token[:total])
     recv = packed.new_empty(sum(recv_splits), packed.shape[1])
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
     data = _section(recv, layout.data, layout.data_dtype)
@@ -258,7 +299,18 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     local = _section(recv, layout.ids, torch.int32).long() - first
     local_ids = torch.where((local >= 0) & (local < per_rank), local, -1).to(torch.int32)
     return Dispatched(tokens_in, local_ids, _section(recv, layout.weights, torch.float32).contiguous(), sent_to,
-                      source_rows, send_splits, recv_splits, group_tokens, layout.nbytes, path, group)
+                      source_rows, send_splits, recv_splits, group_tokens, layout.nbytes, path, group, overflow)
+
+
+def _padded(packed: torch.Tensor, layout: _RowLayout, rows: int, empty: bool) -> torch.Tensor:
+    """The decode path's rows for one rank: the packed tokens (none where `empty`), then rows of
+    padding up to `rows`, whose choices no rank takes (ids -1, weights 0, data and scales 0)."""
+    kept = packed[:0] if empty else packed
+    if kept.shape[0] == rows:
+        return kept
+    padding = packed.new_zeros(rows - kept.shape[0], packed.shape[1])
+    _section(padding, layout.ids, torch.int32).fill_(-1)
+    return torch.cat((kept, padding))
 
 
 def combine(partial: torch.Tensor, sent: Dispatched, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -270,4 +322,7 @@ def combine(partial: torch.Tensor, sent: Dispatched, out_dtype: torch.dtype = to
     partial = partial.to(torch.float32).contiguous()
     back = partial.new_empty(sum(sent.send_splits), partial.shape[1])
     dist.all_to_all_single(back, partial, sent.send_splits, sent.recv_splits, group=sent.group)
+    if sent.overflow is not None:  # (after this rank's part of the exchange: no other rank waits for it)
+        raise ValueError(f"x: {sent.sent_to.shape[0]} tokens on this rank, above the decode path's capacity "
+                         f"{sent.overflow} (ep_capacity); none of them was run")
     return routing.sum_rows(back, sent.source_rows, sent.sent_to, out_dtype)

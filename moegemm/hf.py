@@ -307,15 +307,15 @@ def refresh(model) -> None:
 
 @torch.no_grad()
 def from_transformers(block, fmt: str = "bf16", *, backend: str = "auto", fused: bool = True, ep_group=None,
-                      ep_path: str = "auto") -> MoE:
+                      ep_path: str = "auto", ep_capacity: int | None = None) -> MoE:
     """A moegemm.MoE computing `block`'s output, its experts quantized into `fmt` (any format; the
     weight-only ones, e.g. "bf16_mxfp4" for gpt-oss, keep the activations in bf16). ep_group,
-    ep_path: MoE's expert parallelism (this rank keeps its experts of the block's)."""
+    ep_path, ep_capacity: MoE's expert parallelism (this rank keeps its experts of the block's)."""
     name = type(block).__name__
     device = next(block.parameters()).device
     dtype = next(block.parameters()).dtype if name != "DeepseekV3MoE" else block.experts.gate_up_proj.dtype
     common = dict(fmt=fmt, backend=backend, fused=fused, device=device, dtype=dtype, ep_group=ep_group,
-                  ep_path=ep_path)
+                  ep_path=ep_path, ep_capacity=ep_capacity)
     if name in ("Qwen3MoeSparseMoeBlock", "DeepseekV3MoE"):
         gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
         num_experts, two_i, hidden = gate_up.shape

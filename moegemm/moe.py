@@ -123,6 +123,7 @@ def moe_forward(
     backend: str = "auto",
     ep_group=None,
     ep_path: str = "auto",
+    ep_capacity: int | None = None,
 ) -> torch.Tensor:
     """The routed experts of an MoE layer for tokens x [T, H] and router choices topk_ids [T, k].
 
@@ -141,13 +142,17 @@ def moe_forward(
     ep_group (a torch.distributed process group of W ranks): expert parallelism. x and
     topk_ids are this rank's tokens and their choices among all E = W * E_local experts; the
     weights, biases and expert scales are this rank's E_local experts, [r*E_local, (r+1)*E_local).
-    ep_path: "prefill" (counts read on the host), "decode" (fixed capacity, no host read, the
-    same T on every rank) or "auto" (decode while a CUDA graph is captured); distributed.py.
+    ep_path: "prefill" (counts read on the host), "decode" (fixed capacity, no host read) or
+    "auto" (decode while a CUDA graph is captured); distributed.py. ep_capacity: the decode
+    path's tokens a rank, the same on every rank; each rank then passes any T <= ep_capacity (a
+    rank above it raises after its part of the exchange, so no rank hangs); None: the same T on
+    every rank.
     nvfp4: the token global scale defaults to the amax over every rank's tokens. Custom layers
     may run the steps themselves: distributed.dispatch, moe_forward_received, distributed.combine.
     """
     if ep_group is not None:
         return _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, ep_group=ep_group, ep_path=ep_path,
+                               ep_capacity=ep_capacity,
                                activation=activation, gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias,
                                down_bias=down_bias, gate_up_scales=gate_up_scales, down_scales=down_scales,
                                input_global_scale=input_global_scale,
@@ -168,13 +173,13 @@ def moe_forward(
 
 
 @torch.compiler.disable  # collectives and a host read of the counts: not traced
-def _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, ep_group, ep_path, **layer):
+def _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, ep_group, ep_path, ep_capacity, **layer):
     """moe_forward over an expert-parallel group: dispatch, this rank's experts, combine."""
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     _, world = distributed.rank_and_size(ep_group)
     sent = distributed.dispatch(x, topk_ids, topk_weights, w_gate_up.fmt,
                                 num_experts=w_gate_up.data.shape[0] * world, group=ep_group, path=ep_path,
-                                global_scale=layer.pop("input_global_scale"))
+                                global_scale=layer.pop("input_global_scale"), capacity=ep_capacity)
     return distributed.combine(moe_forward_received(sent, w_gate_up, w_down, **layer), sent, out_dtype=x.dtype)
 
 
@@ -196,7 +201,7 @@ def moe_forward_received(sent: distributed.Dispatched, w_gate_up: QuantizedTenso
 @functools.cache
 def _received_defaults() -> dict:
     """moe_forward's keyword defaults that moe_forward_received takes."""
-    given_elsewhere = ("gate_up_layout", "input_global_scale", "ep_group", "ep_path")
+    given_elsewhere = ("gate_up_layout", "input_global_scale", "ep_group", "ep_path", "ep_capacity")
     return {name: p.default for name, p in inspect.signature(moe_forward).parameters.items()
             if p.kind is p.KEYWORD_ONLY and name not in given_elsewhere}
 
@@ -350,7 +355,9 @@ class MoE(torch.nn.Module):
     checkpoint tensors [E, ...] or this rank's slice [E/W, ...] and keep experts
     [r*E/W, (r+1)*E/W) (expert_range); the router and the shared expert stay whole. forward takes
     this rank's tokens and returns their outputs, those of the single-GPU layer (within fp32
-    rounding of the combine's order). ep_path: moe_forward's.
+    rounding of the combine's order). ep_path, ep_capacity: moe_forward's. The ranks' layers are
+    compared when built and when loaded (one small collective each): ranks that disagree on the
+    format, the sizes, the path, the capacity or the loaded weights get a ValueError together.
 
     prepack: the loaders keep the weights of formats.PREPACK_FORMATS (bf16_mxfp4, gpt-oss's, among
     them) in the order the sm90 decoding kernel reads (moegemm.prepack_weights), where N and K are
@@ -365,7 +372,8 @@ class MoE(torch.nn.Module):
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  correction_bias: bool = False, shared_intermediate_size: int = 0,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, backend: str = "auto",
-                 fused: bool = True, ep_group=None, ep_path: str = "auto", prepack: bool | None = None, device=None,
+                 fused: bool = True, ep_group=None, ep_path: str = "auto", ep_capacity: int | None = None,
+                 prepack: bool | None = None, device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         act.check_activation(activation)
@@ -384,7 +392,11 @@ class MoE(torch.nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         if ep_path not in distributed.EP_PATHS:
             raise ValueError(f"ep_path: expected one of {list(distributed.EP_PATHS)}, got {ep_path!r}")
-        self.ep_group, self.ep_path = ep_group, ep_path
+        if ep_capacity is not None and (isinstance(ep_capacity, bool) or not isinstance(ep_capacity, int)
+                                        or ep_capacity < 0):
+            raise ValueError(f"ep_capacity: expected an int >= 0 (tokens a rank on the decode path) or None, got "
+                             f"{ep_capacity!r}")
+        self.ep_group, self.ep_path, self.ep_capacity = ep_group, ep_path, ep_capacity
         # This rank's experts: all of them without expert parallelism.
         self.expert_range = (0, num_experts) if ep_group is None else distributed.expert_range(num_experts, ep_group)
         self.num_local_experts = self.expert_range[1] - self.expert_range[0]
@@ -419,6 +431,30 @@ class MoE(torch.nn.Module):
                 "up": torch.nn.Linear(hidden_size, shared_intermediate_size, bias=False, **factory),
                 "down": torch.nn.Linear(shared_intermediate_size, hidden_size, bias=False, **factory),
             })
+        if ep_group is not None:  # every rank builds the same layer (one small collective)
+            distributed.check_agreement("MoE", dict(
+                hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts, top_k=top_k,
+                fmt=self._chosen_fmt, activation=activation, router=router, ep_path=ep_path, ep_capacity=ep_capacity,
+                dtype=str(dtype),
+                norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
+                routed_scaling_factor=routed_scaling_factor, correction_bias=correction_bias, router_bias=router_bias,
+                expert_bias=expert_bias, shared_intermediate_size=shared_intermediate_size, swiglu_alpha=swiglu_alpha,
+                swiglu_limit=swiglu_limit), ep_group)
+
+    def _loaded(self, loader: str):
+        """With expert parallelism: every rank loaded weights of the same format, shapes and order
+        (one small collective), else a ValueError on every rank naming what differs."""
+        if self.ep_group is None:
+            return self
+        parts = dict(fmt=self.fmt, scale_layout=self.scale_layout, gate_up_layout=self.gate_up_layout)
+        for prefix in ("gate_up", "down"):
+            for part in ("data", "scales", "global"):
+                t = getattr(self, f"{prefix}_{part}")
+                parts[f"{prefix}_{part}"] = None if t is None else (tuple(t.shape), str(t.dtype))
+            parts[f"{prefix}_prepacked"] = getattr(self, f"{prefix}_prepacked")
+        parts.update(gate_up_bias=self.gate_up_bias is not None, down_bias=self.down_bias is not None)
+        distributed.check_agreement(f"MoE.{loader}", parts, self.ep_group)
+        return self
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -513,7 +549,7 @@ class MoE(torch.nn.Module):
             ub = up_bias if up_bias is not None else zeros
             bias = self._arrange(gb.float().unsqueeze(-1), ub.float().unsqueeze(-1)).squeeze(-1)
         self._set_biases(bias, down_bias)
-        return self
+        return self._loaded("load_experts")
 
     def _arrange(self, gate, up):
         """gate, up [E, I, X] -> the [E, 2I, X] row order of this format."""
@@ -543,7 +579,7 @@ class MoE(torch.nn.Module):
             self._store("gate_up", QuantizedTensor(torch.cat((gate, up), dim=1).contiguous(), gate_up_scales,
                                                    self.fmt, "b"))
             self._store("down", QuantizedTensor(down.contiguous(), down_scale_inv.float().contiguous(), self.fmt, "b"))
-            return self
+            return self._loaded("load_fp8_block")
         deq = lambda w, s: dequantize_operand(w, s.float(), "fp8_block", "b")  # noqa: E731
         return self.load_experts(gate=deq(gate, gate_scale_inv), up=deq(up, up_scale_inv),
                                  down=deq(down, down_scale_inv))
@@ -580,7 +616,7 @@ class MoE(torch.nn.Module):
                 self._store(prefix, QuantizedTensor(data, scales.view(torch.float8_e8m0fnu), self.fmt, "b",
                                                     self.scale_layout))
             self._set_biases(gate_up_bias, down_bias)
-            return self
+            return self._loaded("load_mxfp4")
         gate_up = dequantize_operand(gu_data, gu_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
         down = dequantize_operand(dn_data, dn_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
         return self.load_experts(gate_up=gate_up, gate_up_order="interleaved", down=down,
@@ -662,7 +698,7 @@ class MoE(torch.nn.Module):
                         gate_up_layout=self.gate_up_layout, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                         intermediate_global_scale=self.intermediate_global_scale, alpha=self.swiglu_alpha,
                         limit=self.swiglu_limit, fused=self.fused, backend=self.backend, ep_group=self.ep_group,
-                        ep_path=self.ep_path)
+                        ep_path=self.ep_path, ep_capacity=self.ep_capacity)
         if self.shared is not None:
             s = self.shared
             y = y + s["down"](F.silu(s["gate"](x)) * s["up"](x))

@@ -73,6 +73,23 @@ class QuantizedTensor:
         operand = get_format(self.fmt).a if self.operand == "a" else get_format(self.fmt).b
         return operand.logical_k(self.data.shape[-1])
 
+    def experts(self, first: int, last: int) -> QuantizedTensor:
+        """Weights only: experts [first, last) with every field kept (codes, scales in their
+        layout, per-expert global scales, prepacked order), views of this tensor's storage. The
+        way to cut a rank's share (expert parallelism): a QuantizedTensor rebuilt by hand from
+        its tensors loses what its fields record (e.g. that prepacked codes are prepacked, which
+        no kernel could tell from the bytes)."""
+        if self.operand != "b":
+            raise ValueError(f"experts: only weights (operand 'b') have experts, this is operand {self.operand!r}")
+        count = self.data.shape[0]
+        if not (isinstance(first, int) and isinstance(last, int) and 0 <= first <= last <= count):
+            raise ValueError(f"first, last: expected 0 <= first <= last <= {count} (the experts), got {first!r}, "
+                             f"{last!r}")
+        return replace(self, data=self.data[first:last],
+                       scales=None if self.scales is None else self.scales[first:last],
+                       global_scale=None if self.global_scale is None or self.global_scale.dim() == 0
+                       else self.global_scale[first:last])
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

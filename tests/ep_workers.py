@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,13 +34,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, backend: str, check: str, *args):
+def spawn(world: int, backend: str, check: str, *args, timeout: float | None = None):
     """Run check(group, device, *args) on `world` ranks of a fresh process group: forked on the CPU
     (the ranks inherit the imported modules: seconds of make test a rank), spawned for GPUs (CUDA
-    cannot be forked)."""
+    cannot be forked). timeout: seconds after which the ranks still running are killed and the
+    test fails (a hang)."""
     os.environ.update(NO_MULTICAST)
-    mp.start_processes(_rank_main, args=(world, backend, free_port(), check, args), nprocs=world, join=True,
-                       start_method="fork" if backend == "gloo" else "spawn")
+    context = mp.start_processes(_rank_main, args=(world, backend, free_port(), check, args), nprocs=world,
+                                 join=False, start_method="fork" if backend == "gloo" else "spawn")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1)):
+        if deadline is not None and time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise AssertionError(f"{check}: the {world} ranks did not finish within {timeout} s (a hang)")
 
 
 def _rank_main(rank, world, backend, port, check, args):
@@ -103,10 +112,14 @@ def check_layers(group, device, fmts, paths, sizes, tol):
     for fmt in fmts:
         one, ep = _layers(fmt, group, device, dtype, hidden=hidden, width=width, experts=experts, top_k=top_k)
         for path in paths:
-            ep.ep_path = path
+            # "capacity": the decode path with a capacity, every rank another count, rank 0 none
+            ep.ep_path = "decode" if path == "capacity" else path
             counts = [tokens] * world if path == "decode" else [tokens + 3 * r for r in range(world)]
             if path == "prefill" and world > 2:
                 counts[1] = 0
+            if path == "capacity":
+                counts[0] = 0
+            ep.ep_capacity = max(counts) if path == "capacity" else None
             gen = torch.Generator(device="cpu").manual_seed(1000 + sum(counts))
             x_all = torch.randn(sum(counts), hidden, generator=gen).to(device, dtype)
             start = sum(counts[:rank])
@@ -114,7 +127,7 @@ def check_layers(group, device, fmts, paths, sizes, tol):
             want = one(x_all)[start:start + counts[rank]]
             got = ep(mine)
             assert got.shape == mine.shape and got.dtype == mine.dtype, (fmt, path, got.shape, got.dtype)
-            if path == "decode":
+            if path in ("decode", "capacity"):
                 assert torch.equal(got, ep(mine)), f"{fmt} {path}: two runs differ"
             if counts[rank]:
                 err = rel_err(got, want)
@@ -173,13 +186,9 @@ def check_functional(group, device):
     want = moegemm.moe_forward(x_all, ids_all, None, w_gu, w_dn, gate_up_layout="interleaved", **scales)[mine]
     first, last = distributed.expert_range(experts, group)
 
-    def local(q):
-        scales = moegemm.layouts.unswizzle_b_scales(q.scales, q.data.shape[1], q.k // 32)[first:last]
-        return moegemm.QuantizedTensor(q.data[first:last], moegemm.layouts.swizzle_b_scales(scales), q.fmt, "b",
-                                       "swizzled")
-
     for path in ("prefill", "decode"):
-        got = moegemm.moe_forward(x_all[mine], ids_all[mine], None, local(w_gu), local(w_dn),
+        got = moegemm.moe_forward(x_all[mine], ids_all[mine], None, w_gu.experts(first, last),
+                                  w_dn.experts(first, last),
                                   gate_up_layout="interleaved", ep_group=group, ep_path=path,
                                   **{name: s[first:last] for name, s in scales.items()})
         assert rel_err(got, want) <= 1e-5, (path, rel_err(got, want))
@@ -275,3 +284,68 @@ def check_graph(group, device, fmts, sizes, tol):
         want = one(x_all)[rank * tokens:(rank + 1) * tokens]
         err = rel_err(out, want)
         assert err <= tol, f"{fmt} graph rank {rank}: relative error {err:.2e} > {tol:.0e}"
+
+
+def check_over_capacity(group, device):
+    """The decode path with a capacity: the rank over it raises a ValueError naming the capacity;
+    the others return their tokens' outputs (those of the single-process layer)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dtype = torch.float32
+    one, ep = _layers("mxfp8", group, device, dtype, hidden=256, width=128, experts=2 * world, top_k=2, path="decode")
+    ep.ep_capacity = 4
+    counts = [5] + [4 - r % 3 for r in range(1, world)]  # rank 0 one token over
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    x_all = torch.randn(sum(counts), 256, generator=gen).to(device, dtype)
+    start = sum(counts[:rank])
+    mine = x_all[start:start + counts[rank]]
+    if rank == 0:
+        try:
+            ep(mine)
+        except ValueError as e:
+            assert "capacity 4" in str(e) and "x:" in str(e), str(e)
+        else:
+            raise AssertionError("5 tokens above a capacity of 4 ran")
+    else:
+        err = rel_err(ep(mine), one(x_all)[start:start + counts[rank]])
+        assert err <= 1e-5, f"rank {rank}: relative error {err:.2e}"
+
+
+MISUSES = {  # what one rank does differently -> the field every rank's error names
+    "fmt": (dict(fmt="mxfp8"), dict(fmt="bf16")),
+    "hidden_size": (dict(hidden_size=256), dict(hidden_size=512)),
+    "num_experts": (dict(num_experts=8), dict(num_experts=16)),
+    "ep_path": (dict(ep_path="prefill"), dict(ep_path="decode")),
+    "ep_capacity": (dict(ep_capacity=4), dict(ep_capacity=8)),
+}
+
+
+def check_misuse(group, device, case):
+    """Ranks that build or load disagreeing layers get a ValueError naming the difference, every
+    rank, at once (no collective of mismatched sizes waits for ever)."""
+    rank = dist.get_rank(group)
+    args = dict(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, dtype=torch.float32)
+    if case == "loaded format":  # the same layer, then MXFP4 checkpoint weights on rank 0, float ones elsewhere
+        layer = moegemm.MoE(256, 128, 8, 2, ep_group=group, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(3)
+        try:
+            if rank == 0:
+                layer.load_mxfp4(gate_up_blocks=torch.randint(0, 256, (8, 256, 8, 16), generator=gen, dtype=torch.uint8),
+                                 gate_up_scales=torch.full((8, 256, 8), 120, dtype=torch.uint8),
+                                 down_blocks=torch.randint(0, 256, (8, 256, 4, 16), generator=gen, dtype=torch.uint8),
+                                 down_scales=torch.full((8, 256, 4), 120, dtype=torch.uint8))
+            else:
+                layer.load_experts(gate=torch.randn(8, 128, 256, generator=gen), up=torch.randn(8, 128, 256, generator=gen),
+                                   down=torch.randn(8, 256, 128, generator=gen))
+        except ValueError as e:
+            assert str(e).startswith("fmt: expected the same on every rank") and "(MoE.load_" in str(e), str(e)
+            assert "rank 0 'bf16_mxfp4', rank 1 'bf16'" in str(e), str(e)
+            return
+        raise AssertionError("disagreeing weights loaded")
+    args.update(MISUSES[case][0] if rank == 0 else MISUSES[case][1])
+    try:
+        moegemm.MoE(args.pop("hidden_size"), args.pop("intermediate_size"), args.pop("num_experts"), args.pop("top_k"),
+                    ep_group=group, **args)
+    except ValueError as e:
+        assert str(e).startswith(f"{case}: expected the same on every rank") and "rank 0" in str(e), str(e)
+        return
+    raise AssertionError(f"{case}: disagreeing layers built")

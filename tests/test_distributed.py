@@ -17,8 +17,14 @@ GPU_TOL = 1e-3  # relative (Frobenius): the combine adds fp32 partial sums in an
 
 # One spawn a group size (each rank imports torch and moegemm: seconds of make test's budget).
 def test_two_ranks_cpu():
-    spawn(2, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode"), CPU_SIZES, 1e-5),
-          ("check_functional",), ("check_loaders",), ("check_errors",))
+    spawn(2, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode", "capacity"), CPU_SIZES, 1e-5),
+          ("check_functional",), ("check_loaders",), ("check_errors",), ("check_over_capacity",), timeout=300)
+
+
+@pytest.mark.parametrize("case", ["fmt", "hidden_size", "num_experts", "ep_path", "ep_capacity", "loaded format"])
+def test_disagreeing_ranks_fail_together_cpu(case):
+    """Each misuse: a ValueError on every rank within seconds, never a hang (the test's timeout)."""
+    spawn(2, "gloo", "check_misuse", case, timeout=60)
 
 
 def test_transformers_blocks_two_ranks_cpu():
@@ -27,8 +33,8 @@ def test_transformers_blocks_two_ranks_cpu():
 
 
 def test_four_ranks_cpu():
-    spawn(4, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode"), CPU_SIZES, 1e-5),
-          ("check_functional",))
+    spawn(4, "gloo", "check_all", ("check_layers", FORMATS, ("prefill", "decode", "capacity"), CPU_SIZES, 1e-5),
+          ("check_functional",), ("check_over_capacity",), timeout=300)
 
 
 def _gpus(world):
@@ -40,7 +46,7 @@ def _gpus(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_matches_single_gpu_nccl(world):
     _gpus(world)
-    spawn(world, "nccl", "check_layers", FORMATS, ("prefill", "decode"), GPU_SIZES, GPU_TOL)
+    spawn(world, "nccl", "check_layers", FORMATS, ("prefill", "decode", "capacity"), GPU_SIZES, GPU_TOL)
 
 
 @pytest.mark.gpu

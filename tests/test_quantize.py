@@ -247,3 +247,44 @@ def test_quantizer_bad_input():
         moegemm.quantize(torch.ones(4, 128), "fp8_block", scale_layout="swizzled")
     with pytest.raises(ValueError, match="^fmt:"):
         moegemm.quantize(torch.ones(4, 64), "fp6")
+
+
+@pytest.mark.parametrize("fmt", sorted(moegemm.FORMATS))
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_a_share_of_the_experts_keeps_every_field(fmt, layout):
+    """QuantizedTensor.experts(first, last): the weights of those experts as quantize_weights makes
+    them for w[first:last] (codes, scales in their layout, nvfp4's global scales), prepacked codes
+    still prepacked, and the product over them that of the whole tensor with the ids shifted."""
+    f = moegemm.get_format(fmt)
+    if layout == "swizzled" and not f.swizzle_capable:
+        pytest.skip("plain scales only")
+    w = torch.randn(6, 64, 128) / 8
+    whole = moegemm.quantize_weights(w, fmt, scale_layout=layout)
+    share = whole.experts(2, 5)
+    alone = moegemm.quantize_weights(w[2:5], fmt, scale_layout=layout)
+    assert torch.equal(share.data.view(torch.uint8), alone.data.view(torch.uint8))
+    if alone.scales is not None:
+        assert torch.equal(share.scales.view(torch.uint8), alone.scales.view(torch.uint8))
+    if alone.global_scale is not None:
+        assert torch.equal(share.global_scale, alone.global_scale)
+    assert (share.fmt, share.operand, share.scale_layout) == (fmt, "b", layout)
+    if fmt in moegemm.formats.PREPACK_FORMATS:
+        packed = moegemm.prepack_weights(whole).experts(2, 5)
+        assert packed.prepacked and torch.equal(packed.data, moegemm.prepack_weights(alone).data)
+    x = torch.randn(7, 128)
+    a = x.bfloat16() if not f.a_scaled else moegemm.quantize(x, fmt, scale_layout=layout,
+                                                                a_offsets=torch.tensor([0, 3, 7], dtype=torch.int32))
+    offsets = torch.tensor([0, 3, 7], dtype=torch.int32)
+    got = moegemm.grouped_matmul(a, share, None, None, offsets, torch.tensor([0, 2], dtype=torch.int32), fmt=fmt,
+                                 backend="reference")
+    want = moegemm.grouped_matmul(a, whole, None, None, offsets, torch.tensor([2, 4], dtype=torch.int32), fmt=fmt,
+                                  backend="reference")
+    assert torch.equal(got, want)
+
+
+def test_a_share_of_the_experts_refuses_what_has_none():
+    w = moegemm.quantize_weights(torch.randn(4, 32, 64), "mxfp8")
+    with pytest.raises(ValueError, match="first, last"):
+        w.experts(3, 5)
+    with pytest.raises(ValueError, match="only weights"):
+        moegemm.quantize(torch.randn(4, 64), "mxfp8").experts(0, 1)
