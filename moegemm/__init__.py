@@ -11,7 +11,7 @@ from . import (
 )
 from .activation import gather_quantize, interleave_gate_up, swiglu_quantize
 from .formats import FORMATS, Format, get_format
-from .moe import MoE, moe_forward, select_experts
+from .moe import MoE, moe_forward
 from .ops import BACKENDS, available_backends, grouped_matmul, grouped_matmul_swiglu
 from .quantize import (
                        QuantizedTensor,
@@ -22,7 +22,7 @@ from .quantize import (
                        quantize_weights,
                        unpack_weights,
 )
-from .routing import RoutingPlan, permute_tokens, route, unpermute_tokens
+from .routing import RoutingPlan, permute_tokens, route, select_experts, unpermute_tokens
 
 __version__ = "0.1.0"
 

@@ -28,11 +28,7 @@ ranks that own their choices, each rank runs the layer above on what it received
 placed by rows, not quantized again), and the partial sums come back in fp32 to be added at
 the source.
 
-Routers (MoE.route_tokens), the three the supported checkpoints use:
-    softmax_topk     Qwen3-MoE: softmax over all experts in fp32, top-k, optional renormalize
-    topk_softmax     gpt-oss: top-k of the logits (router bias included), softmax over the k
-    sigmoid_grouped  DeepSeek-V3: sigmoid scores, top-k by score + correction bias within the
-                     best topk_group of n_group groups, weights renormalized and scaled
+Routers (MoE.route_tokens): routing.select_experts, the three the supported checkpoints use.
 """
 
 from __future__ import annotations
@@ -52,14 +48,11 @@ from .fused import fused_pays, fused_supports
 from .ops import available_backends, grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .prepack import PREPACK_K, PREPACK_ROWS
 from .quantize import QuantizedTensor, dequantize_operand, prepack_weights, quantize_weights
-from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
+from .routing import ROUTERS, RoutingPlan, route, row_experts, scatter_tokens, select_experts, unpermute_tokens
 from .token_forms import TokenForm, token_form
 from .validation import GroupedProblem, check_no_grad
 
 __all__ = ["MoE", "moe_forward", "moe_forward_received", "ROUTERS"]
-
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
-
 
 def _weight_scale_layout(fmt: str) -> str:
     return "swizzled" if get_format(fmt).swizzle_capable else "plain"
@@ -304,39 +297,6 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
     if down_form is not None and down_form.kind != "bf16" and fused and fused_supports(up, fmt):
         down_form = None
     return _Steps(up_form, down_form, fused)
-
-
-def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,
-                   correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]) by `router`."""
-    if router not in ROUTERS:
-        raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
-    if router == "softmax_topk":
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, top_k, dim=-1)
-        if norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    elif router == "topk_softmax":
-        values, ids = torch.topk(logits, top_k, dim=-1)
-        weights = F.softmax(values, dim=-1, dtype=values.dtype).float()
-    else:
-        scores = logits.float().sigmoid()
-        choice = scores + correction_bias.float() if correction_bias is not None else scores
-        t, e = choice.shape
-        if n_group > 1:
-            grouped = choice.view(t, n_group, e // n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            best = group_scores.topk(topk_group, dim=-1, sorted=False).indices
-            keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0)
-            keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
-            choice = choice.masked_fill(keep == 0, 0.0)
-        ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * routed_scaling_factor
-    return ids.to(torch.int32), weights.float()
 
 
 class MoE(torch.nn.Module):

@@ -1,5 +1,6 @@
-"""Routing helpers: router top-k choices -> grouped ("1D") token layout, and back.
+"""Routing helpers: router logits -> top-k choices -> grouped ("1D") token layout, and back.
 
+    ids, w = select_experts(logits, top_k, router)          # [T, E] logits -> [T, k] ids and weights
     plan = route(topk_ids, num_experts, topk_weights)        # [T, k] expert ids (and weights)
     a    = permute_tokens(x, plan)                          # [T*k, K]: rows grouped by expert
     c    = grouped_matmul(a, w, ..., plan.a_offsets, plan.expert_ids, ...)
@@ -18,6 +19,12 @@ Backends (keyword `backend` of route and unpermute_tokens):
     "torch"   the pure-PyTorch reference (route_reference, unpermute_tokens_reference)
 Both give the same plan bit for bit (a stable sort by expert id); the combine accumulates in
 fp32 in choice order on both.
+
+Routers (select_experts, plain torch), the three the supported checkpoints use:
+    softmax_topk     Qwen3-MoE: softmax over all experts in fp32, top-k, optional renormalize
+    topk_softmax     gpt-oss: top-k of the logits (router bias included), softmax over the k
+    sigmoid_grouped  DeepSeek-V3: sigmoid scores, top-k by score + correction bias within the
+                     best topk_group of n_group groups, weights renormalized and scaled
 """
 
 from __future__ import annotations
@@ -26,18 +33,21 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import layouts
 from .kernels import routing as kernels
 from .kernels import tl_source
 
 __all__ = [
+    "ROUTERS",
     "ROUTING_BACKENDS",
     "RoutingPlan",
     "permute_tokens",
     "route",
     "route_reference",
     "scatter_tokens",
+    "select_experts",
     "sum_rows",
     "unpermute_tokens",
     "unpermute_tokens_reference",
@@ -311,3 +321,39 @@ def _unpermute_torch(y, plan, weights, out_dtype, expert_bias):
         rows = rows * weights.float().unsqueeze(-1)
     rows = torch.where(plan.valid.unsqueeze(-1), rows, torch.zeros_like(rows))
     return rows.sum(dim=1).to(out_dtype or y.dtype)
+
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+
+
+def select_experts(logits: torch.Tensor, top_k: int, router: str, *, norm_topk_prob: bool = True,
+                   correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]) by `router`."""
+    if router not in ROUTERS:
+        raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
+    if router == "softmax_topk":
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif router == "topk_softmax":
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        weights = F.softmax(values, dim=-1, dtype=values.dtype).float()
+    else:
+        scores = logits.float().sigmoid()
+        choice = scores + correction_bias.float() if correction_bias is not None else scores
+        t, e = choice.shape
+        if n_group > 1:
+            grouped = choice.view(t, n_group, e // n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0)
+            keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+            choice = choice.masked_fill(keep == 0, 0.0)
+        ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * routed_scaling_factor
+    return ids.to(torch.int32), weights.float()
