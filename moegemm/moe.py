@@ -628,8 +628,9 @@ class MoE(torch.nn.Module):
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size).to(self.router_weight.dtype)
-        if self.ep_group is None and graphed.usable(x, *self._state()):
-            y = self._graphs(self._graph_key(), self._forward_tokens, x)
+        state = self._state()
+        if self.ep_group is None and graphed.usable(x, *state):
+            y = self._graphs(self._graph_key(state), self._forward_tokens, x)
         else:
             y = self._forward_tokens(x)
         return y.reshape(hidden_states.shape).to(hidden_states.dtype)
@@ -644,9 +645,10 @@ class MoE(torch.nn.Module):
             state += [linear.weight for linear in self.shared.values()]
         return state
 
-    def _graph_key(self) -> tuple:
-        """What a captured forward bakes in besides the tokens: the tensors' addresses and the options."""
-        return (tuple(None if t is None else t.data_ptr() for t in self._state()), self.fmt, self.activation,
+    def _graph_key(self, state: list) -> tuple:
+        """What a captured forward bakes in besides the tokens: the addresses of the tensors it reads
+        (`state`, _state()) and the options."""
+        return (tuple(None if t is None else t.data_ptr() for t in state), self.fmt, self.activation,
                 self.router, self.backend, self.fused, self.swiglu_alpha, self.swiglu_limit, self.norm_topk_prob,
                 self.routed_scaling_factor, self.gate_up_prepacked, self.down_prepacked)
 
