@@ -98,7 +98,6 @@ class _Spec:
     fp8_block: bool  # FP8Experts: e4m3 weights with 128x128 scale_inv
 
 
-_SPECS: dict = {}  # by experts class: (activation, layout, alpha attribute, limit attribute)
 _ALPHA_LIMIT = (("alpha", "limit"), ("swiglu_alpha", "swiglu_limit"))
 
 
@@ -109,11 +108,8 @@ def _unsupported(module, why: str) -> ValueError:
 
 def _gate_kind(module) -> tuple:
     """(activation, gate/up order, alpha attribute, limit attribute) of the module's _apply_gate,
-    found by computing it once on a probe against each candidate (cached by class)."""
-    cls = type(module)
-    found = _SPECS.get(cls)
-    if found is not None:
-        return found
+    found by computing it on a probe against each candidate. Per module, not per class: one
+    class (transformers' FP8Experts) computes another gate for another config."""
     width = 2 * 8
     probe = torch.randn(4, width, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 6
     param = module.down_proj
@@ -123,14 +119,14 @@ def _gate_kind(module) -> tuple:
         got = module._apply_gate(probe.to(device=device, dtype=dtype)).float().cpu()
     candidates = [("swiglu", layout, None, None) for layout in ("concat", "interleaved")]
     candidates += [("swiglu_oai", layout, alpha, limit) for layout in ("concat", "interleaved")
-                   for alpha, limit in _ALPHA_LIMIT if hasattr(module, alpha) and hasattr(module, limit)]
+                   for alpha, limit in _ALPHA_LIMIT
+                   if getattr(module, alpha, None) is not None and getattr(module, limit, None) is not None]
     for activation, layout, alpha_name, limit_name in candidates:
         alpha = float(getattr(module, alpha_name)) if alpha_name else 1.702
         limit = float(getattr(module, limit_name)) if limit_name else 7.0
         want = swiglu(probe.to(dtype).float(), activation, gate_up_layout=layout, alpha=alpha, limit=limit)
         if got.shape == want.shape and torch.allclose(got, want, rtol=2e-2, atol=2e-2):
-            _SPECS[cls] = found = (activation, layout, alpha_name, limit_name)
-            return found
+            return activation, layout, alpha_name, limit_name
     raise _unsupported(module, "runs SwiGLU and gpt-oss's clamped SwiGLU only, and this module's _apply_gate "
                                "computes neither")
 
@@ -278,7 +274,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                            gate_up_bias=experts.gate_up_bias, down_bias=experts.down_bias, alpha=spec.alpha,
                            limit=spec.limit, fused=_settings["fused"], backend=backend)
 
-    if graphed.usable(hidden_states):  # (decode sizes: a graph of the call, captured once a shape)
+    if graphed.usable(hidden_states, backend=backend):  # (decode sizes: a graph of the call, captured once a shape)
         return experts.graphs((spec, _settings["fused"], backend), call, hidden_states, top_k_index, top_k_weights)
     return call(hidden_states, top_k_index, top_k_weights)
 

@@ -629,7 +629,7 @@ class MoE(torch.nn.Module):
             raise ValueError(f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size).to(self.router_weight.dtype)
         state = self._state()
-        if self.ep_group is None and graphed.usable(x, *state):
+        if self.ep_group is None and graphed.usable(x, *state, backend=self.backend):
             y = self._graphs(self._graph_key(state), self._forward_tokens, x)
         else:
             y = self._forward_tokens(x)

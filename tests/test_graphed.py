@@ -2,13 +2,14 @@
 the MoE layer and the transformers experts backend at decode sizes, fresh inputs every call,
 new weights after a reload, and a user's own capture around them. GPU only."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
 import moegemm
 from moegemm import graphed
-
-pytestmark = pytest.mark.gpu
 
 
 def _layer(fmt: str, hidden=512, width=256, experts=16, top_k=4):
@@ -25,6 +26,7 @@ def _direct(fn, *args, monkeypatch):
         return fn(*args)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "bf16_mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 32])
 @torch.no_grad()
@@ -42,6 +44,7 @@ def test_layer_calls_replayed_from_a_graph_give_the_direct_bits(fmt, tokens, mon
         assert torch.equal(layer(x), _direct(layer, x, monkeypatch=monkeypatch))
 
 
+@pytest.mark.gpu
 @torch.no_grad()
 def test_a_users_capture_records_the_launches_not_a_graph():
     layer = _layer("bf16")
@@ -59,12 +62,47 @@ def test_a_users_capture_records_the_launches_not_a_graph():
     assert torch.equal(want, layer(x))
 
 
-def test_graphs_are_not_used_where_unsafe():
+@pytest.mark.gpu
+def test_graphs_are_not_used_where_unsafe(monkeypatch):
     x = torch.randn(4, 8, device="cuda")
     assert graphed.usable(x)
     assert not graphed.usable(torch.randn(graphed.MAX_TOKENS + 1, 8, device="cuda"))
     assert not graphed.usable(x.cpu())
+    assert not graphed.usable(x, backend="reference")  # (reads offsets on the host)
+    monkeypatch.setenv("MOEGEMM_DEBUG", "1")  # (value checks read device values)
+    assert not graphed.usable(x)
+    monkeypatch.delenv("MOEGEMM_DEBUG")
     assert not graphed.usable(x.requires_grad_())
+
+
+@pytest.mark.gpu
+def test_a_shape_captured_under_inference_mode_replays_outside_it():
+    layer = _layer("bf16")
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for _ in range(3):
+            inside = layer(x)
+    with torch.no_grad():
+        outside = [layer(x) for _ in range(3)][-1]
+    assert torch.equal(inside, outside)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_a_copy_of_a_layer_starts_without_graphs():
+    layer = _layer("bf16")
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    want = [layer(x) for _ in range(3)][-1]
+    twin = copy.deepcopy(layer)
+    assert len(layer._graphs.graphs) == 1 and not twin._graphs.graphs
+    assert torch.equal([twin(x) for _ in range(3)][-1], want)
+
+
+def test_graphed_calls_copy_and_pickle_without_their_graphs():
+    calls = graphed.GraphedCalls(max_graphs=3)
+    calls.graphs["key"] = object()  # (a stand-in: a CUDAGraph can be neither copied nor pickled)
+    for twin in (copy.deepcopy(calls), pickle.loads(pickle.dumps(calls))):
+        assert twin.max_graphs == 3 and not twin.graphs and not twin.seen
 
 
 transformers = pytest.importorskip("transformers")
@@ -108,6 +146,7 @@ def _rel(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
 @torch.no_grad()
 def test_experts_backend_at_real_sizes(kind, monkeypatch):
@@ -125,6 +164,7 @@ def test_experts_backend_at_real_sizes(kind, monkeypatch):
     assert len(module._moegemm_experts.graphs.graphs) == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
 def test_experts_gradients_at_real_sizes(kind):
     moegemm.hf.register()

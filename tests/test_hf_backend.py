@@ -307,3 +307,18 @@ def test_import_does_not_import_transformers():
 
     code = "import sys, moegemm; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_gate_is_read_from_each_module_not_its_class():
+    """transformers' FP8Experts computes SwiGLU or gpt-oss's clamped SwiGLU by its config: two
+    modules of the one class get their own activation (a class-wide cache gave the second the
+    first's)."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+
+    cls = use_experts_implementation(FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    plain = _config("qwen3_moe", hidden=256, width=128)
+    clamped = _config("qwen3_moe", hidden=256, width=128)
+    clamped.swiglu_alpha, clamped.swiglu_limit = 1.702, 7.0
+    specs = [moegemm.hf._module_spec(cls(config, block_size=(128, 128))) for config in (plain, clamped, plain)]
+    assert [s.activation for s in specs] == ["swiglu", "swiglu_oai", "swiglu"]
+    assert (specs[1].alpha, specs[1].limit) == (1.702, 7.0)

@@ -204,7 +204,8 @@ def launch(fn, key, grid: tuple, args: tuple, kwargs: dict):
         record.run(grid, args, device)
         return
     kernel = fn[grid](*_triton_args(args), **kwargs)
-    if isinstance(kernel, CompiledKernel):
+    if isinstance(kernel, CompiledKernel) and (record is None or record.raw is not None):
+        # (a kernel the direct path cannot serve keeps its record: Triton's path, not a new record each call)
         _RECORDS[(fn, key, device)] = _Record(fn, kernel, args, kwargs)
 
 
