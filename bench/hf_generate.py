@@ -106,14 +106,10 @@ def _timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def _experts_modules(model):
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "_apply_gate")]
-
-
 def _check(model, ids) -> float:
     """The first experts module's call in a forward under "moegemm" against the "grouped_mm"
     experts on the same inputs (relative Frobenius error)."""
-    module = _experts_modules(model)[0]
+    module = moegemm.hf.experts_modules(model)[0]
     seen = []
     hook = module.register_forward_hook(lambda mod, args, out: seen.append((args, out)))
     try:

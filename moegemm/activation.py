@@ -52,10 +52,6 @@ SCALE_MOVE_ROWS = 64
 SCALE_MOVE_BLOCKS = 32
 
 
-def _cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints (triton.cdiv is a constexpr function: a host call of it costs ~10x this)."""
-    return -(-a // b)
-
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Gate and up weights [..., I, K] -> one [..., 2I, K] whose rows 2j and 2j+1 are gate_j and up_j.
@@ -201,7 +197,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
         dummy = data
         block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
-        grid = (_cdiv(x.shape[0] if topk else rows, block_m), _cdiv(k_out, nb * vec))
+        grid = (math.ceil((x.shape[0] if topk else rows) / block_m), math.ceil(k_out / (nb * vec)))
         sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
         consts = dict(
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
@@ -220,7 +216,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
             *sizes, float(alpha), float(limit)), consts)
     if scale_bytes is not None:
-        grid = (_cdiv(rows, SCALE_MOVE_ROWS), _cdiv(nkb, SCALE_MOVE_BLOCKS))
+        grid = (math.ceil(rows / SCALE_MOVE_ROWS), math.ceil(nkb / SCALE_MOVE_BLOCKS))
         launch(module.kb_major_scales_kernel, (rows, num_groups, nkb, m_pad, form.column_block), grid,
                (scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad),
                dict(COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS, BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4))

@@ -57,7 +57,7 @@ from .ops import BACKENDS
 from .quantize import QuantizedTensor, dequantize_operand
 from .training import experts_with_grad
 
-__all__ = ["from_transformers", "register", "prepare", "refresh", "experts_forward", "NAME"]
+__all__ = ["from_transformers", "register", "prepare", "refresh", "experts_forward", "experts_modules", "NAME"]
 
 NAME = "moegemm"
 
@@ -279,7 +279,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return call(hidden_states, top_k_index, top_k_weights)
 
 
-def _experts_modules(model):
+def experts_modules(model) -> list:
+    """The experts modules of `model` that dispatch through transformers' experts interface."""
     return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")
             and hasattr(m, "_apply_gate")]
 
@@ -287,7 +288,7 @@ def _experts_modules(model):
 def prepare(model) -> int:
     """Convert the weights of every experts module of `model` now (and check that moegemm runs
     them: a ValueError names a module it cannot); returns how many there are."""
-    modules = _experts_modules(model)
+    modules = experts_modules(model)
     for module in modules:
         _experts(module, _module_spec(module))
     return len(modules)
@@ -296,7 +297,7 @@ def prepare(model) -> int:
 def refresh(model) -> None:
     """Forget the converted weights of every experts module of `model` (the next call makes
     them again from the parameters)."""
-    for module in _experts_modules(model):
+    for module in experts_modules(model):
         module.__dict__.pop("_moegemm_experts", None)
         module.__dict__.pop("_moegemm_spec", None)
 

@@ -141,20 +141,18 @@ class _Experts(torch.autograd.Function):
 def experts_with_grad(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, *, gate_up_layout: str, activation: str = "swiglu",
                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                      alpha: float = 1.702, limit: float = 7.0, transposed: bool = False, backend: str = "auto",
-                      kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      alpha: float = 1.702, limit: float = 7.0, transposed: bool = False,
+                      backend: str = "auto") -> torch.Tensor:
     """The routed experts of x [T, H] (module docstring) with gradients to x, topk_weights, the
     weights and the biases. Weights bf16, in the caller's layout (`transposed`); gate/up rows
     (columns when transposed) "concat" ([gate; up]) or "interleaved" as gate_up_layout states.
-    kernel_weights: the [E, 2I, H] and [E, H, I] bf16 copies the forward's grouped products read
-    (made from transposed weights when not given; the weights themselves otherwise).
-    Returns [T, H] in x's dtype."""
+    The forward's grouped products read [E, N, K] weights: transposed ones are copied each call
+    (training changes them every step). Returns [T, H] in x's dtype."""
     check_activation(activation, gate_up_layout)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
             raise TypeError(f"{name}: expected a bf16 [E, N, K] tensor (gradients run on bf16 weights only), got "
                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
-    if kernel_weights is None:
-        kernel_weights = (_expert_weights(w_gate_up, transposed), _expert_weights(w_down, transposed))
     return _Experts.apply(x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
-                          activation, float(alpha), float(limit), transposed, backend, *kernel_weights)
+                          activation, float(alpha), float(limit), transposed, backend,
+                          _expert_weights(w_gate_up, transposed), _expert_weights(w_down, transposed))

@@ -53,10 +53,6 @@ def _model(kind: str, device: str = "cpu", **sizes):
     return model
 
 
-def _experts_modules(model):
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "_apply_gate")]
-
-
 def _rel(got, want) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
@@ -72,7 +68,7 @@ def _experts_calls(model, ids, implementation):
     """(inputs, output) of every experts module in one forward of `model` under `implementation`."""
     calls = []
     hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args, out)))
-             for m in _experts_modules(model)]
+             for m in moegemm.hf.experts_modules(model)]
     model.set_experts_implementation(implementation)
     try:
         with torch.no_grad():
@@ -115,7 +111,7 @@ def test_gradients_match_the_eager_experts(kind, device):
     """Each family's experts module alone, under grad: the gradients to the hidden states, the
     router weights, the expert weights and biases against the eager experts' (3e-2)."""
     model = _model(kind, device, **({} if device == "cpu" else dict(hidden=256, width=128)))
-    module = _experts_modules(model)[0]
+    module = moegemm.hf.experts_modules(model)[0]
     module.config._experts_implementation = "moegemm"
     tokens, hidden = 37, model.config.hidden_size
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -166,7 +162,7 @@ def test_register_is_idempotent_and_fills_both_interfaces():
 def test_a_named_format_quantizes_the_experts_once():
     model = _model("qwen3_moe")
     with torch.no_grad():  # weights holding MXFP8 values: the reference differs by the tokens' quantization
-        for module in _experts_modules(model):
+        for module in moegemm.hf.experts_modules(model):
             for w in (module.gate_up_proj, module.down_proj):
                 w.copy_(moegemm.dequantize(moegemm.quantize_weights(w.float(), "mxfp8")))
     ids = torch.randint(0, 128, (2, 9))
@@ -176,9 +172,9 @@ def test_a_named_format_quantizes_the_experts_once():
     for (module, _, want), (_, _, got) in zip(ref_calls, calls):
         assert module._moegemm_experts.fmt == "mxfp8"
         assert _rel(got, want) < 0.1  # mxfp8's layer error on its own weights (tests/test_moe_parity.py)
-    first = [m._moegemm_experts for m in _experts_modules(model)]
+    first = [m._moegemm_experts for m in moegemm.hf.experts_modules(model)]
     _experts_calls(model, ids, "moegemm")
-    assert [m._moegemm_experts for m in _experts_modules(model)] == first  # kept, not made again
+    assert [m._moegemm_experts for m in moegemm.hf.experts_modules(model)] == first  # kept, not made again
 
 
 def test_gpt_oss_mxfp4_weights_round_trip_exactly():
@@ -186,7 +182,7 @@ def test_gpt_oss_mxfp4_weights_round_trip_exactly():
     same codes: fmt="bf16_mxfp4" then computes what the bf16 experts compute."""
     model = _model("gpt_oss")
     with torch.no_grad():
-        for module in _experts_modules(model):
+        for module in moegemm.hf.experts_modules(model):
             for w in (module.gate_up_proj, module.down_proj):  # [E, in, out]: MXFP4 blocks along `in`
                 q = moegemm.quantize_weights(w.transpose(1, 2).float(), "mxfp4")
                 w.copy_(moegemm.dequantize(q).transpose(1, 2))
@@ -204,7 +200,7 @@ def test_weights_are_converted_again_after_an_optimizer_step():
     model = _model("gpt_oss").train()
     ids = torch.randint(0, 128, (2, 9))
     _experts_calls(model, ids, "moegemm")  # (converts the weights)
-    before = [m._moegemm_experts for m in _experts_modules(model)]
+    before = [m._moegemm_experts for m in moegemm.hf.experts_modules(model)]
     model(ids, labels=ids).loss.backward()
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     _, calls = _experts_calls(model, ids, "moegemm")

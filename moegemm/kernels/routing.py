@@ -7,6 +7,7 @@ from T (tokens), k (top-k), E (experts) and N (columns). Inputs are validated by
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -21,10 +22,6 @@ TARGET_PROGRAMS = 128  # blocks aimed at: more make the one-program offsets step
 OFFSETS_ELEMS = 4096  # CHUNK * NUM_BINS: the offsets program's tile
 COMBINE_WARPS = 8  # 32 x 128 tile with a bias: 4 warps spill one register on sm_90
 
-
-def _cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints (triton.cdiv is a constexpr function: a host call of it costs ~10x this)."""
-    return -(-a // b)
 
 
 @functools.cache
@@ -55,7 +52,7 @@ def tiling(num_choices: int, num_experts: int) -> tuple[int, int]:
     """
     bins = num_bins(num_experts)
     sub = 32 if bins <= 256 else 64 if bins <= 512 else 128
-    block = min(MAX_BLOCK, max(128, _pow2(_cdiv(num_choices, TARGET_PROGRAMS))))
+    block = min(MAX_BLOCK, max(128, _pow2(math.ceil(num_choices / TARGET_PROGRAMS))))
     return block, min(sub, block)
 
 
@@ -100,7 +97,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, su
     if block & (block - 1) or sub & (sub - 1) or sub > block:
         raise ValueError(f"block, sub: expected powers of two with sub <= block, got {block}, {sub}")
     bins = num_bins(e)
-    num_blocks = _cdiv(n, block)
+    num_blocks = math.ceil(n / block)
     counts = torch.empty(num_blocks, e + 1, **i32)
     base = torch.empty(num_blocks, e + 1, **i32)
     key = (n, e, topk_ids.shape[1], block, sub)
@@ -144,7 +141,7 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
     valid = valid.contiguous().view(torch.uint8)
     dummy = grouped_row  # stands in for absent optional pointers; never read
     has_bias = expert_bias is not None and expert_bias.numel() > 0  # E == 0: every choice is dropped
-    grid = (_cdiv(t, block_t), _cdiv(n, block_n))
+    grid = (math.ceil(t / block_t), math.ceil(n / block_n))
     strides = (y.stride(0), y.stride(1), expert_bias.stride(0) if has_bias else 0,
                expert_bias.stride(1) if has_bias else 0)
     launch(module.routing_combine_kernel, (t, n, k, strides, weights is None, has_bias, block_t, block_n), grid, (
@@ -171,7 +168,7 @@ def scatter_rows(src: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tens
         return out
     module = kernel_module(src.device.type == "cpu")
     block_t, block_c = SCATTER_ROWS_BLOCK[0], max(16, SCATTER_ROWS_BLOCK[1] // src.element_size())
-    grid = (_cdiv(t, block_t), _cdiv(c, block_c))
+    grid = (math.ceil(t / block_t), math.ceil(c / block_c))
     launch(module.routing_scatter_rows_kernel, (t, c, src.stride(0), k, block_c), grid,
            (src, grouped_row.contiguous(), valid.contiguous().view(torch.uint8), out, t, c, src.stride(0),
             out.stride(0)), dict(K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4))
