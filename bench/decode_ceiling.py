@@ -44,20 +44,45 @@ from moegemm.prepack import prepack_codes
 SHAPES = {name: benchmark.MODEL_SHAPES[name] for name in benchmark.MODEL_FORMAT_SHAPES}
 REGIMES = {"prefill": tuple(r for r in benchmark.MODEL_FORMAT_REGIMES if r[1] > 32),
            "decode": tuple(r for r in benchmark.MODEL_FORMAT_REGIMES if r[1] <= 32)}
-DECODE_LINES = ("    _decode_into(operand, raw, scales, raw_layout, dec_layout, NKB, FP4)\n", )
+# The plain order: the decode and store of a step's weights into the operand buffer, taken out.
+DECODE_LINES = (("    _decode_into(operand, raw, scales, raw_layout, dec_layout, NKB, FP4)\n", ""), )
+# Prepacked e2m1 (the register path): the words go to the wgmma as they are (4 moves a word, no
+# rotation, mask or multiply), the scales still loaded and handed to an asm that ignores them.
+REGISTER_DECODE_LINES = (
+    ("_e2m1_words_to_pairs(raw, BIASED)", "_e2m1_raw_words(raw)"),
+    ("_scaled_pairs(gl.convert_layout(pairs, pair_layout), scales)",
+     "_unscaled_pairs(gl.convert_layout(pairs, pair_layout), scales)"),
+)
+REGISTER_STUBS = '''
+
+@gluon.jit
+def _e2m1_raw_words(raw):
+    return gl.inline_asm_elementwise("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;",
+                                     "=r,=r,=r,=r,r", [raw], dtype=gl.int32, is_pure=True, pack=4)
 
 
-def ceiling_kernel():
-    """decode.py's kernel without the decode and store of the weights (module docstring)."""
+@gluon.jit
+def _unscaled_pairs(pairs, scales):
+    scales, pairs = gl.broadcast(scales, pairs)
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,h", [pairs, scales], dtype=gl.int32, is_pure=False,
+                                     pack=1)
+'''
+
+
+def ceiling_kernel(lines=DECODE_LINES, stubs: str = "", name: str = "_decode_ceiling"):
+    """decode.py's kernel with `lines` replaced (module docstring): by default without the decode
+    and store of the weights in the plain order; REGISTER_DECODE_LINES: without the decode of
+    prepacked e2m1 into the wgmma's registers."""
     source_path = Path(launcher.__file__).with_name("decode.py")
     source = source_path.read_text()
-    for line in DECODE_LINES:
+    for line, replacement in lines:
         if source.count(line) != 1:
             raise RuntimeError(f"decode.py changed: the ceiling variant expects one {line.strip()!r}")
-        source = source.replace(line, "")
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / "moegemm_decode_ceiling.py"
+        source = source.replace(line, replacement)
+    source += stubs
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"moegemm{name}.py"
     path.write_text(source)
-    name = "moegemm.kernels.sm90._decode_ceiling"
+    name = f"moegemm.kernels.sm90.{name}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "moegemm.kernels.sm90"
@@ -176,15 +201,131 @@ def run(regimes, fmts, out_dir: Path):
     print(f"wrote {path}")
 
 
+# Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs).
+REGISTER_VARIANTS = {"w128_s2": (128, 2, 192), "w256_s2": (256, 2, 120), "w256_s4": (256, 4, 120)}
+FP4_REGIMES = ((256, 16), (32, 32))
+
+
+def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int, regs: int):
+    """The register path's config for a variant, its ring as deep as it fits; None where the
+    variant does not apply (a stage over 128 bytes of a weight row, 256-row tiles past 32 tokens)."""
+    cfg = DecodeConfig(token_tile=token_tile, stages=2, group_m=1, consumer_regs=regs, sub_steps=sub_steps,
+                       prepacked=True, weight_tile=weight_tile)
+    try:
+        cfg = deepest_ring(cfg, FORMATS[fmt])
+        cfg.check(FORMATS[fmt])
+    except ValueError:
+        return None
+    return cfg
+
+
+def run_few_tokens(fmts, out_dir: Path):
+    """Decode regimes of the prepacked register path: as run, each REGISTER_VARIANTS config with
+    and without its decode (REGISTER_DECODE_LINES: the data path alone), fp8_block and torch bf16
+    beside them, and triton_kernels' matmul_ogs on bf16_mxfp4 where bench/peer_triton_kernels.py
+    finds it; every variant's bits against the default config's."""
+    device = torch.device("cuda")
+    ceilings = benchmark.measure_ceilings(device)
+    env = {**benchmark.provenance("bench/decode_ceiling.py --few-tokens"), "gpu": torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           **{k: round(v, 3) for k, v in ceilings.items()}}
+    print(json.dumps(env), flush=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import peer_triton_kernels as peer
+
+    has_peer = peer.available()
+    real_kernel = launcher.decode_kernel
+    no_decode = ceiling_kernel(REGISTER_DECODE_LINES, REGISTER_STUBS, "_register_ceiling")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"few-tokens-{env['gpu'].replace(' ', '-')}.json"
+    rows = []
+    for groups, nominal in FP4_REGIMES:
+        for shape, (n, k) in SHAPES.items():
+            sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+            tokens = sum(sizes)
+            base = {}
+            for fmt in ("bf16", "fp8_block"):
+                inp = benchmark.Inputs(fmt, n, k, sizes, device)
+                base[fmt] = timed(inp.ours)
+                if fmt == "bf16":
+                    base["torch"] = timed(inp.torch_baseline)
+                del inp
+            for fmt in fmts:
+                inp = benchmark.Inputs(fmt, n, k, sizes, device)
+                row = {"shape": shape, "groups": groups, "nominal": nominal, "tokens": tokens, "fmt": fmt,
+                       "torch_bf16_ms": base["torch"], "bf16_ms": base["bf16"], "fp8_block_ms": base["fp8_block"],
+                       "bytes": inp.bytes_moved(), "ms": timed(inp.ours),
+                       "config": str(sm90_mx_config(FORMATS[fmt], n, k, tokens / groups))}
+                keys = ["ms"]
+                if fmt in PREPACK_FORMATS:
+                    default = sm90_mx_config(FORMATS[fmt], n, k, tokens / groups, prepacked=True)
+                    row["prepacked_config"] = str(default)
+                    call = prepacked_call(inp)
+                    call()
+                    reference = inp.out.clone()
+                    row["prepacked_ms"] = timed(call)
+                    keys.append("prepacked_ms")
+                    for name, (weight_tile, sub, regs) in REGISTER_VARIANTS.items():
+                        cfg = _variant_config(fmt, default.token_tile, weight_tile, sub, regs)
+                        if cfg is None:
+                            continue
+                        packed = FORMATS[fmt].b.element.packed  # (the stubbed decode is e2m1's)
+                        with override_config(cfg):
+                            inp.out.fill_(float("nan"))
+                            call()
+                            row[f"{name}_bits_equal"] = bool(torch.equal(inp.out.view(torch.int16),
+                                                                         reference.view(torch.int16)))
+                            row[f"{name}_ms"] = timed(call)
+                            keys.append(f"{name}_ms")
+                            if packed:
+                                launcher.decode_kernel = no_decode
+                                try:
+                                    row[f"{name}_no_decode_ms"] = timed(call)
+                                finally:
+                                    launcher.decode_kernel = real_kernel
+                                keys.append(f"{name}_no_decode_ms")
+                if fmt == "bf16_mxfp4" and has_peer:
+                    try:
+                        peer_call = peer.mxfp4_call(inp)
+                        row["peer_error"] = peer.check(inp, peer_call())
+                        row["peer_ms"] = timed(peer_call)
+                        keys.append("peer_ms")
+                    except Exception as error:  # noqa: BLE001 (the peer's failure is recorded, the run goes on)
+                        row["peer_failed"] = repr(error)[:300]
+                for key in keys:
+                    stem = key.replace("_ms", "") if key != "ms" else "as_run"
+                    row[f"{stem}_x_fp8_block"] = base["fp8_block"] / row[key]
+                    row[f"{stem}_x_torch"] = base["torch"] / row[key]
+                    row[f"{stem}_pct_copy"] = 100 * row["bytes"] / row[key] / 1e9 / ceilings["copy_tbps"]
+                if "peer_ms" in row:
+                    best = min(row[key] for key in keys if key.endswith("_ms") and "no_decode" not in key
+                               and key != "peer_ms")
+                    row["best_x_peer"] = row["peer_ms"] / best
+                rows.append(row)
+                path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+                print(f"{groups}x{nominal:<4} {shape:11} {fmt:11} " + " ".join(
+                    f"{key.replace('_ms', '')}={row[key]:.3f}({row[key.replace('_ms', '') + '_x_fp8_block' if key != 'ms' else 'as_run_x_fp8_block']:.2f})"
+                    for key in keys) + (f" peer_err={row['peer_error']:.1e}" if "peer_error" in row else ""),
+                    flush=True)
+                del inp
+                torch.cuda.empty_cache()
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--regimes", default="prefill,decode")
     parser.add_argument("--formats", default=",".join(MX_FORMATS))
+    parser.add_argument("--few-tokens", action="store_true",
+                        help="the prepacked register path's configs at few tokens a slot (run_few_tokens)")
     args = parser.parse_args(argv)
     start = time.time()
     fmts = [f for f in args.formats.split(",") if f in FORMATS]
-    run(args.regimes.split(","), fmts, Path(args.out))
+    if args.few_tokens:
+        run_few_tokens(fmts, Path(args.out))
+    else:
+        run(args.regimes.split(","), fmts, Path(args.out))
     print(f"# {time.time() - start:.0f} s")
     return 0
 

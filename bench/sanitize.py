@@ -10,7 +10,8 @@ result also checked against the fp64 reference, so the sanitized path is the rig
                     w4a8, mxfp8 on 32-, 64-, 128- and 256-token tiles, bf16_mxfp4 (bf16 tokens)
                     on 32 and 256, unscaled and scaled calls
     prepacked       the same kernel on prepacked weights (decoded into the wgmma's registers):
-                    bf16_mxfp4, nvfp4 and bf16_mxfp8 on 16-, 64-, 128- and 256-token tiles
+                    bf16_mxfp4, nvfp4 and bf16_mxfp8 on 16-, 64-, 128- and 256-token tiles,
+                    16 and 64 also on 256-row tiles (four consumer warpgroups)
     mxfp8-promotion kernels/sm90/mxfp8.py: 16- and 32-token tiles (slot walk from
                     chunks), wide 64- and 128-token tiles with tails and short tails
     e2m1-split-k    the same kernel with e2m1 weights (mxfp4, w4a8): split-K 8- and 16-token
@@ -128,10 +129,13 @@ def workload_prepacked():
     from cases import check_output, make_problem, poison_like, tolerance
     from moegemm.config import DecodeConfig, override_config
 
-    for tokens, (lo, hi) in ((16, (2, 16)), (64, (30, 60)), (128, (60, 200)), (256, (200, 600))):
+    # (weight_tile 256: four consumer warpgroups on each token stage, the default up to 64 tokens)
+    for tokens, (lo, hi), weight_tile in ((16, (2, 16), 256), (64, (30, 60), 256), (16, (2, 16), 128),
+                                          (128, (60, 200), 128), (256, (200, 600), 128)):
+        wide = weight_tile == 256
         cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4,
-                           consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1,
-                           prepacked=True)
+                           consumer_regs=120 if wide else 240 if tokens == 256 else 192,
+                           sub_steps=2 if tokens < 128 else 1, prepacked=True, weight_tile=weight_tile)
         pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
         fmts = ("bf16_mxfp4", "nvfp4", "bf16_mxfp8")
         for fmt in fmts[:1 if _racecheck() else len(fmts)]:

@@ -141,9 +141,10 @@ class DenseConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """kernels/sm90/decode.py (nvfp4 and the weight-only formats everywhere, mxfp4 and w4a8 above
-    12 tokens a slot, mxfp8 at many): swapped tiles of 128 weight rows (decoded to bf16 by the
-    consumers) x token_tile tokens, sub_steps 64-wide K steps a ring stage (at most 128 bytes of a
-    weight row); the producer gets 504 - 2 * consumer_regs registers."""
+    12 tokens a slot, mxfp8 at many): swapped tiles of weight_tile weight rows (decoded to bf16 by
+    the consumers, a warpgroup for each 64) x token_tile tokens, sub_steps 64-wide K steps a ring
+    stage (at most 128 bytes of a weight row); the producer gets 504 - 2 * consumer_regs registers
+    (four consumers: 512 - 4 * consumer_regs)."""
 
     token_tile: int
     stages: int
@@ -151,9 +152,9 @@ class DecodeConfig:
     consumer_regs: int = 192
     sub_steps: int = 1
     prepacked: bool = False  # weights in moegemm.prepack's order, decoded into the wgmma's registers
+    weight_tile: int = 128  # 256: four consumer warpgroups share each token stage (prepacked, <= 64 tokens)
 
     block_k = 64
-    weight_tile = 128
     claim_rounds = 0  # (round-robin throughout)
 
     @property
@@ -168,7 +169,7 @@ class DecodeConfig:
         stage = int((self.token_tile * 2 + self.weight_tile * weight_bytes(fmt)) * self.stage_k)
         operands = 0 if self.prepacked else 2 * 2 * 64 * self.block_k * 2
         # (a 256-token tile stores its two 128-token halves one after the other)
-        epilogue = 2 * min(self.token_tile, 128) * 64 * 4 if fused else 0
+        epilogue = self.weight_tile // 64 * min(self.token_tile, 128) * 64 * 4 if fused else 0
         return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + _SCHEDULE
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
@@ -176,7 +177,13 @@ class DecodeConfig:
             raise ValueError(f"config: DecodeConfig runs the block formats {MX_FORMATS}, not {fmt.name}")
         if self.token_tile not in (16, 32, 64, 128, 256):
             raise ValueError(f"config: token_tile must be 16..256 (powers of two): {self}")
-        if self.token_tile == 256 and self.consumer_regs < 240 or not 192 <= self.consumer_regs <= 240:
+        if self.weight_tile == 256:
+            if not self.prepacked or self.token_tile > 64 or not 96 <= self.consumer_regs <= 120:
+                raise ValueError(f"config: 256-row tiles (four consumer warpgroups) take prepacked weights, up to 64 "
+                                 f"tokens and consumer_regs 96..120: {self}")
+        elif self.weight_tile != 128:
+            raise ValueError(f"config: weight_tile 128 or 256: {self}")
+        elif self.token_tile == 256 and self.consumer_regs < 240 or not 192 <= self.consumer_regs <= 240:
             raise ValueError(f"config: consumer_regs 192..240, 240 for 256-token tiles (two accumulators): {self}")
         if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
             raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
@@ -500,6 +507,13 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int, prepacked: bool 
 
 def _decode_config(regime: int, prepacked: bool = False) -> DecodeConfig:
     tokens = regime if regime in (16, 32, 64) else 128 if regime == 192 else 256
+    if prepacked and tokens <= 64:
+        # Few tokens a slot: 256-row tiles, four consumer warpgroups on each token stage (the
+        # bf16 tokens were half the bytes of fp4 weight rows on 128-row tiles): 1.2-1.8x
+        # (docs/perf-notes.md, prepacked weights). 64-token tiles take 120 registers (bf16_mxfp8
+        # spilled at 112).
+        return DecodeConfig(token_tile=tokens, stages=2, group_m=1, consumer_regs=120 if tokens == 64 else 112,
+                            sub_steps=2, prepacked=True, weight_tile=256)
     return DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
                         consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1,
                         prepacked=prepacked)

@@ -13,8 +13,14 @@ row = 16 w + 8 r8 + 4 r4 + 2 r2 + r1 and K column = 32 k32 + 16 k16 + 8 k8 + 4 k
 so that the 32 elements of lane 16 r4 + 8 r2 + 4 r1 + 2 k4 + k2 of warp w are contiguous: rows
 16 w + 4 r4 + 2 r2 + r1 and + 8, K columns 4 k4 + 2 k2 + {0, 1} and + 8 of each k16 slice, which
 is the bf16 wgmma's A fragment (lane l: rows l / 4 and + 8, columns 2 (l % 4) + {0, 1} and + 8).
-Packed e2m1 keeps its byte pairs (k1 is the nibble). Only the codes move: the scales keep their
-plain or swizzled layout. Blocks never straddle an expert: N and K are multiples of 64.
+Packed e2m1 keeps its byte pairs (k1 is the nibble), and then each 32-bit word of it (four bytes,
+eight elements) has its bits interleaved (E2M1_WORD_TERMS) so that the kernel turns byte t's two
+elements into a bf16 pair with one rotation and one mask: bits 15 (sign) and 8 7 6 of each half
+are the sign and the e2m1 magnitude e1 e0 m, whose bf16 value is the element times 2^-126
+exactly (0.5 lands on the subnormal 2^-127); the kernel multiplies by 2^126. Three of the four
+pairs take one term; no rotation of one mask covers the word, so the fourth takes two. Only the
+codes move: the scales keep their plain or swizzled layout. Blocks never straddle an expert: N
+and K are multiples of 64.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 from .formats import PREPACK_FORMATS, get_format
 
-__all__ = ["PREPACK_ROWS", "PREPACK_K", "prepack_codes", "unpack_codes", "check_prepackable"]
+__all__ = ["PREPACK_ROWS", "PREPACK_K", "E2M1_WORD_TERMS", "prepack_codes", "unpack_codes", "check_prepackable"]
 
 PREPACK_ROWS = 64  # weight rows of a block: one consumer warpgroup
 PREPACK_K = 64  # K elements of a block: one K step
@@ -34,6 +40,38 @@ _K_BITS = ("k32", "k16", "k8", "k4", "k2", "k1")
 # The prepacked block's row and column fields in the same terms.
 _PACKED_ROW_BITS = ("w", "r4", "r2", "r1", "k4")
 _PACKED_K_BITS = ("k2", "r8", "k32", "k16", "k8", "k1")
+
+# A prepacked e2m1 word's pair t (byte t's elements, the low nibble the bf16 pair's low half) is
+# the OR of (word rotated left by r) & mask over E2M1_WORD_TERMS[t]'s (r, mask) terms.
+E2M1_PAIR_MASK = 0x81C081C0  # bf16 bits 15 and 8 7 6 of both halves
+E2M1_WORD_TERMS = (((0, E2M1_PAIR_MASK), ), ((4, E2M1_PAIR_MASK), ), ((10, E2M1_PAIR_MASK), ),
+                   ((6, 0x80C080C0), (14, 0x01000100)))
+_NIBBLE_TARGETS = (6, 7, 8, 15)  # bf16 bit of the nibble's bits m, e0, e1, s (in a half)
+
+
+def _e2m1_bit_sources() -> list[tuple[int, int]]:
+    """(bit of the plain word, bit of the interleaved word) for each of the 32 bits."""
+    pairs = []
+    for t, terms in enumerate(E2M1_WORD_TERMS):
+        for half in range(2):
+            for j, target in enumerate(_NIBBLE_TARGETS):
+                target += 16 * half
+                (rotation, ), = [(r, ) for r, mask in terms if mask >> target & 1]
+                pairs.append((8 * t + 4 * half + j, (target - rotation) % 32))
+    assert sorted(s for _, s in pairs) == list(range(32)), "the terms must place each bit once"
+    return pairs
+
+
+_E2M1_BITS = _e2m1_bit_sources()
+
+
+def _move_bits(codes: torch.Tensor, moves) -> torch.Tensor:
+    """uint8 codes (a multiple of 4 bytes a row) with the bits of every 32-bit word moved."""
+    words = codes.contiguous().view(torch.int32)
+    out = torch.zeros_like(words)
+    for source, target in moves:
+        out |= ((words >> source) & 1) << target
+    return out.view(torch.uint8)
 
 
 def _check_shape(shape, packed: bool, name: str):
@@ -81,7 +119,8 @@ def prepack_codes(codes: torch.Tensor) -> torch.Tensor:
     packed = codes.dtype == torch.uint8
     _check_shape(codes.shape, packed, "codes")
     plain, prepacked = _orders(packed)
-    return _reorder(codes, plain, prepacked)
+    reordered = _reorder(codes, plain, prepacked)
+    return _move_bits(reordered, _E2M1_BITS) if packed else reordered
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -89,4 +128,6 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     packed = codes.dtype == torch.uint8
     _check_shape(codes.shape, packed, "codes")
     plain, prepacked = _orders(packed)
+    if packed:
+        codes = _move_bits(codes, [(target, source) for source, target in _E2M1_BITS])
     return _reorder(codes, prepacked, plain)

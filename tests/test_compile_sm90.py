@@ -458,6 +458,22 @@ def test_e2m1_promotion_config_rules():
             e2m1_cfg.check(FORMATS[fmt])
 
 
+def test_wide_weight_tiles_config_rules():
+    from moegemm.config import DecodeConfig, sm90_mx_config
+
+    # prepacked weights at up to 64 tokens a tile: 256 rows, four consumer warpgroups
+    for tokens_per_slot, tile in ((2, 16), (16, 32), (30, 64), (40, 64)):
+        cfg = sm90_mx_config(FORMATS["bf16_mxfp4"], 5760, 2880, tokens_per_slot, prepacked=True)
+        assert (cfg.weight_tile, cfg.token_tile) == (256, tile) and cfg.consumer_regs <= 120
+    assert sm90_mx_config(FORMATS["bf16_mxfp4"], 5760, 2880, 16, prepacked=False).weight_tile == 128
+    assert sm90_mx_config(FORMATS["bf16_mxfp4"], 5760, 2880, 1000, prepacked=True).weight_tile == 128
+    for bad in (dict(prepacked=False), dict(token_tile=128), dict(consumer_regs=192), dict(weight_tile=192)):
+        fields = dict(token_tile=16, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
+                      weight_tile=256) | bad
+        with pytest.raises(ValueError, match="weight_tile|256-row tiles"):
+            DecodeConfig(**fields).check(FORMATS["bf16_mxfp4"])
+
+
 def test_chunk_walk_config_rules():
     """The slot walk from chunks of slots is the 32-token mxfp8 tiles' default (where it measured
     faster); wide tiles refuse it, and the other kernels' configs have no such setting."""
@@ -553,6 +569,32 @@ def test_prepacked_weights_decode_into_registers(fmt, tokens_per_slot, layout):
         assert not [o for o in ops if o.startswith("FENCE")], "a proxy fence in the prepacked K loop"
         assert not [o for o in ops if o in ("STS.128", "STL", "LDL")], "decoded weights stored, or a spill"
         assert any(o.startswith("HGMMA") for o in ops)
+
+
+# Decode instructions an element in the prepacked e2m1 K loop: 9 integer instructions a word
+# of 8 elements (rotations SHF, masks LOP3: kernels/sm90/decode.py, moegemm.prepack) and bf16x2
+# multiplies (HMUL2): by 2^126 and the e8m0 scale (mx), or once by the e4m3 scale times 2^117
+# (nvfp4). gl.fp4_to_fp's table lookups took 2.7 an element of these four, and 57 IMADs an iteration.
+E2M1_DECODE_BOUNDS = {"bf16_mxfp4": 2.25, "nvfp4": 1.75, "bf16_nvfp4": 1.75}  # (a few are address arithmetic)
+
+
+@pytest.mark.parametrize("weight_tile", [128, 256])
+@pytest.mark.parametrize("fmt", sorted(E2M1_DECODE_BOUNDS))
+def test_prepacked_e2m1_decode_instructions_an_element(fmt, weight_tile):
+    from moegemm.config import DecodeConfig, deepest_ring, override_config
+
+    cfg = deepest_ring(DecodeConfig(token_tile=16, stages=2, group_m=1, consumer_regs=112 if weight_tile == 256 else 192,
+                                    sub_steps=2, prepacked=True, weight_tile=weight_tile), FORMATS[fmt])
+    with override_config(cfg):
+        sass = wgmma_sass(mx_kernel_compiled(fmt, 16, "plain", prepacked=True))
+    loops = innermost_mma_loops(sass)
+    assert len(loops) == weight_tile // 64, "a K loop a consumer warpgroup"
+    for loop in loops:
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in loop]
+        assert not [o for o in ops if o in ("STL", "LDL")], "a spill"
+        decode = sum(1 for o in ops if o.split(".")[0] in ("SHF", "LOP3", "HMUL2", "PRMT"))
+        elements = 8 * sum(1 for o in ops if o.startswith("HGMMA"))  # (32 a thread a k64 step of 4 wgmmas)
+        assert decode / elements <= E2M1_DECODE_BOUNDS[fmt], f"{decode} decode instructions for {elements} elements"
 
 
 @pytest.mark.parametrize("family,fmt,tokens_per_slot", UNSCALED_CASES)

@@ -15,7 +15,7 @@ from moegemm import codecs
 from moegemm.config import DecodeConfig, override_config
 from moegemm.formats import PREPACK_FORMATS
 from moegemm.kernels.tl_source import interpreter_usable
-from moegemm.prepack import prepack_codes, unpack_codes
+from moegemm.prepack import E2M1_WORD_TERMS, prepack_codes, unpack_codes
 
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
 
@@ -47,11 +47,40 @@ def test_prepacked_round_trips_and_keeps_e2m1_pairs(k):
     packed = prepack_codes(fp4)
     assert packed.shape == fp4.shape and packed.dtype == torch.uint8
     assert torch.equal(unpack_codes(packed), fp4)
-    # packed e2m1 moves as its elements would, one byte a pair of K neighbours
+    # packed e2m1 moves as its elements would, one byte a pair of K neighbours, and the kernel's
+    # rotations and masks of each word give those pairs as bf16 times 2^-126
     elements = codecs.unpack_fp4(fp4).to(torch.uint8).view(torch.float8_e4m3fn)
-    assert torch.equal(codecs.unpack_fp4(packed).to(torch.uint8), prepack_codes(elements).view(torch.uint8))
+    moved = prepack_codes(elements).view(torch.uint8)
+    expected = codecs.decode_e2m1(moved.reshape(-1)).reshape(-1, 8)
+    assert torch.equal(_decoded_words(packed), expected)
     fp8 = torch.randint(0, 256, (3, 128, k), dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert torch.equal(unpack_codes(prepack_codes(fp8)).view(torch.uint8), fp8.view(torch.uint8))
+
+
+def _decoded_words(packed: torch.Tensor) -> torch.Tensor:
+    """What kernels/sm90/decode.py's PTX makes of each prepacked e2m1 word (E2M1_WORD_TERMS): for
+    pair t, the OR over its terms of (word rotated left by r) & mask, as two bf16 times 2^126;
+    [words, 8] float32 in the order pair 0 low, pair 0 high, pair 1 low, ..."""
+    words = packed.reshape(-1, 4).to(torch.int64)
+    words = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
+    values = []
+    for terms in E2M1_WORD_TERMS:
+        pair = torch.zeros_like(words)
+        for r, mask in terms:
+            pair |= ((words << r | words >> (32 - r)) & 0xFFFFFFFF if r else words) & mask
+        for half in (pair & 0xFFFF, pair >> 16):
+            values.append(half.to(torch.int16).view(torch.bfloat16).float() * 2.0**126)
+    return torch.stack(values, dim=1)
+
+
+def test_interleaved_e2m1_words_give_every_code():
+    # every code in every nibble of a word (row r holds codes r, r + 1, ...): each decodes to its value
+    nibbles = (torch.arange(64).reshape(1, 64, 1) + torch.arange(64).reshape(1, 1, 64)) % 16
+    nibbles = nibbles.to(torch.uint8)
+    fp4 = nibbles[..., 0::2] | nibbles[..., 1::2] << 4
+    expected = codecs.decode_e2m1(prepack_codes(nibbles.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+    assert torch.equal(_decoded_words(prepack_codes(fp4)), expected.reshape(-1, 8))
+    assert torch.equal(unpack_codes(prepack_codes(fp4)), fp4)
 
 
 @pytest.mark.parametrize("layout", ("plain", "swizzled"))
@@ -157,13 +186,17 @@ def test_moe_loaders_prepack_and_answer_the_same():
 gpu = pytest.mark.gpu
 
 
-def _forced(token_tile: int, prepacked: bool) -> DecodeConfig:
+def _forced(token_tile: int, prepacked: bool, weight_tile: int = 128, sub_steps: int = 0) -> DecodeConfig:
+    """A forced config: 256-row tiles (weight_tile) only for prepacked weights, the plain order
+    keeps 128."""
+    wide = weight_tile == 256 and prepacked
     return DecodeConfig(token_tile=token_tile, stages=4, group_m=1 if token_tile < 128 else 4,
-                        consumer_regs=240 if token_tile == 256 else 192, sub_steps=2 if token_tile < 128 else 1,
-                        prepacked=prepacked)
+                        consumer_regs=112 if wide else 240 if token_tile == 256 else 192,
+                        sub_steps=sub_steps or (2 if token_tile < 128 else 1), prepacked=prepacked,
+                        weight_tile=256 if wide else 128)
 
 
-def _sm90_both(p, fmt: str, n: int, token_tile: int | None):
+def _sm90_both(p, fmt: str, n: int, token_tile: int | None, weight_tile: int = 128, sub_steps: int = 0):
     """The sm90 products of problem p on plain and on prepacked weights (token_tile: the same
     forced tiles, else each order's default config), each into a poisoned output."""
     outs = []
@@ -178,7 +211,7 @@ def _sm90_both(p, fmt: str, n: int, token_tile: int | None):
         if token_tile is None:
             call()
         else:
-            with override_config(_forced(token_tile, w.prepacked)):
+            with override_config(_forced(token_tile, w.prepacked, weight_tile, sub_steps if w.prepacked else 0)):
                 call()
         outs.append((out, poisoned))
     return outs
@@ -199,6 +232,42 @@ def test_sm90_prepacked_matches_reference_and_plain(fmt, layout, pattern, token_
     assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
 
 
+@gpu
+@pytest.mark.parametrize("token_tile,sub_steps", [(16, 2), (32, 2), (16, 4)])
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", PREPACK_FORMATS)
+def test_sm90_prepacked_wide_weight_tiles(fmt, layout, pattern, token_tile, sub_steps):
+    # 256-row tiles, four consumer warpgroups on one token stage: N=320 is a whole tile and a
+    # partial one (64 rows); K=576 a partial last stage. Same bits as 128-row tiles on the plain order.
+    if sub_steps == 4 and fmt == "bf16_mxfp8":
+        pytest.skip("a stage holds at most 128 bytes of a weight row")
+    p = make_problem(fmt, layout, pattern, 320, 576, "cuda")
+    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, 320, token_tile, 256, sub_steps)
+    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", PREPACK_FORMATS)
+def test_sm90_prepacked_wide_weight_tiles_fused(fmt):
+    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 2 * 640, 1024, "cuda")
+    outs = []
+    global_scale = torch.ones((), device="cuda") if fmt == "nvfp4" else None
+    for w, weight_tile in ((p.w, 128), (moegemm.prepack_weights(p.w), 256)):
+        with override_config(_forced(16, weight_tile == 256, weight_tile)):
+            q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
+                                              expert_scales=p.expert_scales, gate_up_layout="interleaved",
+                                              out_fmt=fmt, out_global_scale=global_scale, backend="sm90")
+        valid = p.valid_rows().to("cuda")
+        outs.append(q.data[valid].view(torch.uint8))
+    assert torch.equal(outs[0], outs[1])
+
+
+MODEL_SMALL_GROUPS_FEW = TokenPattern("decode_24x12", tuple(4 + (5 * s) % 13 for s in range(24)),
+                                      tuple(s % 8 for s in range(24)), experts=8,
+                                      why="decode: 24 slots of 4-16 tokens")
 MODEL_SMALL_GROUPS = TokenPattern("decode_256x16", tuple(8 + (7 * s) % 17 for s in range(256)),
                                   tuple(s % 16 for s in range(256)), experts=16,
                                   why="decode: 256 slots of 8-24 tokens (16 experts' weights), more tiles than SMs")

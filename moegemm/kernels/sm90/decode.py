@@ -20,13 +20,16 @@ kernel does the latter (docs/design.md records the measurements):
              consumer warpgroup decodes its 64 weight rows times the block scales (gathered
              from global memory, plain or swizzled layout, one step ahead) into a bf16
              shared-memory operand, two buffers a warpgroup; prepacked weights (moegemm.prepack,
-             formats.PREPACK_FORMATS) into the wgmma's register operand instead
+             formats.PREPACK_FORMATS) into the wgmma's register operand instead, e2m1 by
+             rotations and masks of bit-interleaved words (_E2M1_TO_BF16_PTX)
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
 (config.DecodeConfig: one group's tokens at decode, 128 for small groups, 256 for many: two
-128-token halves, one accumulator each, on one decoded operand). Producer, barriers, schedule
-and the masked epilogue are pipeline.py's.
+128-token halves, one accumulator each, on one decoded operand); prepacked weights at up to 64
+tokens take 256 rows, four consumer warpgroups on each token stage (the bf16 tokens of a
+128-row tile were half its fp4 weight bytes). Producer, barriers, schedule and the masked
+epilogue are pipeline.py's.
 
 Steady state of one consumer (an iteration: one stage of SUB steps, or two stages of one step):
     wait ready[s]
@@ -42,15 +45,69 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
+from ...prepack import E2M1_WORD_TERMS
 from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, scale_row_offsets, walk
 from .swiglu import Swiglu
 
 
+def _e2m1_to_bf16_ptx(unbiased: bool) -> str:
+    """PTX of one prepacked e2m1 word ($4, bits interleaved by moegemm.prepack) to the bf16 pairs
+    of its four bytes ($0..$3, the low nibble in the low half): per pair the OR of its
+    E2M1_WORD_TERMS (a rotation, a mask), whose bf16 value is the elements times 2^-126, then,
+    `unbiased`, one bf16x2 multiply by 2^126 (exact; 0.5 comes through the subnormal 2^-127)."""
+    lines = ["{", ".reg .b32 t, u, bias;", "mov.b32 bias, 0x7E807E80;"]  # 2^126 in both halves
+    for pair, terms in enumerate(E2M1_WORD_TERMS):
+        for i, (rotation, mask) in enumerate(terms):
+            reg = "t" if i == 0 else "u"
+            source = "$4"
+            if rotation:
+                lines.append(f"shf.l.wrap.b32 {reg}, $4, $4, {rotation};")
+                source = reg
+            lines.append(f"and.b32 {reg}, {source}, {mask:#010x};")
+            if i:
+                lines.append("or.b32 t, t, u;")
+        lines.append(f"mul.rn.bf16x2 ${pair}, t, bias;" if unbiased else f"mov.b32 ${pair}, t;")
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_TO_BF16_PTX = gl.constexpr(_e2m1_to_bf16_ptx(True))
+_E2M1_TO_BF16_BIASED_PTX = gl.constexpr(_e2m1_to_bf16_ptx(False))
+# nvfp4's e4m3 block scales times 2^117 are bf16 still (448 * 2^117 < 2^126), so the decoding
+# multiplies the biased elements by them once: the weights come out 2^-9 small, which the
+# accumulator's one multiply by 2^9 before the epilogue undoes (powers of two: the same bits).
+NV_SCALE_BIAS = gl.constexpr(2.0**117)
+NV_ACC_FACTOR = gl.constexpr(2.0**9)
+
+
+@gluon.jit
+def _e2m1_words_to_pairs(raw, BIASED: gl.constexpr):
+    """Prepacked e2m1 bytes [R, C] (uint8, whole 32-bit words a thread) to int32 [R, C]: byte
+    j's two elements as a bf16 pair (the low nibble in the low half), 9 integer instructions
+    and 4 multiplies a word of 8 elements (gl.fp4_to_fp's table lookups took ~40); BIASED: times
+    2^-126, without the multiplies (the caller's scales hold the 2^126)."""
+    if BIASED:
+        return gl.inline_asm_elementwise(_E2M1_TO_BF16_BIASED_PTX, "=r,=r,=r,=r,r", [raw], dtype=gl.int32,
+                                         is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r", [raw], dtype=gl.int32, is_pure=True,
+                                     pack=4)
+
+
+@gluon.jit
+def _scaled_pairs(pairs, scales):
+    """bf16 pairs (int32) times their block scales (bf16, one for both halves): one bf16x2
+    multiply a pair on the scale's register half (scalar bf16 multiplies were paired by ptxas
+    with a swap of the halves before and after each)."""
+    scales, pairs = gl.broadcast(scales, pairs)
+    return gl.inline_asm_elementwise("{.reg .b32 s; mov.b32 s, {$2, $2}; mul.rn.bf16x2 $0, $1, s;}", "=r,r,h",
+                                     [pairs, scales], dtype=gl.int32, is_pure=True, pack=1)
+
+
 @gluon.jit
 def _load_scales(scale_rows, row_ok, kk, NUM_KB, layout: gl.constexpr, NKB: gl.constexpr, SWIZZLED: gl.constexpr,
-                 NV_SCALE: gl.constexpr):
+                 NV_SCALE: gl.constexpr, BIASED: gl.constexpr = False):
     """The NKB block scales of K step kk of each weight row, a bf16 [64, NKB] tensor.
-    e8m0 b -> 2^(b-127) (0 -> 2^-127, a bf16 subnormal; 255 -> NaN); nvfp4: e4m3."""
+    e8m0 b -> 2^(b-127) (0 -> 2^-127, a bf16 subnormal; 255 -> NaN); nvfp4: e4m3, BIASED: times
+    NV_SCALE_BIAS (prepacked e2m1 decoded without its 2^126)."""
     kb = kk * NKB + gl.arange(0, NKB, layout=gl.SliceLayout(0, layout))
     if SWIZZLED:
         k_offsets = (kb // 4) * 512 + kb % 4
@@ -59,7 +116,10 @@ def _load_scales(scale_rows, row_ok, kk, NUM_KB, layout: gl.constexpr, NKB: gl.c
     mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(kb < NUM_KB, 0)
     raw = gl.load(gl.expand_dims(scale_rows, 1) + gl.expand_dims(k_offsets, 0), mask=mask, other=0)
     if NV_SCALE:
-        scales = raw.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+        if BIASED:
+            scales = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * NV_SCALE_BIAS).to(gl.bfloat16)
+        else:
+            scales = raw.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
     else:
         bits = raw.to(gl.int16) << 7
         bits = gl.where(raw == 0, 0x40, bits)
@@ -107,8 +167,20 @@ def fragment_layout(NKB, VEC):
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, NKB, VEC])
 
 
+@gluon.constexpr_function
+def pair_fragment_layout(NKB, PAIRS):
+    """fragment_layout of K-neighbour pairs (one 32-bit register each): [64, NKB, PAIRS]."""
+    def col(c):  # a pair column as (block, pair)
+        return [0, c // PAIRS, c % PAIRS]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0], col(4), col(8), col(16)],
+        lane_bases=[col(1), col(2), [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, NKB, PAIRS])
+
+
 @gluon.jit
-def _decode_fragment(w_smem, scales, raw_layout: gl.constexpr, NKB: gl.constexpr, FP4: gl.constexpr):
+def _decode_fragment(w_smem, scales, raw_layout: gl.constexpr, NKB: gl.constexpr, FP4: gl.constexpr,
+                     BIASED: gl.constexpr):
     """This warpgroup's prepacked [64, 64] weight step (moegemm.prepack) from the ring to
     the bf16 wgmma A fragment in registers, times its [64, NKB] block scales. Each thread loads
     its own 32 elements, contiguous (16 or 32 bytes); the reshape and permute only rename which
@@ -116,29 +188,36 @@ def _decode_fragment(w_smem, scales, raw_layout: gl.constexpr, NKB: gl.constexpr
     32 k2 + 16 r8 + 8 k32 + 4 k16 + 2 k8 + k1 is weight row 16w + 8 r8 + 4 r4 + 2 r2 + r1, K
     column 32 k32 + 16 k16 + 8 k8 + 4 k4 + 2 k2 + k1), so no value moves between threads."""
     raw = w_smem.load(raw_layout)
-    if FP4:
-        w = gl.fp4_to_fp(raw, gl.bfloat16, 1)
+    if FP4:  # (e2m1 as bf16 pairs, k1 within a register: the same renaming without it)
+        pairs = gl.reshape(_e2m1_words_to_pairs(raw, BIASED), [4, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        pairs = gl.reshape(gl.permute(pairs, (0, 6, 1, 2, 3, 7, 8, 9, 4, 5)), [64, NKB, 32 // NKB])
+        pair_layout: gl.constexpr = pair_fragment_layout(NKB, 32 // NKB)
+        scales = gl.expand_dims(gl.convert_layout(scales, gl.SliceLayout(2, pair_layout)), 2)
+        pairs = _scaled_pairs(gl.convert_layout(pairs, pair_layout), scales)
+        lo = pairs.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w = gl.join(lo, hi)
     else:
         w = raw.to(gl.bfloat16)
-    w = gl.reshape(w, [4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-    w = gl.reshape(gl.permute(w, (0, 6, 1, 2, 3, 7, 8, 9, 4, 5, 10)), [64, NKB, 64 // NKB])
-    fragment: gl.constexpr = fragment_layout(NKB, 64 // NKB)
-    scales = gl.convert_layout(scales, gl.SliceLayout(2, fragment))
-    w = gl.convert_layout(w, fragment) * gl.expand_dims(scales, 2)
+        w = gl.reshape(w, [4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        w = gl.reshape(gl.permute(w, (0, 6, 1, 2, 3, 7, 8, 9, 4, 5, 10)), [64, NKB, 64 // NKB])
+        fragment: gl.constexpr = fragment_layout(NKB, 64 // NKB)
+        scales = gl.convert_layout(scales, gl.SliceLayout(2, fragment))
+        w = gl.convert_layout(w, fragment) * gl.expand_dims(scales, 2)
     return gl.reshape(w, [64, 64])
 
 
 @gluon.jit
 def _register_step(w_bufs, t_bufs, stage, j: gl.constexpr, scales, acc0, acc1, SUB: gl.constexpr, WG: gl.constexpr,
                    NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr, HALVES: gl.constexpr,
-                   raw_layout: gl.constexpr):
+                   raw_layout: gl.constexpr, BIASED: gl.constexpr):
     """Decode 64-wide K step j of ring stage `stage` into registers and issue its wgmmas on them
     (one a 128-token half), left in flight; returns the operand, which must stay untouched
     until a wait retires them."""
     TOK_HALF: gl.constexpr = t_bufs.shape[1] // HALVES
     acc_layout: gl.constexpr = acc0.type.layout
     raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
-    operand = _decode_fragment(raw, scales, raw_layout, NKB, FP4)
+    operand = _decode_fragment(raw, scales, raw_layout, NKB, FP4, BIASED)
     operand = gl.convert_layout(operand, gl.DotOperandLayout(0, acc_layout, 2))
     tokens = t_bufs.index(stage * SUB + j)
     acc0 = warpgroup_mma(operand, tokens.slice(0, TOK_HALF).permute((1, 0)), acc0, is_async=True)
@@ -195,7 +274,9 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     STEPS: gl.constexpr = PAIR * SUB  # 64-wide steps an iteration
     acc0 = zero
     acc1 = zero
-    scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE)
+    # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
+    BIASED: gl.constexpr = PREPACKED and FP4 and NV_SCALE
+    scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE, BIASED)
     for kk in range(k_steps // PAIR):
         first = ring.wait_ready(it)
         stage = first
@@ -206,12 +287,12 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
                 # (p * SUB + j: the step's index in the iteration, static: a variable assigned in the
                 # loop would be carried by it as a runtime value)
                 next_scales = _load_scales(scale_rows, row_ok, kk * STEPS + p * SUB + j + 1, NUM_KB, scale_layout,
-                                           NKB, SWIZZLED, NV_SCALE)
+                                           NKB, SWIZZLED, NV_SCALE, BIASED)
                 if PREPACKED:
                     # The operand's registers stay alive (a wait's dependency) until the wait
                     # that retires its wgmmas: the next step's.
                     acc0, acc1, operand = _register_step(w_bufs, t_bufs, stage, j, scales, acc0, acc1, SUB, WG, NKB,
-                                                         BYTES, FP4, HALVES, raw_layout)
+                                                         BYTES, FP4, HALVES, raw_layout, BIASED)
                     # (`previous`: the operand of the step before, static: defined by the unrolled
                     # step before this one)
                     if p * SUB + j == 0:
@@ -236,7 +317,7 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
             stage = ring.wait_ready(it)
             if PREPACKED:
                 acc0, acc1, operand = _register_step(w_bufs, t_bufs, stage, 0, scales, acc0, acc1, SUB, WG, NKB,
-                                                     BYTES, FP4, HALVES, raw_layout)
+                                                     BYTES, FP4, HALVES, raw_layout, BIASED)
                 acc0, acc1, operand = warpgroup_mma_wait(0, deps=(acc0, acc1, operand))
             else:
                 acc0, acc1 = _decode_step(w_bufs, t_bufs, a_bufs, stage, 0, 0, scales, acc0, acc1, WG, SUB, NKB,
@@ -319,6 +400,9 @@ class DecodeConsumer:
         acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
                                        self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
                                        self.SWIZZLED, HALVES, raw_layout, dec_layout, self.PREPACKED)
+        if self.PREPACKED and FP4 and self.NV_SCALE:  # (_upcast_chain's BIASED scales: weights 2^-9 small)
+            acc0 = acc0 * NV_ACC_FACTOR
+            acc1 = acc1 * NV_ACC_FACTOR
         w0 = w_block * W_TILE + WG * WG_ROWS  # this warpgroup's first weight row
         ns = w_block * W_TILE + w_offsets
         self.epilogue(acc0, slot, tok0, tok_offsets, w0, ns, N)
@@ -360,7 +444,10 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     FP4: gl.constexpr = w_desc.dtype == gl.uint8
     # 64-wide K steps per ring stage: a stage carries w_desc's bytes of each weight row.
     SUB: gl.constexpr = w_desc.block_type.shape[1] // (BLOCK_K // 2 if FP4 else BLOCK_K)
-    gl.static_assert(W_TILE == 2 * WG_ROWS, "two warpgroups of 64 weight rows")
+    # A consumer warpgroup for each 64 weight rows: two, or four (256-row tiles, prepacked weights:
+    # the four share every token stage, half the token bytes a weight byte of two).
+    CONSUMERS: gl.constexpr = W_TILE // WG_ROWS
+    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 4 and PREPACKED), "128-row tiles, or 256 prepacked")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     # Two bf16 operand buffers per consumer warpgroup for its decoded weights (_upcast_chain).
@@ -370,9 +457,9 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     else:
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, WG_ROWS, BLOCK_K],
                                            gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.bfloat16))
-    ring = Ring.create(STAGES, 2)
+    ring = Ring.create(STAGES, CONSUMERS)
     sched = Schedule.create(a_offsets_ptr, expert_ids_ptr, M, N, E, G, a_offsets_ptr, 0, TOK_TILE, W_TILE, GROUP_M,
-                            2)
+                            CONSUMERS)
     out = Output(out_ptr, expert_scales_ptr, row_scales_ptr, HAS_EXPERT_SCALES, HAS_ROW_SCALES)
     swiglu = Swiglu.create(epi, EPI)
     K = gl.to_tensor(K)
@@ -387,5 +474,16 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     # slot less theirs, so the producer takes 504 - 2 * CONSUMER_REGS and both consumers get
     # about CONSUMER_REGS. (A 256-token tile with the producer at 120 left consumer 0 152: it
     # spilled its accumulator in the K loop and ptxas serialized every HGMMA, C7512.)
-    gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
-                       [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
+    if CONSUMERS == 4:
+        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SUB,
+                                   VEC, NV_SCALE, SWIZZLED, PREPACKED)
+        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
+                                   VEC, NV_SCALE, SWIZZLED, PREPACKED)
+        # (4 * CONSUMER_REGS + the producer's <= 512, as e2m1.py's split-K)
+        gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
+                            (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
+                            (produce, (producer, sched))],
+                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 512 - 4 * CONSUMER_REGS])
+    else:
+        gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
+                            (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
