@@ -202,13 +202,13 @@ def run(regimes, fmts, out_dir: Path):
 
 
 # Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs).
-REGISTER_VARIANTS = {"w128_s2": (128, 2, 192), "w256_s2": (256, 2, 120), "w256_s4": (256, 4, 120)}
+REGISTER_VARIANTS = {"w128_s2": (128, 2, 192), "w256_s2": (256, 2, 112), "w256_s4": (256, 4, 112)}
 FP4_REGIMES = ((256, 16), (32, 32))
 
 
 def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int, regs: int):
     """The register path's config for a variant, its ring as deep as it fits; None where the
-    variant does not apply (a stage over 128 bytes of a weight row, 256-row tiles past 32 tokens)."""
+    variant does not apply (a stage over 128 bytes of a weight row, 256-row tiles past 64 tokens)."""
     cfg = DecodeConfig(token_tile=token_tile, stages=2, group_m=1, consumer_regs=regs, sub_steps=sub_steps,
                        prepacked=True, weight_tile=weight_tile)
     try:
@@ -226,7 +226,8 @@ def run_few_tokens(fmts, out_dir: Path):
     finds it; every variant's bits against the default config's."""
     device = torch.device("cuda")
     ceilings = benchmark.measure_ceilings(device)
-    env = {**benchmark.provenance("bench/decode_ceiling.py --few-tokens"), "gpu": torch.cuda.get_device_name(device),
+    env = {**benchmark.provenance("bench/decode_ceiling.py --few-tokens"),
+           "gpu": torch.cuda.get_device_name(device),
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            **{k: round(v, 3) for k, v in ceilings.items()}}
     print(json.dumps(env), flush=True)
@@ -303,10 +304,10 @@ def run_few_tokens(fmts, out_dir: Path):
                     row["best_x_peer"] = row["peer_ms"] / best
                 rows.append(row)
                 path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+                stems = {key: key.replace("_ms", "") if key != "ms" else "as_run" for key in keys}
                 print(f"{groups}x{nominal:<4} {shape:11} {fmt:11} " + " ".join(
-                    f"{key.replace('_ms', '')}={row[key]:.3f}({row[key.replace('_ms', '') + '_x_fp8_block' if key != 'ms' else 'as_run_x_fp8_block']:.2f})"
-                    for key in keys) + (f" peer_err={row['peer_error']:.1e}" if "peer_error" in row else ""),
-                    flush=True)
+                    f"{stems[key]}={row[key]:.3f}({row[stems[key] + '_x_fp8_block']:.2f})" for key in keys)
+                    + (f" peer_err={row['peer_error']:.1e}" if "peer_error" in row else ""), flush=True)
                 del inp
                 torch.cuda.empty_cache()
     print(f"wrote {path}")

@@ -134,7 +134,7 @@ def workload_prepacked():
                                           (128, (60, 200), 128), (256, (200, 600), 128)):
         wide = weight_tile == 256
         cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4,
-                           consumer_regs=120 if wide else 240 if tokens == 256 else 192,
+                           consumer_regs=112 if wide else 240 if tokens == 256 else 192,
                            sub_steps=2 if tokens < 128 else 1, prepacked=True, weight_tile=weight_tile)
         pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
         fmts = ("bf16_mxfp4", "nvfp4", "bf16_mxfp8")

@@ -144,7 +144,7 @@ class DecodeConfig:
     12 tokens a slot, mxfp8 at many): swapped tiles of weight_tile weight rows (decoded to bf16 by
     the consumers, a warpgroup for each 64) x token_tile tokens, sub_steps 64-wide K steps a ring
     stage (at most 128 bytes of a weight row); the producer gets 504 - 2 * consumer_regs registers
-    (four consumers: 512 - 4 * consumer_regs)."""
+    (four consumers: 480 - 4 * consumer_regs, at least 24)."""
 
     token_tile: int
     stages: int
@@ -170,7 +170,9 @@ class DecodeConfig:
         operands = 0 if self.prepacked else 2 * 2 * 64 * self.block_k * 2
         # (a 256-token tile stores its two 128-token halves one after the other)
         epilogue = self.weight_tile // 64 * min(self.token_tile, 128) * 64 * 4 if fused else 0
-        return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + _SCHEDULE
+        # (four consumer warpgroups: ~2 KB more of the compiler's own scratch, read off compiles)
+        partitions = 2048 if self.weight_tile == 256 else 0
+        return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + partitions + _SCHEDULE
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
         if fmt.name not in MX_FORMATS:
@@ -178,9 +180,9 @@ class DecodeConfig:
         if self.token_tile not in (16, 32, 64, 128, 256):
             raise ValueError(f"config: token_tile must be 16..256 (powers of two): {self}")
         if self.weight_tile == 256:
-            if not self.prepacked or self.token_tile > 64 or not 96 <= self.consumer_regs <= 120:
+            if not self.prepacked or self.token_tile > 64 or not 96 <= self.consumer_regs <= 112:
                 raise ValueError(f"config: 256-row tiles (four consumer warpgroups) take prepacked weights, up to 64 "
-                                 f"tokens and consumer_regs 96..120: {self}")
+                                 f"tokens and consumer_regs 96..112 (the producer keeps 480 - 4 x that): {self}")
         elif self.weight_tile != 128:
             raise ValueError(f"config: weight_tile 128 or 256: {self}")
         elif self.token_tile == 256 and self.consumer_regs < 240 or not 192 <= self.consumer_regs <= 240:
@@ -509,11 +511,10 @@ def _decode_config(regime: int, prepacked: bool = False) -> DecodeConfig:
     tokens = regime if regime in (16, 32, 64) else 128 if regime == 192 else 256
     if prepacked and tokens <= 64:
         # Few tokens a slot: 256-row tiles, four consumer warpgroups on each token stage (the
-        # bf16 tokens were half the bytes of fp4 weight rows on 128-row tiles): 1.2-1.8x
-        # (docs/perf-notes.md, prepacked weights). 64-token tiles take 120 registers (bf16_mxfp8
-        # spilled at 112).
-        return DecodeConfig(token_tile=tokens, stages=2, group_m=1, consumer_regs=120 if tokens == 64 else 112,
-                            sub_steps=2, prepacked=True, weight_tile=256)
+        # bf16 tokens were half the bytes of fp4 weight rows on 128-row tiles): 1.2-1.9x
+        # (docs/perf-notes.md, prepacked weights).
+        return DecodeConfig(token_tile=tokens, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
+                            weight_tile=256)
     return DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
                         consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1,
                         prepacked=prepacked)

@@ -65,12 +65,23 @@ def _e2m1_bit_sources() -> list[tuple[int, int]]:
 _E2M1_BITS = _e2m1_bit_sources()
 
 
+def _signed(mask: int) -> int:
+    return mask - (1 << 32) if mask >= 1 << 31 else mask
+
+
 def _move_bits(codes: torch.Tensor, moves) -> torch.Tensor:
-    """uint8 codes (a multiple of 4 bytes a row) with the bits of every 32-bit word moved."""
+    """uint8 codes (a multiple of 4 bytes a row) with the bits of every 32-bit word moved: one
+    rotation and mask for each distance a bit moves (10 of them, not 32 single-bit moves)."""
+    masks: dict[int, int] = {}
+    for source, target in moves:
+        distance = (target - source) % 32
+        masks[distance] = masks.get(distance, 0) | 1 << target
     words = codes.contiguous().view(torch.int32)
     out = torch.zeros_like(words)
-    for source, target in moves:
-        out |= ((words >> source) & 1) << target
+    for distance, mask in masks.items():
+        # (a rotation left; >> is arithmetic on int32, so the bits coming around are masked)
+        rotated = words if distance == 0 else (words << distance) | ((words >> (32 - distance)) & ((1 << distance) - 1))
+        out |= rotated & _signed(mask)
     return out.view(torch.uint8)
 
 

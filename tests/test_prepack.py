@@ -5,6 +5,7 @@ prepacked weights into its wgmma's registers, against the reference and bit for 
 same config on plain weights."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from moegemm import codecs
 from moegemm.config import DecodeConfig, override_config
 from moegemm.formats import PREPACK_FORMATS
 from moegemm.kernels.tl_source import interpreter_usable
+from moegemm.kernels.sm90.decode import _e2m1_to_bf16_ptx
 from moegemm.prepack import E2M1_WORD_TERMS, prepack_codes, unpack_codes
 
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
@@ -52,7 +54,7 @@ def test_prepacked_round_trips_and_keeps_e2m1_pairs(k):
     elements = codecs.unpack_fp4(fp4).to(torch.uint8).view(torch.float8_e4m3fn)
     moved = prepack_codes(elements).view(torch.uint8)
     expected = codecs.decode_e2m1(moved.reshape(-1)).reshape(-1, 8)
-    assert torch.equal(_decoded_words(packed), expected)
+    assert torch.equal(_decoded_words(packed).view(torch.int32), expected.view(torch.int32))  # (-0 too)
     fp8 = torch.randint(0, 256, (3, 128, k), dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert torch.equal(unpack_codes(prepack_codes(fp8)).view(torch.uint8), fp8.view(torch.uint8))
 
@@ -79,8 +81,46 @@ def test_interleaved_e2m1_words_give_every_code():
     nibbles = nibbles.to(torch.uint8)
     fp4 = nibbles[..., 0::2] | nibbles[..., 1::2] << 4
     expected = codecs.decode_e2m1(prepack_codes(nibbles.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
-    assert torch.equal(_decoded_words(prepack_codes(fp4)), expected.reshape(-1, 8))
-    assert torch.equal(unpack_codes(prepack_codes(fp4)), fp4)
+    words = prepack_codes(fp4)
+    assert torch.equal(_decoded_words(words).view(torch.int32), expected.reshape(-1, 8).view(torch.int32))
+    assert torch.equal(unpack_codes(words), fp4)
+    # and the kernel's own PTX, interpreted, gives the same bits (times 2^-126 without its multiplies)
+    for unbiased in (True, False):
+        got = _run_ptx(_e2m1_to_bf16_ptx(unbiased), words)
+        want = expected.reshape(-1, 8) * (1.0 if unbiased else 2.0**-126)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def _run_ptx(ptx: str, packed: torch.Tensor) -> torch.Tensor:
+    """Interpret the decode's PTX ($4 the word; mov, and, or, shf.l.wrap, mul.rn.bf16x2) on every
+    prepacked word; [words, 8] float32 in _decoded_words' order."""
+    words = packed.reshape(-1, 4).to(torch.int64)
+    regs = {"$4": words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24}
+    value = lambda x: regs[x] if x in regs else torch.full_like(regs["$4"], int(x, 0))  # noqa: E731
+    halves = lambda x: [(x & 0xFFFF).to(torch.int16).view(torch.bfloat16).float(),  # noqa: E731
+                        (x >> 16).to(torch.int16).view(torch.bfloat16).float()]
+    for line in ptx.splitlines():
+        match = re.match(r"([\w.]+) (.*);$", line.strip())
+        if not match or match.group(1).startswith("."):
+            continue
+        op, args = match.group(1), [a.strip() for a in match.group(2).split(",")]
+        if op == "mov.b32":
+            regs[args[0]] = value(args[1])
+        elif op == "and.b32":
+            regs[args[0]] = value(args[1]) & value(args[2])
+        elif op == "or.b32":
+            regs[args[0]] = value(args[1]) | value(args[2])
+        elif op == "shf.l.wrap.b32":
+            assert args[1] == args[2], "a rotation: both words the same"
+            r, x = int(args[3]), value(args[1])
+            regs[args[0]] = ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+        elif op == "mul.rn.bf16x2":
+            products = [(a * b).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+                        for a, b in zip(halves(value(args[1])), halves(value(args[2])))]
+            regs[args[0]] = products[0] | products[1] << 16
+        else:
+            raise AssertionError(f"an instruction the interpreter does not know: {line}")
+    return torch.stack([h for t in range(4) for h in halves(regs[f"${t}"])], dim=1)
 
 
 @pytest.mark.parametrize("layout", ("plain", "swizzled"))
@@ -232,9 +272,13 @@ def test_sm90_prepacked_matches_reference_and_plain(fmt, layout, pattern, token_
     assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
 
 
+WIDE_PATTERNS = [p for p in TOKEN_PATTERNS if p.name in ("large", "ragged", "tiny", "skip_some", "repeated_unsorted",
+                                                          "offset_start", "all_skipped")]
+
+
 @gpu
-@pytest.mark.parametrize("token_tile,sub_steps", [(16, 2), (32, 2), (16, 4)])
-@pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
+@pytest.mark.parametrize("token_tile,sub_steps", [(16, 2), (32, 2), (64, 2), (16, 4)])
+@pytest.mark.parametrize("pattern", WIDE_PATTERNS, ids=[p.name for p in WIDE_PATTERNS])
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 @pytest.mark.parametrize("fmt", PREPACK_FORMATS)
 def test_sm90_prepacked_wide_weight_tiles(fmt, layout, pattern, token_tile, sub_steps):

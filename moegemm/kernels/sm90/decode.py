@@ -434,10 +434,10 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
                   HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
                   PREPACKED: gl.constexpr):
     """t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A; w_desc: raw weight tiles
-    [128, SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of B viewed as [E*N, K or
-    K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr: the weight scales
-    (e8m0, or e4m3 for nvfp4: NV_SCALE), plain or SWIZZLED, VEC K elements each. epi, EPI: the
-    fused epilogue (Swiglu.create)."""
+    [W_TILE (128, or 256 prepacked), SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of
+    B viewed as [E*N, K or K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr:
+    the weight scales (e8m0, or e4m3 for nvfp4: NV_SCALE), plain or SWIZZLED, VEC K elements each.
+    epi, EPI: the fused epilogue (Swiglu.create)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
@@ -479,11 +479,14 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
                                    VEC, NV_SCALE, SWIZZLED, PREPACKED)
         consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
                                    VEC, NV_SCALE, SWIZZLED, PREPACKED)
-        # (4 * CONSUMER_REGS + the producer's <= 512, as e2m1.py's split-K)
+        # Five warpgroups share 480 registers a thread slot (65536 / 640 threads, in steps of 8),
+        # and the default partition (consumer 0) gets what the workers leave: the producer takes
+        # 480 - 4 * CONSUMER_REGS so that all four consumers get CONSUMER_REGS (with 512 - 4 *
+        # CONSUMER_REGS consumer 0 got 32 fewer and spilled in the fused epilogue).
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
                             (produce, (producer, sched))],
-                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 512 - 4 * CONSUMER_REGS])
+                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 480 - 4 * CONSUMER_REGS])
     else:
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
