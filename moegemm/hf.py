@@ -17,7 +17,8 @@ module.
 
 Weights: the format is the weights' own unless register(fmt=...) names one: bf16 experts run
 bf16 (read in place where their layout is the kernels' [E, N, K], else a copy kept with the
-module), FP8Experts run fp8_block on their own bytes and scales, and a named format quantizes
+module), FP8Experts run fp8_block on their own bytes and scales (with dynamic 1x128 activation
+scales: a module calibrated with static ones raises unless fmt="fp8_block" is named), and a named format quantizes
 the experts once (e.g. fmt="bf16_mxfp4" for gpt-oss: MXFP4 weights, bf16 activations; a
 gpt-oss checkpoint that transformers dequantized to bf16 gets back exactly its MXFP4 codes).
 Converted weights are kept with the module and made again when a source parameter is replaced
@@ -211,6 +212,13 @@ def _convert(module, spec: _Spec, fmt: str, sources: tuple) -> _Experts:
 def _format_of(module, spec: _Spec) -> str:
     if _settings["fmt"] is not None:
         return _settings["fmt"]
+    scheme = getattr(module, "activation_scheme", "dynamic")
+    if spec.fp8_block and scheme != "dynamic":
+        # The module's own math quantizes activations with calibrated scales; ours computes them
+        # for every 1x128 block: run that only when asked for by name.
+        raise _unsupported(module, f"quantizes activations with dynamic 1x128 scales, and this module's "
+                                   f"activation_scheme is {scheme!r} (moegemm.hf.register(fmt='fp8_block') runs "
+                                   f"its weights with dynamic activation scales)")
     return "fp8_block" if spec.fp8_block else "bf16"
 
 

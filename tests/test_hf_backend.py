@@ -297,6 +297,24 @@ def test_fine_grained_fp8_experts_run_fp8_block_on_their_own_bytes(device):
     assert got.dtype == torch.bfloat16 and _rel(got, want) < 0.1  # fp8_block's layer error
 
 
+def test_static_activation_scales_are_not_replaced_silently():
+    # FP8Experts calibrated with static activation scales: the default (its own fp8_block math)
+    # refuses, naming the module; fmt='fp8_block' by name runs it with dynamic scales.
+    config = _config("qwen3_moe", hidden=256, width=128)
+    config._experts_implementation = "moegemm"
+    module = _fp8_experts(config, "cpu")
+    module.activation_scheme = "static"
+    x, index, weights = torch.randn(5, 256, dtype=torch.bfloat16), torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+    with torch.no_grad(), pytest.raises(ValueError, match="FP8Experts.*activation_scheme is 'static'"):
+        module(x, index, weights)
+    moegemm.hf.register(fmt="fp8_block")
+    try:
+        with torch.no_grad():
+            assert module(x, index, weights).shape == x.shape
+    finally:
+        moegemm.hf.register()
+
+
 def test_import_does_not_import_transformers():
     import subprocess
     import sys
