@@ -105,6 +105,20 @@ def timed(fn) -> float:
     return benchmark._bench_graph(fn)
 
 
+def baselines(n: int, k: int, sizes, device) -> dict:
+    """Our bf16 and fp8_block kernels and torch._grouped_mm on bf16 weights ("torch") on the
+    same groups: ms each."""
+    base = {}
+    for fmt in ("bf16", "fp8_block"):
+        inp = benchmark.Inputs(fmt, n, k, sizes, device)
+        base[fmt] = timed(inp.ours)
+        if fmt == "bf16":
+            base["torch"] = timed(inp.torch_baseline)
+        del inp
+        torch.cuda.empty_cache()
+    return base
+
+
 def decoding_config(fmt: str, n: int, k: int, tokens_per_slot: float) -> DecodeConfig:
     """The format's own config where it runs the decoding kernel, else the decoding kernel's
     config of that regime (as bf16_<fmt> would run, or 256-token tiles at prefill)."""
@@ -133,14 +147,7 @@ def run(regimes, fmts, out_dir: Path):
                 sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
                 tokens = sum(sizes)
                 flops = 2.0 * tokens * n * k
-                base = {}
-                for fmt in ("bf16", "fp8_block"):
-                    inp = benchmark.Inputs(fmt, n, k, sizes, device)
-                    base[fmt] = timed(inp.ours)
-                    if fmt == "bf16":
-                        base["torch"] = timed(inp.torch_baseline)
-                    del inp
-                    torch.cuda.empty_cache()
+                base = baselines(n, k, sizes, device)
                 for fmt in fmts:
                     inp = benchmark.Inputs(fmt, n, k, sizes, device)
                     row = {"regime": regime, "shape": shape, "groups": groups, "nominal": nominal, "tokens": tokens,
@@ -244,13 +251,7 @@ def run_few_tokens(fmts, out_dir: Path):
         for shape, (n, k) in SHAPES.items():
             sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
             tokens = sum(sizes)
-            base = {}
-            for fmt in ("bf16", "fp8_block"):
-                inp = benchmark.Inputs(fmt, n, k, sizes, device)
-                base[fmt] = timed(inp.ours)
-                if fmt == "bf16":
-                    base["torch"] = timed(inp.torch_baseline)
-                del inp
+            base = baselines(n, k, sizes, device)
             for fmt in fmts:
                 inp = benchmark.Inputs(fmt, n, k, sizes, device)
                 row = {"shape": shape, "groups": groups, "nominal": nominal, "tokens": tokens, "fmt": fmt,
