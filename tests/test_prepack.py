@@ -4,6 +4,7 @@ giving the same bits on prepacked weights as on the plain order. GPU: the decodi
 prepacked weights into its wgmma's registers, against the reference and bit for bit against the
 same config on plain weights."""
 
+import contextlib
 import dataclasses
 import re
 
@@ -257,6 +258,29 @@ def _sm90_both(p, fmt: str, n: int, token_tile: int | None, weight_tile: int = 1
     return outs
 
 
+def _check_prepacked(p, fmt: str, n: int, *forced) -> tuple[torch.Tensor, torch.Tensor]:
+    """_sm90_both's prepacked product against the reference (rows outside the slots untouched)
+    and bit for bit against the plain order's; returns it and the valid rows."""
+    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, n, *forced)
+    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+    return prepacked, valid
+
+
+def _fused_outputs(p, fmt: str, weights_and_configs) -> list[torch.Tensor]:
+    """The fused SwiGLU product's valid output bytes for each (weights, forced config or None)."""
+    outs = []
+    global_scale = torch.ones((), device="cuda") if fmt == "nvfp4" else None  # (nvfp4 out: a static one)
+    for w, cfg in weights_and_configs:
+        with override_config(cfg) if cfg is not None else contextlib.nullcontext():
+            q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
+                                              expert_scales=p.expert_scales, gate_up_layout="interleaved",
+                                              out_fmt=fmt, out_global_scale=global_scale, backend="sm90")
+        outs.append(q.data[p.valid_rows().to("cuda")].view(torch.uint8))
+    return outs
+
+
 @gpu
 @pytest.mark.parametrize("token_tile", [16, 64, 128, 256])
 @pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
@@ -266,10 +290,7 @@ def test_sm90_prepacked_matches_reference_and_plain(fmt, layout, pattern, token_
     # N=320: a partial last weight tile (64 rows of a 128-row tile); K=576: an odd number of
     # one-step stages (128/256-token tiles take them in pairs), a partial two-step stage.
     p = make_problem(fmt, layout, pattern, 320, 576, "cuda")
-    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, 320, token_tile)
-    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
-    valid = p.valid_rows().to("cuda")
-    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+    _check_prepacked(p, fmt, 320, token_tile)
 
 
 WIDE_PATTERNS = [p for p in TOKEN_PATTERNS if p.name in ("large", "ragged", "tiny", "skip_some", "repeated_unsorted",
@@ -287,26 +308,16 @@ def test_sm90_prepacked_wide_weight_tiles(fmt, layout, pattern, token_tile, sub_
     if sub_steps == 4 and fmt == "bf16_mxfp8":
         pytest.skip("a stage holds at most 128 bytes of a weight row")
     p = make_problem(fmt, layout, pattern, 320, 576, "cuda")
-    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, 320, token_tile, 256, sub_steps)
-    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
-    valid = p.valid_rows().to("cuda")
-    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+    _check_prepacked(p, fmt, 320, token_tile, 256, sub_steps)
 
 
 @gpu
 @pytest.mark.parametrize("fmt", PREPACK_FORMATS)
 def test_sm90_prepacked_wide_weight_tiles_fused(fmt):
     p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 2 * 640, 1024, "cuda")
-    outs = []
-    global_scale = torch.ones((), device="cuda") if fmt == "nvfp4" else None
-    for w, weight_tile in ((p.w, 128), (moegemm.prepack_weights(p.w), 256)):
-        with override_config(_forced(16, weight_tile == 256, weight_tile)):
-            q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
-                                              expert_scales=p.expert_scales, gate_up_layout="interleaved",
-                                              out_fmt=fmt, out_global_scale=global_scale, backend="sm90")
-        valid = p.valid_rows().to("cuda")
-        outs.append(q.data[valid].view(torch.uint8))
-    assert torch.equal(outs[0], outs[1])
+    plain, wide = _fused_outputs(p, fmt, ((p.w, _forced(16, False)),
+                                          (moegemm.prepack_weights(p.w), _forced(16, True, 256))))
+    assert torch.equal(plain, wide)
 
 
 MODEL_SMALL_GROUPS_FEW = TokenPattern("decode_24x12", tuple(4 + (5 * s) % 13 for s in range(24)),
@@ -328,10 +339,7 @@ def test_sm90_prepacked_at_model_shapes(fmt, n, k, pattern):
     # than SMs: against the reference, rows outside the slots untouched, the plain order's bits,
     # and two calls bit-identical.
     p = make_problem(fmt, "swizzled", pattern, n, k, "cuda")
-    (plain, _), (prepacked, poisoned) = _sm90_both(p, fmt, n, None)
-    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
-    valid = p.valid_rows().to("cuda")
-    assert torch.equal(prepacked[valid].view(torch.int16), plain[valid].view(torch.int16))
+    prepacked, valid = _check_prepacked(p, fmt, n, None)
     (_, _), (again, _) = _sm90_both(p, fmt, n, None)
     assert torch.equal(again[valid].view(torch.int16), prepacked[valid].view(torch.int16))
 
@@ -340,15 +348,8 @@ def test_sm90_prepacked_at_model_shapes(fmt, n, k, pattern):
 @pytest.mark.parametrize("fmt", PREPACK_FORMATS)
 def test_sm90_prepacked_fused_epilogue_and_layer(fmt):
     p = make_problem(fmt, "swizzled", MODEL_WIDE, 2 * 1024, 1024, "cuda")
-    outs = []
-    global_scale = torch.ones((), device="cuda") if fmt == "nvfp4" else None  # (nvfp4 out: a static one)
-    for w in (p.w, moegemm.prepack_weights(p.w)):
-        q = moegemm.grouped_matmul_swiglu(p.a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
-                                          expert_scales=p.expert_scales, gate_up_layout="interleaved", out_fmt=fmt,
-                                          out_global_scale=global_scale, backend="sm90")
-        valid = p.valid_rows().to("cuda")
-        outs.append(q.data[valid].view(torch.uint8))
-    assert torch.equal(outs[0], outs[1])
+    plain, prepacked = _fused_outputs(p, fmt, ((p.w, None), (moegemm.prepack_weights(p.w), None)))
+    assert torch.equal(plain, prepacked)
     if fmt == "bf16_mxfp4":
         prepacked, plain = (_gpt_oss_like(flag, "cuda", "auto") for flag in (None, False))
         assert prepacked.gate_up_prepacked  # (the default on a Hopper GPU)
