@@ -248,7 +248,7 @@ def _decode_step(w_bufs, t_bufs, a_bufs, stage, j: gl.constexpr, step: gl.conste
 def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB, it, k_steps,
                   WG: gl.constexpr, SUB: gl.constexpr, NKB: gl.constexpr, BYTES: gl.constexpr, FP4: gl.constexpr,
                   NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HALVES: gl.constexpr, raw_layout: gl.constexpr,
-                  dec_layout: gl.constexpr, PREPACKED: gl.constexpr):
+                  dec_layout: gl.constexpr, PREPACKED: gl.constexpr, BIASED: gl.constexpr):
     """acc_h = sum_k decode(W_k) * scales_k @ T_k,h^T over k_steps stages of SUB 64-wide steps,
     for the tile's HALVES 128-token halves (one accumulator each, the same decoded operand).
 
@@ -274,8 +274,6 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     STEPS: gl.constexpr = PAIR * SUB  # 64-wide steps an iteration
     acc0 = zero
     acc1 = zero
-    # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
-    BIASED: gl.constexpr = PREPACKED and FP4 and NV_SCALE
     scales = _load_scales(scale_rows, row_ok, 0, NUM_KB, scale_layout, NKB, SWIZZLED, NV_SCALE, BIASED)
     for kk in range(k_steps // PAIR):
         first = ring.wait_ready(it)
@@ -397,10 +395,12 @@ class DecodeConsumer:
         tok0 = slot.s + tok_block * TOK_TILE
         ns_op = w_block * W_TILE + w_offsets_op
         scale_rows = self.b_scale_ptr + scale_row_offsets(slot.e, ns_op, N, self.NUM_KB, self.KB4, self.SWIZZLED)
+        # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
+        BIASED: gl.constexpr = self.PREPACKED and FP4 and self.NV_SCALE
         acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
                                        self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
-                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, self.PREPACKED)
-        if self.PREPACKED and FP4 and self.NV_SCALE:  # (_upcast_chain's BIASED scales: weights 2^-9 small)
+                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, self.PREPACKED, BIASED)
+        if BIASED:  # (the weights came out 2^-9 small)
             acc0 = acc0 * NV_ACC_FACTOR
             acc1 = acc1 * NV_ACC_FACTOR
         w0 = w_block * W_TILE + WG * WG_ROWS  # this warpgroup's first weight row
