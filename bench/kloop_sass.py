@@ -27,7 +27,6 @@ import ctypes
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -121,17 +120,9 @@ static void __instantiate_kernel() {{
         nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
         cubin = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetCUBIN(program, cubin)
-        return _sass(cubin.raw)
+        from moegemm.kernels.offline import cubin_sass
 
-
-def _sass(cubin: bytes) -> str:
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return cubin_sass(cubin.raw)
 
 
 def ours_sass(n: int, k: int, tokens_per_slot: float):

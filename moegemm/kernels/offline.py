@@ -59,9 +59,14 @@ def _dumped(compiled):
 
 
 def sass(compiled) -> str:
+    return cubin_sass(compiled.asm["cubin"])
+
+
+def cubin_sass(cubin: bytes) -> str:
+    """The SASS of a cubin, by the cuobjdump that Triton's wheel ships."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
         return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
 
