@@ -14,7 +14,9 @@ SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (40
           "dsv3-down": (7168, 2048),
           # time against tiles and stages: where a call's fixed cost goes
           "n5760-k5760": (5760, 5760), "n11520-k2880": (11520, 2880), "n5760-k1408": (5760, 1408),
-          "n2816-k2880": (2816, 2880), "n128-k256": (128, 256), "n128-k2880": (128, 2880)}
+          "n2816-k2880": (2816, 2880), "n128-k256": (128, 256), "n128-k2880": (128, 2880),
+          # fp8_block prefill against DeepGEMM (moegemm.benchmark.TARGET_SHAPES)
+          "n6144-k7168": (6144, 7168)}
 
 
 def poisson_sizes(groups: int, mean: float, seed: int) -> list[int]:
@@ -263,6 +265,10 @@ KERNEL_PLANS = {
         ("mxfp8", "dsv3-up", _fixed([4096] * 8), library_variant, "swiglu-fused"),  # fused, wide
         ("mxfp4", "gptoss-up", _poisson(128, 0.2, 30), library_variant, "swiglu-fused"),  # fused, e2m1
         ("mxfp4", "gptoss-up", _poisson(128, 128, 7), library_variant, "swiglu-fused"),  # fused, decode 128
+    ]),
+    "fp8-block-prefill": ("fp8_block prefill on the largest DeepGEMM target shape (for two revisions)", [
+        ("fp8_block", "n6144-k7168", _poisson(4, 8192, 41), library_variant),
+        ("fp8_block", "n6144-k7168", _poisson(8, 4096, 42), library_variant),
     ]),
     "bf16-tiles": ("the bf16 kernel's tile arrangements at ~128 tokens a slot", [
         ("bf16", "gptoss-up", _poisson(128, 128, 7), bf16_tile_variants),

@@ -1,8 +1,10 @@
 """Profiling targets: a grouped product or the MoE layer, for Nsight Compute / Nsight Systems, or
 the layer's steps timed one by one.
 
-    python bench/profiling.py kernel [SHAPE] [GxT] [FMT]    one grouped_matmul of `python -m moegemm bench`'s
-                                                         shapes (default t-6144x7168 4x8192 fp8_block)
+    python bench/profiling.py kernel [SHAPE] [GxT] [FMT] [--peer deepgemm]
+                                                         one grouped_matmul of `python -m moegemm bench`'s
+                                                         shapes (default t-6144x7168 4x8192 fp8_block), or
+                                                         DeepGEMM's product of the same groups
     python bench/profiling.py layer [--model M] [--fmt F] [--tokens T]
                                                          moe_forward of bench/moe_layer.py's models
     python bench/profiling.py layer --steps [--out DIR]    each step of the layer timed alone, and
@@ -57,8 +59,14 @@ def kernel(args):
     groups, nominal = (int(x) for x in args.groups.split("x"))
     sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
     inp = benchmark.Inputs(args.fmt, n, k, sizes, "cuda")
-    print(f"{args.fmt} {args.shape} (N={n}, K={k}) {groups} groups x ~{nominal} tokens ({sum(sizes)} in all)")
-    _profiled(inp.ours, args.warmup, args.runs)
+    call = inp.ours
+    if args.peer == "deepgemm":
+        call = benchmark._deepgemm_runner(inp)
+        if call is None:
+            raise SystemExit("--peer deepgemm: deep_gemm does not import, or the format is not fp8_block")
+    print(f"{args.peer or 'moegemm'}: {args.fmt} {args.shape} (N={n}, K={k}) {groups} groups x ~{nominal} tokens"
+          f" ({sum(sizes)} in all)")
+    _profiled(call, args.warmup, args.runs)
 
 
 def _layer_inputs(args):
@@ -129,6 +137,8 @@ def main(argv=None) -> int:
     p_kernel.add_argument("shape", nargs="?", default="t-6144x7168")
     p_kernel.add_argument("groups", nargs="?", default="4x8192", help="GROUPSxTOKENS")
     p_kernel.add_argument("fmt", nargs="?", default="fp8_block")
+    p_kernel.add_argument("--peer", choices=("deepgemm",), default=None,
+                          help="profile DeepGEMM's grouped fp8 GEMM on the same groups instead (fp8_block)")
     p_layer = sub.add_parser("layer", help="moe_forward, repeated; --steps: its steps timed alone")
     p_layer.add_argument("--model", default="gpt-oss-120b", choices=("DeepSeek-V3", "gpt-oss-120b"))
     p_layer.add_argument("--fmt", default="mxfp4")

@@ -365,6 +365,10 @@ def _deepgemm_runner(inp: Inputs):
         sa[dst:dst + s] = inp.a_scales[src:src + s]
         m_indices[dst:dst + s] = g
         src, dst = src + s, dst + p
+    # DeepGEMM reads its token scales MN-major with TMA-aligned columns; laid out so once here, its
+    # call checks the layout and runs the GEMM kernel alone (otherwise a transpose kernel a call)
+    aligned = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
+    sa = aligned(sa) if aligned is not None else sa
     out = torch.empty(mp, inp.n, dtype=torch.bfloat16, device=device)
     fn = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or \
         getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
