@@ -308,6 +308,12 @@ def check_spills(sass: str, fmt: str, tokens_per_slot: float, fused: bool = Fals
         assert not [t for t in loop if re.search(r"\b(LDL|STL)\b", t)], "register spills in a K loop"
 
 
+def setmaxnreg_values(compiled) -> set[int]:
+    """The register counts of a kernel's setmaxnreg instructions: each partition's, 56 (every
+    warpgroup's share until the partitions start) and 256 (the default partition's around them)."""
+    return {int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", compiled.asm["ptx"])}
+
+
 def innermost_mma_loops(sass: str) -> list[list[str]]:
     """The instructions of every loop that contains a wgmma and no other loop (the K loops of
     each consumer partition)."""
@@ -426,8 +432,12 @@ def test_e2m1_split_k_half_tiles_compile(layout):
 
     cfg = sm90_mx_config(FORMATS["mxfp4"], 2880, 2880, 2)
     assert cfg.split_k
-    sass = wgmma_sass(mxfp8_kernel_compiled(cfg, layout, None, "mxfp4", half_tiles=True))
+    compiled = mxfp8_kernel_compiled(cfg, layout, None, "mxfp4", half_tiles=True)
+    sass = wgmma_sass(compiled)
     assert offline.opcode_counts(sass)["UTMALDG"] == (6 if layout == "swizzled" else 5)
+    # every one of the four consumer warpgroups gets the config's registers, consumer 0 (the
+    # default partition, which gets what the workers leave of the pool) included
+    assert setmaxnreg_values(compiled) == {cfg.consumer_regs, 480 - 4 * cfg.consumer_regs, 56, 256}
     for loop in innermost_mma_loops(sass):
         assert not [t for t in loop if re.search(r"\b(LDL|STL)\b", t)], "register spills in a K loop"
 
@@ -593,8 +603,7 @@ def test_prepacked_e2m1_decode_instructions_an_element(fmt, weight_tile):
     assert len(loops) == weight_tile // 64, "a K loop a consumer warpgroup"
     # the default partition (consumer 0) gets the config's registers as the workers do (it gets
     # what they leave of the pool), and the config's shared-memory estimate bounds the kernel's
-    setmaxnreg = {int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);",
-                                              compiled.asm["ptx"])}
+    setmaxnreg = setmaxnreg_values(compiled)
     assert cfg.consumer_regs in setmaxnreg and min(setmaxnreg) >= 24, sorted(setmaxnreg)
     if weight_tile == 256:
         # (56: every warpgroup's share until the partitions start; 256: the default's around them)
