@@ -175,6 +175,13 @@ def ring_variants(fmt, n, k, sizes):
                                                                     max(2, base.stages // 2)}, reverse=True)}
 
 
+def group_m_variants(fmt, n, k, sizes):
+    """Bands of 4 token blocks (the default) or more: a wave of programs then spans more token
+    blocks and fewer weight blocks of an expert, so the weights it reads fit in L2."""
+    base = default_config(fmt, n, k, sizes)
+    return {f"group_m-{g}": replace(base, group_m=g) for g in (base.group_m, 8, 16, 32)}
+
+
 def _fixed(sizes):
     return lambda: list(sizes)
 
@@ -269,6 +276,12 @@ KERNEL_PLANS = {
     "fp8-block-prefill": ("fp8_block prefill on the largest DeepGEMM target shape (for two revisions)", [
         ("fp8_block", "n6144-k7168", _poisson(4, 8192, 41), library_variant),
         ("fp8_block", "n6144-k7168", _poisson(8, 4096, 42), library_variant),
+    ]),
+    "tile-order": ("prefill tiles in bands of 4 to 32 token blocks (L2 reuse of the weights)", [
+        ("fp8_block", "n6144-k7168", _poisson(4, 8192, 41), group_m_variants),
+        ("fp8_block", "n6144-k7168", _poisson(8, 4096, 42), group_m_variants),
+        ("fp8_block", "dsv3-down", _poisson(8, 4096, 43), group_m_variants),
+        ("bf16", "gptoss-up", _fixed([4096] * 8), group_m_variants),
     ]),
     "bf16-tiles": ("the bf16 kernel's tile arrangements at ~128 tokens a slot", [
         ("bf16", "gptoss-up", _poisson(128, 128, 7), bf16_tile_variants),
