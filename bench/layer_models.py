@@ -19,7 +19,7 @@ sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve(
 
 import moegemm
 from moegemm import layouts
-from moegemm.formats import PREPACK_FORMATS
+from moegemm.formats import PREPACK_BY_DEFAULT
 
 # "fmts": the formats every script times the model in. "table_fmts": formats moe_layer.py's
 # table also times, at these token counts only; gpt-oss's weight-only MXFP4 (bf16 activations,
@@ -165,7 +165,7 @@ class Mxfp4Weights:
             if fmt not in self._mx:
                 weights = (moegemm.QuantizedTensor(self.gu_data, self._mx_scales[0], fmt, "b", "swizzled"),
                            moegemm.QuantizedTensor(self.dn_data, self._mx_scales[1], fmt, "b", "swizzled"))
-                if fmt in PREPACK_FORMATS:  # as MoE.load_mxfp4 keeps them
+                if fmt in PREPACK_BY_DEFAULT:  # as MoE.load_mxfp4 keeps them
                     weights = tuple(moegemm.prepack_weights(w) for w in weights)
                 self._mx[fmt] = weights
             return self._mx[fmt]

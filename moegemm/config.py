@@ -455,8 +455,8 @@ def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: b
     weight order). `fused`: the ring is shortened, if need be, for the fused epilogue's scratch.
     `prepacked` weights (moegemm.prepack; formats.PREPACK_FORMATS, which run the decoding kernel
     in every regime) are decoded into the wgmma's registers."""
-    # e2m1 weights run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
-    smallest = 8 if fmt.name in ("mxfp4", "w4a8") else 16
+    # e2m1 weights in the plain order run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
+    smallest = 8 if fmt.name in ("mxfp4", "w4a8") and not prepacked else 16
     config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k,
                                                           _regime(_tokens_per_slot(tokens_per_slot), smallest),
                                                           prepacked)
@@ -485,7 +485,7 @@ def _sm90_mx_config(fmt_name: str, n: int, k: int, regime: int, prepacked: bool 
         tail = 32 if regime == 192 else 0
         cfg = Mxfp8Config(token_tile=tokens, stages=2, group_m=4, consumer_regs=240 if tail else 232,
                           tail_tokens=tail, short_tails=tail == 32)
-    elif fmt_name in ("mxfp4", "w4a8") and regime in (8, 16):
+    elif fmt_name in ("mxfp4", "w4a8") and regime in (8, 16) and not prepacked:
         # e2m1 weights at decode: decoded to e4m3 in shared memory (1 instruction an element) and
         # run like mxfp8, 256 K a stage; 8-token tiles up to 4 tokens a slot. Regime 32 stays on
         # the decoding kernel: 32-token tiles spilled ~190 values. Split-K: four consumer

@@ -23,6 +23,7 @@ __all__ = [
     "Format",
     "FORMATS",
     "PREPACK_FORMATS",
+    "PREPACK_BY_DEFAULT",
     "SWIZZLE_FORMATS",
     "E2M1",
     "E4M3",
@@ -164,10 +165,15 @@ FORMATS: dict[str, Format] = {
 # The formats whose block scales may come in the swizzled layout (docs/contract.md section 5).
 SWIZZLE_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable)
 
-# The formats whose weights may come prepacked (moegemm.prepack): those whose every sm90 kernel
-# is the decoding kernel, which reads the prepacked order into its wgmma's registers. mxfp4, w4a8
-# and mxfp8 run fp8 promotion kernels on the plain order at decode (faster there than decoding).
-PREPACK_FORMATS = ("nvfp4", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
+# The formats whose weights may come prepacked (moegemm.prepack): on prepacked weights every sm90
+# kernel of theirs is the decoding kernel, which reads the prepacked order into its wgmma's
+# registers (mxfp4 and w4a8 on the plain order run the e2m1 promotion kernel at decode). mxfp8
+# stays plain: its promotion kernels beat bf16_mxfp8's prepacked decode (docs/perf-notes.md).
+PREPACK_FORMATS = ("nvfp4", "mxfp4", "w4a8", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
+# Those the MoE loaders prepack unless told not to: mxfp4 and w4a8 only when asked (prepack=True),
+# since at a few tokens a slot (gpt-oss decode: ~2) their plain order's e2m1 promotion kernel,
+# with 8-token tiles, beats the decoding kernel that prepacked weights run.
+PREPACK_BY_DEFAULT = ("nvfp4", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 
 
 def get_format(fmt: str | Format) -> Format:

@@ -34,7 +34,7 @@ def fused_supports(p, out_fmt: str) -> bool:
     return sm90.fused_supports(p) and out_kind(out_fmt)[0] >= 0
 
 
-def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
+def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float, prepacked: bool = False) -> bool:
     """False where the fused epilogue measured slower than the unfused chain it replaces, so
     that the MoE layer (moe.py) runs the chain there (H100, docs/perf-notes.md):
     - mxfp8 weights on 128-token promotion tiles (prefill): DeepSeek-V3's gate/up product at
@@ -51,7 +51,7 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float) -> bool:
       fused step was faster, 59.8 against 66.1 us."""
     if fmt_name not in MX_FORMATS:
         return True
-    cfg = sm90_mx_config(get_format(fmt_name), n, k, tokens_per_slot)
+    cfg = sm90_mx_config(get_format(fmt_name), n, k, tokens_per_slot, prepacked=prepacked)
     if isinstance(cfg, E2m1Config) and cfg.split_k:
         return tokens_per_slot < 0.5
     return not (isinstance(cfg, Mxfp8Config) and cfg.token_tile == 128)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from . import activation as act
 from . import config, distributed, graphed, layouts
-from .formats import PREPACK_FORMATS, get_format
+from .formats import PREPACK_BY_DEFAULT, PREPACK_FORMATS, get_format
 from .fused import fused_pays, fused_supports
 from .ops import available_backends, grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .prepack import PREPACK_K, PREPACK_ROWS
@@ -238,7 +238,7 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     per_expert = plan.num_grouped_rows / max(num_experts, 1) if tokens_per_expert is None else tokens_per_expert
     shapes = (fmt, layout, plan.num_grouped_rows, plan.expert_ids.shape[0], hidden, w_gate_up.data.shape[1],
               num_experts, gate_up_layout, backend, topk_ids.device, bool(fused), intermediate_global_scale is not None,
-              given, float(per_expert))
+              given, float(per_expert), w_gate_up.prepacked, w_down.prepacked)
     steps = _steps(*shapes) if isinstance(backend, str) else _steps.__wrapped__(*shapes)
     # Every row the combine reads lies in a group, and the down product writes all of them: no zero
     # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
@@ -271,7 +271,8 @@ class _Steps(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: int, num_experts: int,
            gate_up_layout: str, backend: str, device: torch.device, fused: bool, static_intermediate: bool,
-           tokens_given: bool, tokens_per_expert: float) -> _Steps:
+           tokens_given: bool, tokens_per_expert: float, up_prepacked: bool = False,
+           down_prepacked: bool = False) -> _Steps:
     """How the layer runs its products for these shapes (host values only: the weight shapes and
     the plan's row and slot bounds), decided once per shape.
 
@@ -280,20 +281,22 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
     sm90 block-format kernels, gate/up interleaved; the fused epilogue writes the down product's
     form only where it is the bf16 one, the format's operand otherwise. The weight-only formats
     have none: their tokens are bf16 as they are, as the bf16 format's. tokens_given: the tokens
-    arrive as the format's operand (expert parallelism), placed as they are: no form of their own."""
+    arrive as the format's operand (expert parallelism), placed as they are: no form of their own.
+    up_prepacked, down_prepacked: the weights' order (mxfp4 and w4a8 run another kernel at decode
+    on prepacked weights, with another token form)."""
     f = get_format(fmt)
-    fused = fused and fused_pays(fmt, two_i, hidden, tokens_per_expert) and (
+    fused = fused and fused_pays(fmt, two_i, hidden, tokens_per_expert, up_prepacked) and (
         static_intermediate or not f.a.global_scale)
-    up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16)
-    down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16)
+    up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16, up_prepacked)
+    down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16, down_prepacked)
     if gate_up_layout != "interleaved" or rows == 0 or groups == 0:
         return _Steps(None, None, fused)
     if resolve_backend(backend, up, device) != "sm90" or resolve_backend(backend, down, device) != "sm90":
         return _Steps(None, None, fused)
-    up_form = None if tokens_given else token_form(fmt, up.n, up.k, rows, groups)
+    up_form = None if tokens_given else token_form(fmt, up.n, up.k, rows, groups, up_prepacked)
     if up_form is None and not tokens_given:
         return _Steps(None, None, fused)
-    down_form = token_form(fmt, down.n, down.k, rows, groups)
+    down_form = token_form(fmt, down.n, down.k, rows, groups, down_prepacked)
     if down_form is not None and down_form.kind != "bf16" and fused and fused_supports(up, fmt):
         down_form = None
     return _Steps(up_form, down_form, fused)
@@ -321,9 +324,10 @@ class MoE(torch.nn.Module):
 
     prepack: the loaders keep the weights of formats.PREPACK_FORMATS (bf16_mxfp4, gpt-oss's, among
     them) in the order the sm90 decoding kernel reads (moegemm.prepack_weights), where N and K are
-    multiples of 64; weights() returns them so. None (the default): where that kernel will read
-    them, i.e. weights on a Hopper GPU and backend "auto" or "sm90" (elsewhere every call would
-    unpack them); True: wherever N and K allow; False: never.
+    multiples of 64; weights() returns them so. None (the default): those of
+    formats.PREPACK_BY_DEFAULT (not mxfp4 and w4a8) where that kernel will read them, i.e. weights
+    on a Hopper GPU and backend "auto" or "sm90" (elsewhere every call would unpack them); True:
+    every format of PREPACK_FORMATS wherever N and K allow; False: never.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -439,6 +443,8 @@ class MoE(torch.nn.Module):
     def _prepacks(self, q: QuantizedTensor) -> bool:
         """Whether the loaders keep q prepacked (the class docstring's `prepack`)."""
         if self.prepack is False or q.fmt not in PREPACK_FORMATS:
+            return False
+        if self.prepack is None and q.fmt not in PREPACK_BY_DEFAULT:
             return False
         if q.data.shape[1] % PREPACK_ROWS or q.k % PREPACK_K:
             return False

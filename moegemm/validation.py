@@ -261,7 +261,7 @@ def validate_grouped_matmul(
 def _validate_form(p: GroupedProblem, form: TokenForm, a_scales, device):
     """Tokens in `form` for problem p: the form its sm90 kernel reads, with its scales."""
     if p.m and p.num_groups:
-        want = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups)
+        want = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups, p.prepacked)
         if form != want:
             raise ValueError(f"a: tokens in {form}, but the sm90 kernel of this problem reads "
                              f"{'no token form' if want is None else want} (token_forms.token_form)")

@@ -469,13 +469,20 @@ def test_e2m1_promotion_config_rules():
 
 
 def test_wide_weight_tiles_config_rules():
-    from moegemm.config import DecodeConfig, sm90_mx_config
+    from moegemm.config import DecodeConfig, E2m1Config, sm90_mx_config
 
     # prepacked weights at up to 64 tokens a tile: 256 rows, four consumer warpgroups
     for tokens_per_slot, tile in ((2, 16), (16, 32), (30, 64), (40, 64)):
         cfg = sm90_mx_config(FORMATS["bf16_mxfp4"], 5760, 2880, tokens_per_slot, prepacked=True)
         assert (cfg.weight_tile, cfg.token_tile) == (256, tile) and cfg.consumer_regs <= 120
     assert sm90_mx_config(FORMATS["bf16_mxfp4"], 5760, 2880, 16, prepacked=False).weight_tile == 128
+    # e2m1 weights with e4m3 or e2m1 tokens: prepacked, the decoding kernel's 256-row tiles from one
+    # token a slot on (16-token tiles: no 8-token tiles there), the e2m1 promotion kernel plain
+    for fmt in ("mxfp4", "w4a8"):
+        for tokens_per_slot, tile in ((0.5, 16), (2, 16), (16, 32), (40, 64)):
+            cfg = sm90_mx_config(FORMATS[fmt], 5760, 2880, tokens_per_slot, prepacked=True)
+            assert isinstance(cfg, DecodeConfig) and (cfg.weight_tile, cfg.token_tile) == (256, tile)
+        assert isinstance(sm90_mx_config(FORMATS[fmt], 5760, 2880, 2), E2m1Config)
     assert sm90_mx_config(FORMATS["bf16_mxfp4"], 5760, 2880, 1000, prepacked=True).weight_tile == 128
     for bad in (dict(prepacked=False), dict(token_tile=128), dict(consumer_regs=192), dict(weight_tile=192)):
         fields = dict(token_tile=16, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
@@ -568,7 +575,8 @@ UNSCALED_CASES = [("sm90", "bf16", 16), ("sm90", "fp8_block", 40),
 
 
 @pytest.mark.parametrize("fmt,tokens_per_slot,layout", [("bf16_mxfp4", 16, "plain"), ("nvfp4", 1024, "swizzled"),
-                                                       ("bf16_mxfp8", 100, "swizzled"), ("bf16_nvfp4", 40, "plain")])
+                                                       ("bf16_mxfp8", 100, "swizzled"), ("bf16_nvfp4", 40, "plain"),
+                                                       ("mxfp4", 2, "swizzled"), ("w4a8", 40, "plain")])
 def test_prepacked_weights_decode_into_registers(fmt, tokens_per_slot, layout):
     # Prepacked weights go from the ring to the wgmma's register operand: the K loop stores no
     # decoded weights and has no proxy fence (only the scales' layout conversion touches shared

@@ -137,8 +137,8 @@ def test_prepack_weights_round_trip(fmt, layout):
 
 
 def test_prepack_weights_refuses_what_it_cannot_take():
-    with pytest.raises(ValueError, match="bf16_mxfp4.*not mxfp4"):
-        moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 128, 64), "mxfp4"))
+    with pytest.raises(ValueError, match="bf16_mxfp8.*not mxfp8"):
+        moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 128, 64), "mxfp8"))
     with pytest.raises(ValueError, match="multiples of 64.*N=96"):
         moegemm.prepack_weights(moegemm.quantize_weights(torch.randn(2, 96, 64), "bf16_mxfp4"))
     with pytest.raises(ValueError, match="multiples of 64.*K=96"):
@@ -149,11 +149,12 @@ def test_prepack_weights_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="already prepacked"):
         moegemm.prepack_weights(p)
     # a QuantizedTensor that claims the order for another format is named by the op
-    bad = moegemm.QuantizedTensor(torch.zeros(2, 128, 32, dtype=torch.uint8), p.scales, "mxfp4", "b", prepacked=True)
-    a = moegemm.quantize(torch.randn(4, 64), "mxfp4")
+    plain = moegemm.quantize_weights(torch.randn(2, 128, 64), "mxfp8")
+    bad = moegemm.QuantizedTensor(plain.data, plain.scales, "mxfp8", "b", prepacked=True)
+    a = moegemm.quantize(torch.randn(4, 64), "mxfp8")
     with pytest.raises(ValueError, match="b: prepacked weights are for"):
         moegemm.grouped_matmul(a, bad, None, None, torch.tensor([0, 4], dtype=torch.int32),
-                               torch.tensor([0], dtype=torch.int32), fmt="mxfp4", backend="reference")
+                               torch.tensor([0], dtype=torch.int32), fmt="mxfp8", backend="reference")
 
 
 PATTERN = TokenPattern("ragged_skips", (37, 0, 70, 21), (2, 1, -1, 0), experts=3, why="partial tiles and a skip")
@@ -206,7 +207,7 @@ def _gpt_oss_like(prepack: bool | None, device="cpu", backend="reference"):
     return layer
 
 
-def test_moe_loaders_prepack_and_answer_the_same():
+def test_moe_loaders_prepack_and_answer_the_same(monkeypatch):
     prepacked, plain = _gpt_oss_like(True), _gpt_oss_like(False)
     assert prepacked.fmt == "bf16_mxfp4" and prepacked.gate_up_prepacked and prepacked.down_prepacked
     assert not plain.gate_up_prepacked
@@ -217,11 +218,19 @@ def test_moe_loaders_prepack_and_answer_the_same():
     x = torch.randn(7, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(prepacked(x).view(torch.int16), plain(x).view(torch.int16))
-    # formats whose kernels read the plain order keep it
-    layer = moegemm.MoE(64, 128, 4, 2, fmt="mxfp4").load_experts(gate=torch.randn(4, 128, 64),
-                                                                 up=torch.randn(4, 128, 64),
-                                                                 down=torch.randn(4, 64, 128))
-    assert not layer.gate_up_prepacked and not layer.weights()[0].prepacked
+    # mxfp4 and w4a8: prepacked when asked (the same answer), else plain even where the sm90
+    # kernels run (their plain order's e2m1 promotion kernel is faster at ~2 tokens a slot)
+    def mxfp4_layer(prepack):
+        torch.manual_seed(3)
+        return moegemm.MoE(64, 128, 4, 2, fmt="mxfp4", prepack=prepack).load_experts(
+            gate=torch.randn(4, 128, 64), up=torch.randn(4, 128, 64), down=torch.randn(4, 64, 128))
+
+    asked, kept = mxfp4_layer(True), mxfp4_layer(False)
+    assert asked.gate_up_prepacked and asked.weights()[0].prepacked and not kept.gate_up_prepacked
+    with torch.no_grad():
+        assert torch.equal(asked(x).view(torch.int16), kept(x).view(torch.int16))
+    monkeypatch.setattr(moegemm.moe, "available_backends", lambda device: ("sm90", "triton", "reference"))
+    assert not mxfp4_layer(None).gate_up_prepacked and _gpt_oss_like(None, backend="auto").gate_up_prepacked
 
 
 gpu = pytest.mark.gpu
@@ -356,3 +365,32 @@ def test_sm90_prepacked_fused_epilogue_and_layer(fmt):
         x = torch.randn(300, 64, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             assert torch.equal(prepacked(x).view(torch.int16), plain(x).view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(2880, 2880), (7168, 2048)], ids=["gptoss-down", "dsv3-down"])
+@pytest.mark.parametrize("fmt", ("mxfp4", "w4a8"))
+def test_sm90_prepacked_e2m1_formats_at_decode(fmt, n, k):
+    # mxfp4 and w4a8 at decode: prepacked weights run the decoding kernel's 256-row tiles, the
+    # plain order the e2m1 promotion kernel (other arithmetic, so no common bits): the prepacked
+    # product against the reference (rows outside the slots untouched), two calls bit-identical,
+    # and the MoE layer with prepack=True close to the plain one's at ~2 tokens a slot.
+    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS, n, k, "cuda")
+    (_, _), (prepacked, poisoned) = _sm90_both(p, fmt, n, None)
+    check_output(p, prepacked, poisoned, tolerance(fmt, "sm90"))
+    (_, _), (again, _) = _sm90_both(p, fmt, n, None)
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(again[valid].view(torch.int16), prepacked[valid].view(torch.int16))
+    torch.manual_seed(5)
+    weights = dict(gate=torch.randn(16, 256, 128), up=torch.randn(16, 256, 128), down=torch.randn(16, 128, 256))
+    layers = [moegemm.MoE(128, 256, 16, 4, fmt=fmt, prepack=flag, device="cuda").load_experts(
+        **{name: w.cuda() for name, w in weights.items()}) for flag in (True, False)]
+    assert layers[0].gate_up_prepacked and not layers[1].gate_up_prepacked
+    router = torch.randn(16, 128, device="cuda")
+    for layer in layers:
+        layer.load_router(router)
+    x = torch.randn(8, 128, dtype=torch.bfloat16, device="cuda")  # 32 rows over 16 experts
+    with torch.no_grad():
+        out_prepacked, out_plain = (layer(x).float() for layer in layers)
+    scale = out_plain.abs().max()
+    assert ((out_prepacked - out_plain).abs().max() / scale).item() < 0.05

@@ -372,7 +372,7 @@ def _launch_e2m1(args: LaunchArgs, cfg: E2m1Config) -> torch.Tensor:
 
 def check_kernel_tokens(p: GroupedProblem, tokens: KernelTokens):
     """ValueError unless `tokens` are in the form this problem's kernel reads, with its shapes."""
-    form = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups)
+    form = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups, p.prepacked)
     if tokens.form != form:
         raise ValueError(f"tokens: the kernel of this problem reads the form {form}, got {tokens.form}")
     dtype = torch.bfloat16 if form.kind == "bf16" else torch.float8_e4m3fn
