@@ -80,7 +80,7 @@ def _ceiling_rows(L, timer, m_index, model, fmt, tokens):
     h_like = torch.empty_like(h)  # (write_h must not zero the h that the pass reads)
 
     def product():
-        moegemm.grouped_matmul(a.data, w_gu.data, a.scales, w_gu.scales, plan_.a_offsets, plan_.expert_ids,
+        moegemm.grouped_matmul(a.data, w_gu, a.scales, None, plan_.a_offsets, plan_.expert_ids,
                                fmt=fmt, a_scale_offsets=step.a_scale_offsets, scale_layout=step.layout, out=h,
                                backend="auto")
 

@@ -319,7 +319,7 @@ class GateUpStep:
     def call(self, fused: bool):
         """grouped_matmul_swiglu with the fused epilogue or the unfused chain."""
         return lambda: moegemm.grouped_matmul_swiglu(
-            self.a.data, self.w_gu.data, self.a.scales, self.w_gu.scales, self.plan.a_offsets, self.plan.expert_ids,
+            self.a.data, self.w_gu, self.a.scales, None, self.plan.a_offsets, self.plan.expert_ids,
             fmt=self.fmt, gate_up_layout=gate_up_layout(self.fmt), out_fmt=self.fmt,
             activation=self.cfg["activation"], a_scale_offsets=self.a_scale_offsets,
             bias=self.bias, scale_layout=self.layout, out_scale_layout=self.layout,

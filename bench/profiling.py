@@ -103,7 +103,7 @@ def layer_steps(args) -> dict:
     _, w_dn = weights.ours(fmt)
     _, dn_bias = weights.biases()
     mid = step.call(True)()
-    out = moegemm.grouped_matmul(mid.data, w_dn.data, mid.scales, w_dn.scales, plan.a_offsets, plan.expert_ids,
+    out = moegemm.grouped_matmul(mid.data, w_dn, mid.scales, None, plan.a_offsets, plan.expert_ids,
                                  fmt=fmt, a_scale_offsets=aso, scale_layout=layout)
     steps = {
         "route": bench(lambda: moegemm.route(ids, cfg["experts"], topk_weights)),
@@ -112,7 +112,7 @@ def layer_steps(args) -> dict:
             num_scale_blocks=plan.scale_blocks_bound)),
         "gate/up + SwiGLU, fused": bench(step.call(True)),
         "gate/up + SwiGLU, unfused": bench(step.call(False)),
-        "down": bench(lambda: moegemm.grouped_matmul(mid.data, w_dn.data, mid.scales, w_dn.scales, plan.a_offsets,
+        "down": bench(lambda: moegemm.grouped_matmul(mid.data, w_dn, mid.scales, None, plan.a_offsets,
                                                      plan.expert_ids, fmt=fmt, a_scale_offsets=aso,
                                                      scale_layout=layout)),
         "combine": bench(lambda: moegemm.unpermute_tokens(out, plan, topk_weights, out_dtype=x.dtype,

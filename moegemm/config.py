@@ -141,7 +141,7 @@ class DenseConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """kernels/sm90/decode.py (nvfp4 and the weight-only formats everywhere, mxfp4 and w4a8 above
-    12 tokens a slot, mxfp8 at many): swapped tiles of weight_tile weight rows (decoded to bf16 by
+    12 tokens a slot or prepacked, mxfp8 at many): swapped tiles of weight_tile weight rows (decoded to bf16 by
     the consumers, a warpgroup for each 64) x token_tile tokens, sub_steps 64-wide K steps a ring
     stage (at most 128 bytes of a weight row); the producer gets 504 - 2 * consumer_regs registers
     (four consumers: 480 - 4 * consumer_regs, at least 24)."""
@@ -260,7 +260,7 @@ class Mxfp8Config:
 
 @dataclass(frozen=True)
 class E2m1Config:
-    """kernels/sm90/e2m1.py (mxfp4, w4a8 at decode): swapped tiles of 128 weight rows x 8 or 16
+    """kernels/sm90/e2m1.py (mxfp4, w4a8 at decode, plain order): swapped tiles of 128 weight rows x 8 or 16
     tokens, 256 K a stage (two token boxes, the weight rows' 128 bytes, the scales); split_k:
     four consumer warpgroups, a pair for each 128-K half of a stage, their two partial sums added
     at the tile's end through shared memory (tiles then dealt round-robin)."""

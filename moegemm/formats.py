@@ -170,9 +170,10 @@ SWIZZLE_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable
 # registers (mxfp4 and w4a8 on the plain order run the e2m1 promotion kernel at decode). mxfp8
 # stays plain: its promotion kernels beat bf16_mxfp8's prepacked decode (docs/perf-notes.md).
 PREPACK_FORMATS = ("nvfp4", "mxfp4", "w4a8", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
-# Those the MoE loaders prepack unless told not to: mxfp4 and w4a8 only when asked (prepack=True),
-# since at a few tokens a slot (gpt-oss decode: ~2) their plain order's e2m1 promotion kernel,
-# with 8-token tiles, beats the decoding kernel that prepacked weights run.
+# Those the MoE loaders prepack unless told not to: mxfp4 and w4a8 only when asked (prepack=True):
+# up to 12 tokens a slot (gpt-oss decode: ~2) their plain order runs the e2m1 promotion kernel
+# (8-token tiles), which prepacked weights cannot, and the decoding kernel's 256-row tiles are
+# not measured against it there (docs/perf-notes.md, prepacked weights).
 PREPACK_BY_DEFAULT = ("nvfp4", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 
 

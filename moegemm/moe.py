@@ -128,7 +128,7 @@ def moe_forward(
     fp32 scales multiply each product. nvfp4: the token global scale defaults to amax(x)/2688,
     the intermediate's to a dynamic one (unfused) — pass `intermediate_global_scale` to fuse.
     fused=True uses the sm90 fused SwiGLU epilogue where it measured faster than the unfused
-    chain (not for mxfp8 weights at prefill, nor mxfp4/w4a8 at decode:
+    chain (not for mxfp8 weights at prefill, nor mxfp4/w4a8 at decode on the plain order:
     fused.fused_pays). Choices with
     ids outside [0, E) are dropped. Returns [T, H] in x's dtype.
 

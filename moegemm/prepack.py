@@ -99,7 +99,7 @@ def check_prepackable(fmt: str, shape, name: str):
     """ValueError (naming `name`) unless weight codes of format `fmt` and this shape can be
     prepacked: a format of formats.PREPACK_FORMATS, N and K multiples of 64."""
     if fmt not in PREPACK_FORMATS:
-        raise ValueError(f"{name}: prepacked weights are for {', '.join(PREPACK_FORMATS)} (the formats the decoding "
+        raise ValueError(f"{name}: prepacked weights are for {', '.join(PREPACK_FORMATS)} (on them the decoding "
                          f"kernel runs in every regime), not {fmt}")
     _check_shape(shape, get_format(fmt).b.element.packed, name)
 

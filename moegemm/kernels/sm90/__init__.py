@@ -4,9 +4,9 @@ file per kernel on the shared pipeline layer (pipeline.py), one launch entry (la
     pipeline.py   ring, tile schedule, producer, plain epilogue stores, scale addressing
     dense.py      bf16 and fp8_block
     decode.py     block formats by decoding the weights to bf16 (nvfp4; mxfp4, w4a8 above 12
-                  tokens a slot)
+                  tokens a slot or prepacked)
     mxfp8.py      mxfp8 by fp8 wgmma and fp32 promotion per 32-wide K block
-    e2m1.py       e2m1 weights (mxfp4, w4a8) at decode: decoded to e4m3, fp8 wgmma, split-K
+    e2m1.py       e2m1 weights (mxfp4, w4a8) at decode, plain order: decoded to e4m3, fp8 wgmma, split-K
     promotion.py  the promotion parts mxfp8.py and e2m1.py share
     swiglu.py     the fused SwiGLU epilogue with output requantization
     launcher.py   LaunchArgs, EpilogueSpec, supports, launch: the one launch entry

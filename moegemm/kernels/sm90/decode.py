@@ -1,6 +1,7 @@
 """The sm90 kernel of the block formats by decoding the weights to bf16 in the consumers: nvfp4
 and the weight-only formats (bf16_mxfp4, bf16_nvfp4, bf16_mxfp8: bf16 tokens as they come)
-everywhere, mxfp4 and w4a8 above 12 tokens a slot, mxfp8 at many tokens a slot.
+everywhere, mxfp4 and w4a8 above 12 tokens a slot or on prepacked weights, mxfp8 at many tokens
+a slot.
 
 Hopper has no block-scaled tensor-core instruction. Every 32- (nvfp4: 16-) wide K block
 carries a scale per weight row AND one per token, so the exact math is either fp8 wgmma per

@@ -1,4 +1,4 @@
-"""The sm90 kernel of e2m1 weights (`mxfp4`, `w4a8`) at decode: the weights decoded to e4m3 in
+"""The sm90 kernel of e2m1 weights (`mxfp4`, `w4a8`) at decode, in the plain order: the weights decoded to e4m3 in
 shared memory, fp8 wgmma per 32-wide K block and fp32 promotion (promotion.py), split-K over four
 consumer warpgroups.
 

@@ -5,7 +5,7 @@ min(SMs, an upper bound of the tiles), and every shape comes from the problem.
     format                          kernel                 config (moegemm/config.py)
     bf16, fp8_block                 dense.dense_kernel     DenseConfig     (sm90_config)
     mxfp8                           mxfp8.mxfp8_kernel     Mxfp8Config     (sm90_mx_config)
-    mxfp4, w4a8 at decode           e2m1.e2m1_kernel       E2m1Config      (sm90_mx_config)
+    mxfp4, w4a8 at decode, plain    e2m1.e2m1_kernel       E2m1Config      (sm90_mx_config)
     mxfp4, nvfp4, w4a8 otherwise    decode.decode_kernel   DecodeConfig    (sm90_mx_config)
     and the weight-only formats     (prepacked weights: DecodeConfig.prepacked, PREPACKED)
 """
