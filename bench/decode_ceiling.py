@@ -210,7 +210,9 @@ def run(regimes, fmts, out_dir: Path):
 
 # Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs).
 REGISTER_VARIANTS = {"w128_s2": (128, 2, 192), "w256_s2": (256, 2, 112), "w256_s4": (256, 4, 112)}
-FP4_REGIMES = ((256, 16), (32, 32))
+# (groups, nominal tokens a group): the decode regimes of the targets, and gpt-oss's own
+# (128 experts, ~2 tokens each), where mxfp4 and w4a8 on the plain order run the e2m1 kernel
+FP4_REGIMES = ((256, 16), (32, 32), (128, 2))
 
 
 def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int, regs: int):

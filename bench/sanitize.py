@@ -10,7 +10,8 @@ result also checked against the fp64 reference, so the sanitized path is the rig
                     w4a8, mxfp8 on 32-, 64-, 128- and 256-token tiles, bf16_mxfp4 (bf16 tokens)
                     on 32 and 256, unscaled and scaled calls
     prepacked       the same kernel on prepacked weights (decoded into the wgmma's registers):
-                    bf16_mxfp4, nvfp4 and bf16_mxfp8 on 16-, 64-, 128- and 256-token tiles,
+                    bf16_mxfp4, nvfp4, bf16_mxfp8 and mxfp4 (tokens through the pre-pass) on
+                    16-, 64-, 128- and 256-token tiles,
                     16 and 64 also on 256-row tiles (four consumer warpgroups)
     mxfp8-promotion kernels/sm90/mxfp8.py: 16- and 32-token tiles (slot walk from
                     chunks), wide 64- and 128-token tiles with tails and short tails
@@ -137,7 +138,7 @@ def workload_prepacked():
                            consumer_regs=112 if wide else 240 if tokens == 256 else 192,
                            sub_steps=2 if tokens < 128 else 1, prepacked=True, weight_tile=weight_tile)
         pattern = _groups(64 if tokens < 128 else 24, lo, hi, tokens)
-        fmts = ("bf16_mxfp4", "nvfp4", "bf16_mxfp8")
+        fmts = ("bf16_mxfp4", "nvfp4", "bf16_mxfp8", "mxfp4")
         for fmt in fmts[:1 if _racecheck() else len(fmts)]:
             p = make_problem(fmt, "swizzled", pattern, 1024, 256, "cuda", with_scales=tokens == 64)
             # (nvfp4's global scales are in p.expert_scales already)
