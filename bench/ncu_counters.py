@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegemm.benchmark import provenance  # noqa: E402
 
-# (label, metric, scale, digits): value shown = metric * scale
+# (label, metric, scale, digits): value shown = metric (in base units: read_raw) * scale
 COUNTERS = [
-    ("kernel time at ncu's clock (ms)", "gpu__time_duration.sum", 1, 3),
-    ("SM clock (GHz)", "sm__cycles_elapsed.avg.per_second", 1, 2),
+    ("kernel time at ncu's clock (ms)", "gpu__time_duration.sum", 1e3, 3),
+    ("SM clock (GHz)", "sm__cycles_elapsed.avg.per_second", 1e-9, 2),
     ("grid x block (cluster size)", None, None, None),
     ("tensor pipe active, % of elapsed cycles", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed", 1, 1),
     ("issue slots busy, %", "sm__inst_issued.avg.pct_of_peak_sustained_elapsed", 1, 1),
@@ -82,10 +82,6 @@ def _cell(raw: dict, label: str, metric, scale, digits) -> str:
         value = raw.get(metric)
     if not isinstance(value, float):
         return "-"
-    if metric == "gpu__time_duration.sum":
-        value *= 1e3  # seconds -> ms
-    elif metric == "sm__cycles_elapsed.avg.per_second":
-        value *= 1e-9  # Hz -> GHz
     return f"{value * scale:.{digits}f}"
 
 
