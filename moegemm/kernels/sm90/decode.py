@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.core import _aggregate as aggregate
 
 from ...prepack import E2M1_WORD_TERMS
-from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, scale_row_offsets, walk
+from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, producer_registers, scale_row_offsets, walk
 from .swiglu import Swiglu
 
 
@@ -471,23 +471,19 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
                                NV_SCALE, SWIZZLED, PREPACKED)
     producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB)
-    # The default partition (consumer 0) gets the registers the workers leave: 512 a thread
-    # slot less theirs, so the producer takes 504 - 2 * CONSUMER_REGS and both consumers get
-    # about CONSUMER_REGS. (A 256-token tile with the producer at 120 left consumer 0 152: it
-    # spilled its accumulator in the K loop and ptxas serialized every HGMMA, C7512.)
+    # Every consumer gets CONSUMER_REGS (pipeline.producer_registers). (A 256-token tile with the
+    # producer at 120 left consumer 0 152: it spilled its accumulator in the K loop and ptxas
+    # serialized every HGMMA, C7512.)
     if CONSUMERS == 4:
         consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SUB,
                                    VEC, NV_SCALE, SWIZZLED, PREPACKED)
         consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
                                    VEC, NV_SCALE, SWIZZLED, PREPACKED)
-        # Five warpgroups share 480 registers a thread slot (65536 / 640 threads, in steps of 8),
-        # and the default partition (consumer 0) gets what the workers leave: the producer takes
-        # 480 - 4 * CONSUMER_REGS so that all four consumers get CONSUMER_REGS (with 512 - 4 *
-        # CONSUMER_REGS consumer 0 got 32 fewer and spilled in the fused epilogue).
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
                             (produce, (producer, sched))],
-                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 480 - 4 * CONSUMER_REGS])
+                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS,
+                                          producer_registers(4, CONSUMER_REGS)])
     else:
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
-                            (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
+                            (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

@@ -23,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, walk
+from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, producer_registers, walk
 from .swiglu import Swiglu
 
 
@@ -261,4 +261,4 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
                               NUM_KB, 1, SUB_N, SWAP, SPLIT_N, PROMOTE)
     producer = Producer.create(ring, a_desc, b_desc, a_bufs, b_bufs, K)
     gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
-                       [4, 1], [CONSUMER_REGS, 40])
+                       [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

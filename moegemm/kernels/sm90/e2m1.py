@@ -42,6 +42,7 @@ from .pipeline import (
     Schedule,
     optional,
     produce,
+    producer_registers,
     scale_row_offsets,
     walk,
 )
@@ -507,14 +508,11 @@ def e2m1_kernel(t_desc, w_desc, s_desc, ws_desc, w_half_desc, out_ptr, b_scale_p
                                  swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SWIZZLED, HALF_TILES, ACC_FACTOR)
         consumer3 = E2m1Consumer(ring, t_bufs, w_bufs, s_bufs, a_bufs, ws_bufs, red_bufs, red_ready, red_free, out,
                                  swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SWIZZLED, HALF_TILES, ACC_FACTOR)
-        # Five warpgroups share 480 registers a thread slot and the default partition (consumer 0)
-        # gets what the workers leave (decode.py): the producer takes 480 - 4 * CONSUMER_REGS so
-        # that every consumer gets CONSUMER_REGS (with 512 - 4 * CONSUMER_REGS consumer 0 got 32
-        # fewer); ptxas keeps the wgmmas in flight only if each loop has its registers.
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
                             (produce, (producer, sched))],
-                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 480 - 4 * CONSUMER_REGS])
+                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS,
+                                          producer_registers(4, CONSUMER_REGS)])
     else:
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
-                            (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
+                            (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

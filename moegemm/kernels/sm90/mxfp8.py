@@ -57,6 +57,7 @@ from .pipeline import (
     Schedule,
     optional,
     produce,
+    producer_registers,
     scale_row_offsets,
     walk,
 )
@@ -485,4 +486,4 @@ def mxfp8_kernel(t_desc, w_desc, s_desc, tail_desc, tail_s_desc, out_ptr, t_scal
     # need 232 a consumer thread (192 spilled), 240 with a tail (232 spilled a few values in its K
     # loop), leaving the producer 40 or 24.
     gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
-                       [4, 1], [CONSUMER_REGS, 504 - 2 * CONSUMER_REGS])
+                       [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

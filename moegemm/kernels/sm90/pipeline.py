@@ -72,6 +72,17 @@ def optional(value):
     return gl.constexpr(None) if value is None else value
 
 
+@gluon.constexpr_function
+def producer_registers(CONSUMERS, CONSUMER_REGS):
+    """The producer warp's setmaxnreg budget beside CONSUMERS consumer warpgroups of CONSUMER_REGS
+    registers a thread. The default partition (consumer 0) gets what the workers leave of the
+    pool, so the producer takes the pool less every consumer's share: 504 a thread slot over the
+    three warpgroups of two consumers, 480 over the five of four (65536 registers, steps of 8).
+    With 512 - 4 x CONSUMER_REGS, consumer 0 of four got 32 fewer than the others and spilled in
+    the fused epilogue; ptxas keeps the wgmmas in flight only if each K loop has its registers."""
+    return {2: 504, 4: 480}[CONSUMERS] - CONSUMERS * CONSUMER_REGS
+
+
 @aggregate
 class Ring:
     """The ready/empty barriers of a STAGES-deep ring (module docstring); the stage buffers are
