@@ -43,10 +43,10 @@ import torch.nn.functional as F
 
 from . import activation as act
 from . import config, distributed, graphed, layouts
-from .formats import PREPACK_BY_DEFAULT, PREPACK_FORMATS, get_format
+from .formats import FORMATS, PREPACK_BY_DEFAULT, PREPACK_FORMATS, get_format
 from .fused import fused_pays, fused_supports
 from .ops import available_backends, grouped_matmul, grouped_matmul_swiglu, resolve_backend
-from .prepack import PREPACK_K, PREPACK_ROWS
+from .prepack import PREPACK_K, PREPACK_ROWS, check_prepackable, prepack_codes, unpack_codes
 from .quantize import QuantizedTensor, dequantize_operand, prepack_weights, quantize_weights
 from .routing import ROUTERS, RoutingPlan, route, row_experts, scatter_tokens, select_experts, unpermute_tokens
 from .token_forms import TokenForm, token_form
@@ -302,6 +302,60 @@ def _steps(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i: in
     return _Steps(up_form, down_form, fused)
 
 
+# The MoE layer's state dict (MoE.get_extra_state): its tensors and, under "_extra_state", what they
+# mean, in this version's form.
+STATE_VERSION = 1
+_WEIGHT_PARTS = ("data", "scales", "global")
+_EXPERT_WEIGHTS = tuple(f"{w}_{part}" for w in ("gate_up", "down") for part in _WEIGHT_PARTS)
+_STATE_CHOICES = {"fmt": tuple(FORMATS), "scale_layout": ("plain", "swizzled"),
+                  "gate_up_layout": ("concat", "interleaved"), "gate_up_order": ("plain", "prepacked"),
+                  "down_order": ("plain", "prepacked")}
+
+
+def _weight_parts(fmt: str, scale_layout: str, experts: int, n: int, k: int) -> dict:
+    """part ("data", "scales", "global") -> (shape, accepted dtypes) of `experts` experts' weights
+    [n, k] in fmt's B operand, scales in `scale_layout`; only the parts the format has."""
+    b = get_format(fmt).b
+    parts = {"data": ((experts, n, b.stored_k(k)), (b.element.storage_dtype, ))}
+    if b.scaled:
+        k_scales = math.ceil(k / b.block_k)
+        if b.block_n > 1:
+            shape = (experts, math.ceil(n / b.block_n), k_scales)
+        elif scale_layout == "swizzled":
+            shape = layouts.swizzled_b_shape(experts, n, k_scales)
+        else:
+            shape = (experts, n, k_scales)
+        parts["scales"] = (tuple(shape), b.accepted_scale_dtypes)
+    if b.global_scale:
+        parts["global"] = ((experts, ), (torch.float32, ))
+    return parts
+
+
+def _saved_meaning(saved, key: str) -> dict:
+    """A checkpoint's MoE extra state (MoE.get_extra_state), checked: ValueError naming `key` unless
+    it is a dict of this version with every field one of its values."""
+    version = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
+    if version != STATE_VERSION:
+        raise ValueError(f"state_dict[{key!r}]: expected an MoE state of version {STATE_VERSION}, got version "
+                         f"{version!r}")
+    for field, choices in _STATE_CHOICES.items():
+        if saved.get(field) not in choices:
+            raise ValueError(f"state_dict[{key!r}]: expected {field} one of {list(choices)}, got {saved.get(field)!r}")
+    experts, count = saved.get("experts"), saved.get("num_experts")
+    if not (isinstance(count, int) and isinstance(experts, (tuple, list)) and len(experts) == 2
+            and all(isinstance(v, int) for v in experts) and 0 <= experts[0] < experts[1] <= count):
+        raise ValueError(f"state_dict[{key!r}]: expected experts (first, last) of num_experts, got {experts!r} of "
+                         f"{count!r}")
+    return saved
+
+
+class _StateChange(NamedTuple):
+    """What a checkpoint's expert tensors become in a layer (MoE._state_change)."""
+    fmt: str  # the layer's format after the load
+    tensors: dict  # state-dict key -> the tensor, converted to the layer's order, layout and experts
+    prepacked: dict  # "gate_up" / "down" -> the order of its loaded codes
+
+
 class MoE(torch.nn.Module):
     """A drop-in MoE block: router, routed experts in `fmt`, optional shared expert (DeepSeek).
 
@@ -328,6 +382,10 @@ class MoE(torch.nn.Module):
     formats.PREPACK_BY_DEFAULT (not mxfp4 and w4a8) where that kernel will read them, i.e. weights
     on a Hopper GPU and backend "auto" or "sm90" (elsewhere every call would unpack them); True:
     every format of PREPACK_FORMATS wherever N and K allow; False: never.
+
+    state_dict() says what the expert tensors mean (get_extra_state); load_state_dict makes a
+    checkpoint's tensors what this layer's loaders would have made, on a layer built with the
+    same arguments with or without weights, or raises naming both sides (_state_change).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -442,13 +500,17 @@ class MoE(torch.nn.Module):
 
     def _prepacks(self, q: QuantizedTensor) -> bool:
         """Whether the loaders keep q prepacked (the class docstring's `prepack`)."""
-        if self.prepack is False or q.fmt not in PREPACK_FORMATS:
+        return self._keeps_prepacked(q.fmt, q.data.shape[1], q.k, q.data.device)
+
+    def _keeps_prepacked(self, fmt: str, n: int, k: int, device: torch.device) -> bool:
+        """Whether this layer keeps weights [E, n, k] of fmt on `device` prepacked (`prepack`)."""
+        if self.prepack is False or fmt not in PREPACK_FORMATS:
             return False
-        if self.prepack is None and q.fmt not in PREPACK_BY_DEFAULT:
+        if self.prepack is None and fmt not in PREPACK_BY_DEFAULT:
             return False
-        if q.data.shape[1] % PREPACK_ROWS or q.k % PREPACK_K:
+        if n % PREPACK_ROWS or k % PREPACK_K:
             return False
-        return bool(self.prepack) or (self.backend in ("auto", "sm90") and "sm90" in available_backends(q.data.device))
+        return bool(self.prepack) or (self.backend in ("auto", "sm90") and "sm90" in available_backends(device))
 
     def _check_weight(self, name, w, shape):
         if not isinstance(w, torch.Tensor):
@@ -603,6 +665,164 @@ class MoE(torch.nn.Module):
         if correction_bias is not None:
             self.correction_bias.copy_(correction_bias)
         return self
+
+    # ---- state dict ----------------------------------------------------------------------
+
+    def get_extra_state(self) -> dict:
+        """What the expert tensors of state_dict() mean, as plain Python values (so that
+        torch.load(weights_only=True) reads them): the format, the scale layout, the gate/up row
+        order, the order of gate_up_data's and down_data's codes ("plain" or "prepacked") and the
+        experts [first, last) of num_experts they hold (a rank's own with expert parallelism)."""
+        return {"version": STATE_VERSION, "fmt": self.fmt, "scale_layout": self.scale_layout,
+                "gate_up_layout": self.gate_up_layout,
+                "gate_up_order": "prepacked" if self.gate_up_prepacked else "plain",
+                "down_order": "prepacked" if self.down_prepacked else "plain",
+                "experts": tuple(self.expert_range), "num_experts": self.num_experts}
+
+    def set_extra_state(self, state: dict):
+        """load_state_dict's last step, after _load_from_state_dict has turned the checkpoint's
+        tensors into this layer's: `state` must describe the layer as it now is. A description of
+        anything else raises rather than relabel tensors it does not convert."""
+        if state != self.get_extra_state():
+            raise ValueError(f"state: expected this layer's own description {self.get_extra_state()} "
+                             f"(load_state_dict converts a checkpoint to it), got {state!r}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """torch's load, once the checkpoint's expert tensors are made what this layer would hold
+        had its loaders run (_state_change: the format, the codes' order, the scale layout, the
+        experts): the buffers they fill are made where none (or one of another shape) is, and
+        copied into in place otherwise. Graphs captured on the old weights are dropped. With
+        expert parallelism no rank changes its weights unless every rank can, and the ranks'
+        loaded weights are compared after (two small collectives)."""
+        try:
+            change, failure = self._state_change(state_dict, prefix), None
+        except (ValueError, TypeError) as error:
+            change, failure = None, error
+        if self.ep_group is not None:
+            outcome = "ok" if failure is None else f"{type(failure).__name__}: {failure}"
+            distributed.check_agreement("MoE.load_state_dict", {"load_state_dict": outcome}, self.ep_group)
+        if failure is not None:
+            raise failure
+        state_dict = dict(state_dict)
+        device = self.router_weight.device
+        if change is not None:
+            if change.fmt != self.fmt:  # (a layer built with fmt=None takes the checkpoint's)
+                self._use_format(change.fmt)
+                for name in _EXPERT_WEIGHTS:
+                    setattr(self, name, None)
+                self.gate_up_prepacked = self.down_prepacked = False
+            for name, t in change.tensors.items():
+                held = getattr(self, name)
+                if held is None or held.shape != t.shape or held.dtype != t.dtype or held.device != device:
+                    setattr(self, name, torch.empty(t.shape, dtype=t.dtype, device=device))
+                state_dict[prefix + name] = t
+            for weight, prepacked in change.prepacked.items():
+                setattr(self, f"{weight}_prepacked", prepacked)
+        given = state_dict.get(prefix + "intermediate_global_scale")
+        if self.intermediate_global_scale is None and isinstance(given, torch.Tensor):
+            self.intermediate_global_scale = torch.empty(given.shape, dtype=given.dtype, device=device)
+        if prefix + "_extra_state" in state_dict:
+            state_dict[prefix + "_extra_state"] = self.get_extra_state()
+        self._graphs.clear()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self.ep_group is not None:
+            self._loaded("load_state_dict")
+
+    def _state_change(self, state_dict: dict, prefix: str) -> _StateChange | None:
+        """The checkpoint's expert tensors (weights and biases) as this layer would hold them, or
+        None where there are none; nothing on the layer changes. ValueError unless the
+        checkpoint's extra state says what they mean, or where it differs in what cannot be
+        converted: another format (unless the layer was built with fmt=None: then it takes the
+        checkpoint's), another gate/up row order, other experts than the layer's or all of them.
+        Converted: the codes' order (prepacked or plain, to what _keeps_prepacked says on the
+        layer's device), the scale layout, the full checkpoint cut to a rank's experts."""
+        names = _EXPERT_WEIGHTS + (("gate_up_bias", "down_bias") if self.has_expert_bias else ())
+        given = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
+        if not given:
+            return None
+        key = prefix + "_extra_state"
+        if key not in state_dict:
+            raise ValueError(f"state_dict: expected {key!r} (what the expert tensors mean: format, order, scale "
+                             f"layout) beside {', '.join(repr(prefix + name) for name in given)}")
+        saved = _saved_meaning(state_dict[key], key)
+        fmt = saved["fmt"]
+        if fmt != self.fmt and self._chosen_fmt is not None:
+            raise ValueError(f"state_dict: expected experts of format {self.fmt} (this layer's), got {fmt} (the "
+                             f"checkpoint's); build the layer with fmt={fmt!r}, or fmt=None to take the checkpoint's")
+        f = get_format(fmt)
+        for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+            if size % f.k_multiple:
+                raise ValueError(f"state_dict: the checkpoint's format {fmt} needs {name} a multiple of "
+                                 f"{f.k_multiple}, this layer's is {size}")
+        if saved["gate_up_layout"] != _gate_up_layout(fmt):
+            raise ValueError(f"state_dict: expected gate/up rows {_gate_up_layout(fmt)!r} (this layer's order), got "
+                             f"{saved['gate_up_layout']!r}")
+        layout = _weight_scale_layout(fmt)
+        if saved["scale_layout"] != layout and f.scaled and not f.swizzle_capable:
+            raise ValueError(f"state_dict: expected scale layout {layout!r} (the only one of {fmt}), got "
+                             f"{saved['scale_layout']!r}")
+        first, last = self.expert_range
+        saved_first, saved_last = saved["experts"]
+        if saved["num_experts"] != self.num_experts or (saved_first, saved_last) not in ((first, last),
+                                                                                        (0, self.num_experts)):
+            raise ValueError(f"state_dict: holds experts [{saved_first}, {saved_last}) of {saved['num_experts']}, "
+                             f"this layer keeps [{first}, {last}) of {self.num_experts}: expected those or all "
+                             f"{self.num_experts}")
+        cut = (saved_first, saved_last) != (first, last)
+        device = self.router_weight.device
+        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
+        tensors, prepacked = {}, {}
+        for weight, n, k in (("gate_up", 2 * i, h), ("down", h, i)):
+            parts = _weight_parts(fmt, saved["scale_layout"], e, n, k)
+            present = [part for part in _WEIGHT_PARTS if f"{weight}_{part}" in given]
+            if not present:
+                continue
+            if list(parts) != present:  # (a weight's parts mean something only together)
+                keys = lambda names: ", ".join(repr(f"{prefix}{weight}_{part}") for part in names)  # noqa: E731
+                raise ValueError(f"state_dict: expected {keys(parts)} ({fmt} weights), got {keys(present)}")
+            for part, (shape, dtypes) in parts.items():
+                name = f"{weight}_{part}"
+                t = self._checked_state(given[name], f"state_dict[{prefix + name!r}]", shape, dtypes, cut)
+                if part == "scales":
+                    t = t.view(dtypes[0])  # (e8m0 scales may come as their bytes)
+                    if saved["scale_layout"] != layout:
+                        t = (layouts.swizzle_b_scales(t) if layout == "swizzled"
+                             else layouts.unswizzle_b_scales(t, n, math.ceil(k / f.b.block_k)))
+                elif part == "data":
+                    was = saved[f"{weight}_order"] == "prepacked"
+                    if was:
+                        check_prepackable(fmt, shape, f"state_dict[{key!r}] ({weight}_order 'prepacked')")
+                    keeps = self._keeps_prepacked(fmt, n, k, device)
+                    if was != keeps:  # (where the tensor lies: assign=True keeps the checkpoint's device)
+                        t = prepack_codes(t) if keeps else unpack_codes(t)
+                    prepacked[weight] = keeps
+                tensors[name] = t
+        for name, shape in (("gate_up_bias", (e, 2 * i)), ("down_bias", (e, h))):
+            if name in given:
+                t = self._checked_state(given[name], f"state_dict[{prefix + name!r}]", shape, None, cut)
+                tensors[name] = t.float()
+        return _StateChange(fmt, tensors, prepacked)
+
+    def _checked_state(self, t, name: str, shape: tuple, dtypes, cut: bool) -> torch.Tensor:
+        """A checkpoint's per-expert tensor: cut to this rank's experts where `cut` (it holds all
+        of them), then of `shape` and one of `dtypes` (None: any float dtype), else ValueError
+        naming it."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if cut:
+            if t.dim() == 0 or t.shape[0] != self.num_experts:
+                raise ValueError(f"{name}: expected the {self.num_experts} experts its extra state says it holds, "
+                                 f"got shape {tuple(t.shape)}")
+            t = t[self.expert_range[0]:self.expert_range[1]]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        if dtypes is None and not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if dtypes is not None and t.dtype not in dtypes:
+            raise TypeError(f"{name}: expected {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        return t
 
     # ---- forward -------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ the test (torch.multiprocessing re-raises it in the parent)."""
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import sys
@@ -163,6 +164,43 @@ def check_loaders(group, device):
         getattr(ep, loader)(**{name: cut(w) for name, w in weights.items()}).load_router(router)
         err = rel_err(ep(x[mine]), one(x)[mine])
         assert err <= 1e-5, f"{loader}: relative error {err:.2e}"
+
+
+def check_state_dict(group, device):
+    """load_state_dict into a rank: the single-process layer's checkpoint (prepacked, all experts)
+    cut to the rank's and unpacked (prepack=False); a rank's own state into a fresh rank layer;
+    rank 0's state on every rank: a ValueError on each, no rank's weights changed."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    h, i, e, k = 64, 64, 8, 2
+    gen = torch.Generator().manual_seed(13)
+    weights = dict(gate=torch.randn(e, i, h, generator=gen), up=torch.randn(e, i, h, generator=gen),
+                   down=torch.randn(e, h, i, generator=gen))
+    router = torch.randn(e, h, generator=gen)
+    x = torch.randn(world * 5, h, generator=gen)
+    mine = slice(rank * 5, (rank + 1) * 5)
+    kw = {"fmt": "bf16_nvfp4", "dtype": torch.float32}
+    one = moegemm.MoE(h, i, e, k, prepack=True, **kw).load_experts(**weights).load_router(router)
+    ep = moegemm.MoE(h, i, e, k, ep_group=group, prepack=False, **kw)
+    ep.load_state_dict(one.state_dict())
+    assert not ep.gate_up_prepacked and ep.get_extra_state()["experts"] == ep.expert_range
+    got = ep(x[mine])
+    err = rel_err(got, one(x)[mine])
+    assert err <= 1e-5, f"full checkpoint into rank {rank}: relative error {err:.2e}"
+    own = moegemm.MoE(h, i, e, k, ep_group=group, prepack=True, **kw)
+    own.load_state_dict(ep.state_dict())
+    assert own.gate_up_prepacked and torch.equal(own(x[mine]), got)
+    saved = io.BytesIO()
+    torch.save(ep.state_dict(), saved)
+    first = [saved.getvalue() if rank == 0 else None]  # (its bytes: what torch.save writes)
+    dist.broadcast_object_list(first, src=0, group=group)
+    try:
+        own.load_state_dict(torch.load(io.BytesIO(first[0]), weights_only=True))
+    except ValueError as error:
+        assert str(error).startswith("load_state_dict: expected the same on every rank"), str(error)
+        assert "rank 0 'ok'" in str(error) and "holds experts [0, 4) of 8, this layer keeps [4, 8)" in str(error)
+    else:
+        raise AssertionError("another rank's experts loaded")
+    assert torch.equal(own(x[mine]), got)
 
 
 def check_functional(group, device):
