@@ -18,18 +18,31 @@ marks the others -1, which the layer's routing drops.
 
 Two paths, which every rank of the group must take together:
     "prefill"  a token goes once to each rank that owns at least one of its choices. The counts
-               are exchanged first (one all_to_all_single of W integers) and read on the host
+               are exchanged first (one all_to_all_single of W small rows) and read on the host
                to size the exchange.
-    "decode"   no host read, so it captures in a CUDA graph: a fixed number of rows for every
-               pair of ranks (every token to every rank; a rank runs nothing for a token none
-               of whose choices it owns). With a `capacity` C every rank sends C rows, its T <= C
+    "decode"   no host read inside a CUDA-graph capture: a fixed number of rows for every pair
+               of ranks (every token to every rank; a rank runs nothing for a token none of
+               whose choices it owns). With a `capacity` C every rank sends C rows, its T <= C
                tokens and padding that no expert takes, so ranks may hold any count up to C (a
                serving batch of its own a rank); a rank whose T exceeds C still takes its part in
                the exchange (with no tokens, so that the other ranks' tokens are served and no
                rank waits forever) and then raises a ValueError naming the capacity. Without a
                capacity every rank must pass the same number of tokens T, as a CUDA-graph batch
-               does (checked with MOEGEMM_DEBUG=1, which synchronizes).
+               does.
     "auto"     "decode" while a CUDA graph is being captured, else "prefill".
+
+Misuse raises on every rank instead of crashing or hanging in an exchange of mismatched sizes.
+Every dispatch outside a CUDA-graph capture starts with the exchange of W small rows that the
+prefill path sizes itself by: besides the counts, each rank sends a header (the path, the
+format, the hidden size, k, the expert count, the capacity, whether an nvfp4 global scale is
+given: what fixes the exchanges' sizes and a packed row's bytes) and its token count, and reads
+every rank's on the host before any token moves. Ranks whose headers differ all raise a
+ValueError naming the first field that differs and every rank's value; so do the ranks of a
+decode path without a capacity whose token counts differ (the message says to pass a
+capacity). A decode path being captured exchanges and checks nothing (a host read cannot be
+captured): its shapes were checked at the eager call that precedes a capture, with the same
+path, shapes and format. The header exchange also carries nvfp4's token amax, so that the
+group's global scale costs no collective of its own.
 
 Combine returns each rank's partial weighted sum of a token's choices once per token, in fp32
 (bf16 partials add about 3e-3 relative error against the single-GPU layer, which sums all k
@@ -46,9 +59,8 @@ import torch.distributed as dist
 
 from . import activation as act
 from . import routing
-from .formats import get_format
+from .formats import FORMATS, get_format
 from .quantize import QuantizedTensor
-from .validation import debug_mode
 
 __all__ = ["EP_PATHS", "Dispatched", "check_agreement", "combine", "dispatch", "expert_range", "group_global_scale",
            "rank_and_size"]
@@ -72,13 +84,31 @@ def expert_range(num_experts: int, group) -> tuple[int, int]:
     return rank * per_rank, (rank + 1) * per_rank
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """amax |x| in fp32 as a 1-element tensor (0 for no tokens), on x's device."""
+    amax = x.float().abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    return amax.reshape(1).clone()
+
+
 def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
     """nvfp4's token global scale over every rank's tokens, amax / (448 * 6) (1 where all are zero):
     the scale a single GPU running the whole batch takes. One all_reduce, no host read."""
-    amax = x.float().abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    amax = amax.reshape(1).clone()
+    amax = _amax(x)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return act._nvfp4_global_of(amax)  # (the quantizers' rule, on the group's amax)
+
+
+def _differences(what: str, gathered: list[dict]) -> str | None:
+    """The message naming each field on which the ranks' descriptors `gathered` differ (rank
+    order), with every rank's value; None where they agree."""
+    keys = list(dict.fromkeys([key for other in gathered for key in other]))  # (the descriptors' own order)
+    differing = [key for key in keys if any(other.get(key) != gathered[0].get(key) for other in gathered)]
+    if not differing:
+        return None
+    values = "; ".join(f"{key}: " + ", ".join(f"rank {r} {g.get(key)!r}" for r, g in enumerate(gathered))
+                       for key in differing)
+    return (f"{differing[0]}: expected the same on every rank of the expert-parallel group ({what}), "
+            f"got {values.split(': ', 1)[1] if len(differing) == 1 else values}")
 
 
 def check_agreement(what: str, descriptor: dict, group) -> None:
@@ -90,13 +120,43 @@ def check_agreement(what: str, descriptor: dict, group) -> None:
     _, world = rank_and_size(group)
     gathered = [None] * world
     dist.all_gather_object(gathered, descriptor, group=group)
-    keys = list(dict.fromkeys([key for other in gathered for key in other]))  # (the descriptors' own order)
-    differing = [key for key in keys if any(other.get(key) != gathered[0].get(key) for other in gathered)]
-    if differing:
-        values = "; ".join(f"{key}: " + ", ".join(f"rank {r} {g.get(key)!r}" for r, g in enumerate(gathered))
-                           for key in differing)
-        raise ValueError(f"{differing[0]}: expected the same on every rank of the expert-parallel group ({what}), "
-                         f"got {values.split(': ', 1)[1] if len(differing) == 1 else values}")
+    message = _differences(what, gathered)
+    if message is not None:
+        raise ValueError(message)
+
+
+# What every rank of a dispatch must agree on (module docstring), as int64 words.
+_HEADER = ("path", "fmt", "hidden_size", "top_k", "num_experts", "capacity", "global_scale")
+_FORMAT_NAMES = tuple(FORMATS)
+
+
+def _header_words(path: str, fmt: str, hidden: int, top_k: int, num_experts: int, capacity: int | None,
+                  global_scale_given: bool) -> list[int]:
+    return [EP_PATHS.index(path), _FORMAT_NAMES.index(fmt), hidden, top_k, num_experts,
+            -1 if capacity is None else capacity, int(global_scale_given)]
+
+
+def _header_of(words: list[int]) -> dict:
+    path, fmt, hidden, top_k, num_experts, capacity, given = words
+    return dict(path=EP_PATHS[path], fmt=_FORMAT_NAMES[fmt], hidden_size=hidden, top_k=top_k,
+                num_experts=num_experts, capacity=None if capacity < 0 else capacity,
+                global_scale="given" if given else None)
+
+
+def _check_headers(rows: list[list[int]]):
+    """ValueError, the same on every rank, unless the ranks' headers (each rank's row of the
+    first exchange: rows for this rank, its T, its header) agree, and, on the decode path
+    without a capacity, their token counts too."""
+    headers = [_header_of(row[2:2 + len(_HEADER)]) for row in rows]
+    message = _differences("distributed.dispatch", headers)
+    if message is not None:
+        raise ValueError(message)
+    tokens = [row[1] for row in rows]
+    if headers[0]["path"] == "decode" and headers[0]["capacity"] is None and len(set(tokens)) > 1:
+        counts = ", ".join(f"rank {r} {t}" for r, t in enumerate(tokens))
+        raise ValueError(f"x: the decode path without a capacity needs the same number of tokens on every rank, "
+                         f"got {counts}; pass ep_capacity (dispatch's capacity) of at least {max(tokens)} so that "
+                         f"the ranks may hold different counts")
 
 
 _WORD = 8  # bytes: packed rows are moved as int64 words
@@ -210,21 +270,10 @@ def _check_dispatch_args(x, topk_ids, topk_weights, path):
         raise ValueError(f"path: expected one of {list(EP_PATHS)}, got {path!r}")
 
 
-def _chosen_path(path: str, device: torch.device) -> str:
+def _chosen_path(path: str, capturing: bool) -> str:
     if path != "auto":
         return path
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     return "decode" if capturing else "prefill"
-
-
-def _check_same_tokens(num_tokens: int, group, device):
-    """The decode path's premise, read on the host (MOEGEMM_DEBUG=1 only: it synchronizes)."""
-    _, world = rank_and_size(group)
-    mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    every = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_to_all_single(every, mine.repeat(world), group=group)
-    if len(set(every.tolist())) > 1:
-        raise ValueError(f"x: the decode path needs the same number of tokens on every rank, got {every.tolist()}")
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, fmt: str, *,
@@ -235,7 +284,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     quantized into `fmt`'s A operand. nvfp4: global_scale of the tokens, group_global_scale(x)
     when None (the same on every rank, so that the received tokens share one). capacity: the
     decode path's rows a rank (module docstring), the same on every rank; None: T, the same T on
-    every rank."""
+    every rank. Outside a CUDA-graph capture the ranks' calls are compared first (module
+    docstring): where they disagree, every rank raises a ValueError before any token moves."""
     _check_dispatch_args(x, topk_ids, topk_weights, path)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"capacity: expected an int >= 0 (tokens a rank on the decode path) or None, got "
@@ -246,11 +296,10 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     per_rank = last - first
     num_tokens, top_k = topk_ids.shape
     device = x.device
-    path = _chosen_path(path, device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    path = _chosen_path(path, capturing)
     overflow = capacity if path == "decode" and capacity is not None and num_tokens > capacity else None
     if path == "decode":
-        if debug_mode() and capacity is None:
-            _check_same_tokens(num_tokens, group, device)
         # (a rank over its capacity sends padding alone: none of its tokens is served)
         sent_to = torch.full((num_tokens, world), overflow is None, dtype=torch.bool, device=device)
     else:
@@ -259,8 +308,15 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         sent_to = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device).scatter_(1, dest, True)
         sent_to = sent_to[:, :world]
     counts = sent_to.sum(dim=0)
-    if path == "prefill":  # to rank r: the rows it gets from this rank, and this rank's T
-        exchanged = torch.stack((counts, torch.full_like(counts, num_tokens)), dim=1)
+    group_amax = f.a.global_scale and global_scale is None
+    checked = not (path == "decode" and capturing)  # (module docstring: a capture reads nothing on the host)
+    if checked:  # to rank r: the rows it gets from this rank, this rank's T, its header, nvfp4's amax
+        header = _header_words(path, f.name, x.shape[1], top_k, num_experts, capacity,
+                               f.a.global_scale and global_scale is not None)
+        amax = _amax(x).double() if group_amax else torch.zeros(1, dtype=torch.float64, device=device)
+        exchanged = torch.cat((counts.unsqueeze(1), torch.full_like(counts, num_tokens).unsqueeze(1),
+                               torch.tensor(header, dtype=torch.int64, device=device).expand(world, -1),
+                               amax.view(torch.int64).reshape(1, 1).expand(world, 1)), dim=1)
         received = torch.empty_like(exchanged)
         dist.all_to_all_single(received, exchanged, group=group)
     # Row of token t's copy for rank r among the rows sent, destination-major. (The scan runs along
@@ -272,20 +328,24 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     else:
         before = sent_to.t().long().cumsum(dim=1) - 1
         source_rows = (before + (counts.cumsum(dim=0) - counts).unsqueeze(1)).t()
-    if f.a.global_scale and global_scale is None:
-        global_scale = group_global_scale(x, group)
+    if group_amax:  # (the rule of group_global_scale, on the amaxes already exchanged)
+        global_scale = (act._nvfp4_global_of(received[:, -1].contiguous().view(torch.float64).amax().float())
+                        if checked else group_global_scale(x, group))
     tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
     weights = topk_weights if topk_weights is not None else torch.ones(topk_ids.shape, device=device)
     layout = _row_layout(tokens, top_k)
     packed = _pack(tokens, layout, topk_ids, weights)
+    if checked:  # the host read (after the work above is queued), before any token moves
+        first_rows = received.tolist()
+        _check_headers(first_rows)
     if path == "decode":
         send_splits = recv_splits = [rows_each] * world
         group_tokens = world * rows_each
         send = _padded(packed, layout, rows_each, overflow is not None).repeat(world, 1)
-    else:  # the host read (after the work above is queued)
+    else:
         send_splits = counts.tolist()
-        recv_splits, tokens_of = (list(column) for column in zip(*received.tolist()))
-        group_tokens = sum(tokens_of)
+        recv_splits = [row[0] for row in first_rows]
+        group_tokens = sum(row[1] for row in first_rows)
         total = sum(send_splits)
         spare = torch.where(sent_to, source_rows, total).reshape(-1)  # rows not sent go to a spare slot
         send_token = torch.empty(total + 1, dtype=torch.long, device=device)

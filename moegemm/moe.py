@@ -95,6 +95,23 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
                          f"and shape {tuple(w_down.data.shape)}")
 
 
+def _check_device(device) -> None:
+    """ValueError naming `device` unless it is None or a device this torch can allocate on (a CUDA
+    device asked of a torch without one fails here, not in an allocation's assertion)."""
+    if device is None:
+        return
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected a device this torch can use ('cpu', 'cuda', 'cuda:1', ...), got "
+                         f"{device!r} ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: expected a device this torch can use, got {str(device)!r}, but no CUDA device is "
+                         f"available (torch {torch.__version__}, CUDA {torch.version.cuda or 'not built'})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device: expected one of the {torch.cuda.device_count()} CUDA devices, got {str(device)!r}")
+
+
 def moe_forward(
     x: torch.Tensor | QuantizedTensor,
     topk_ids: torch.Tensor,
@@ -135,14 +152,23 @@ def moe_forward(
     ep_group (a torch.distributed process group of W ranks): expert parallelism. x and
     topk_ids are this rank's tokens and their choices among all E = W * E_local experts; the
     weights, biases and expert scales are this rank's E_local experts, [r*E_local, (r+1)*E_local).
-    ep_path: "prefill" (counts read on the host), "decode" (fixed capacity, no host read) or
-    "auto" (decode while a CUDA graph is captured); distributed.py. ep_capacity: the decode
-    path's tokens a rank, the same on every rank; each rank then passes any T <= ep_capacity (a
-    rank above it raises after its part of the exchange, so no rank hangs); None: the same T on
-    every rank.
+    ep_path: "prefill" (counts read on the host), "decode" (fixed rows, no host read while a
+    CUDA graph is captured) or "auto" (decode while a CUDA graph is captured); distributed.py.
+    ep_capacity: the decode path's tokens a rank, the same on every rank; each rank then passes
+    any T <= ep_capacity (a rank above it raises after its part of the exchange, so no rank
+    hangs); None: the same T on every rank.
     nvfp4: the token global scale defaults to the amax over every rank's tokens. Custom layers
     may run the steps themselves: distributed.dispatch, moe_forward_received, distributed.combine.
+    Ranks whose calls disagree on what sizes the exchanges (the format, k, the hidden size, the
+    expert count, the path, the capacity; on the decode path without a capacity, T) all raise a
+    ValueError naming it and every rank's value, checked at every call outside a CUDA-graph
+    capture (distributed.py): the decode path is checked at the eager call before its capture.
+
+    x may be any view (transposed, sliced): the kernels read token rows of unit column stride,
+    so x whose columns are strided is copied once; others are read in place.
     """
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
     if ep_group is not None:
         return _ep_moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, ep_group=ep_group, ep_path=ep_path,
                                ep_capacity=ep_capacity,
@@ -375,6 +401,9 @@ class MoE(torch.nn.Module):
     rounding of the combine's order). ep_path, ep_capacity: moe_forward's. The ranks' layers are
     compared when built and when loaded (one small collective each): ranks that disagree on the
     format, the sizes, the path, the capacity or the loaded weights get a ValueError together.
+    On the decode path without ep_capacity every call outside a CUDA-graph capture compares the
+    ranks' token counts (moe_forward): unequal ones raise on every rank, naming them; pass
+    ep_capacity where ranks hold different counts.
 
     prepack: the loaders keep the weights of formats.PREPACK_FORMATS (bf16_mxfp4, gpt-oss's, among
     them) in the order the sm90 decoding kernel reads (moegemm.prepack_weights), where N and K are
@@ -407,6 +436,7 @@ class MoE(torch.nn.Module):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if top_k > num_experts:
             raise ValueError(f"top_k: expected <= num_experts ({num_experts}), got {top_k}")
+        _check_device(device)
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(f"n_group, topk_group: need n_group | num_experts and 1 <= topk_group <= n_group, "
                              f"got {n_group}, {topk_group}")

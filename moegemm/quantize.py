@@ -24,6 +24,7 @@ Encodings per docs/contract.md section 3 (codecs.py holds the element rules):
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,17 +79,31 @@ class QuantizedTensor:
         layout, per-expert global scales, prepacked order), views of this tensor's storage. The
         way to cut a rank's share (expert parallelism): a QuantizedTensor rebuilt by hand from
         its tensors loses what its fields record (e.g. that prepacked codes are prepacked, which
-        no kernel could tell from the bytes)."""
+        no kernel could tell from the bytes). first and last: ints, numpy integers or 0-d integer
+        tensors, as torch's indexing takes them."""
         if self.operand != "b":
             raise ValueError(f"experts: only weights (operand 'b') have experts, this is operand {self.operand!r}")
+        first, last = _expert_index(first, "first"), _expert_index(last, "last")
         count = self.data.shape[0]
-        if not (isinstance(first, int) and isinstance(last, int) and 0 <= first <= last <= count):
+        if not 0 <= first <= last <= count:
             raise ValueError(f"first, last: expected 0 <= first <= last <= {count} (the experts), got {first!r}, "
                              f"{last!r}")
         return replace(self, data=self.data[first:last],
                        scales=None if self.scales is None else self.scales[first:last],
                        global_scale=None if self.global_scale is None or self.global_scale.dim() == 0
                        else self.global_scale[first:last])
+
+
+def _expert_index(value, name: str) -> int:
+    """An expert bound as an int: anything operator.index takes (int, numpy integer, 0-d integer
+    tensor) but the bools it takes too (Python's and torch's) and tensors of more dimensions."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() or value.dtype == torch.bool)):
+        raise TypeError(f"{name}: expected an integer (int, numpy integer or 0-d integer tensor), got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer (int, numpy integer or 0-d integer tensor), got "
+                        f"{value!r}") from None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -189,7 +204,9 @@ def _check_float_input(x: torch.Tensor, name: str, ndim: int, fmt: Format, opera
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
     if x.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+        weights = (" (the shape of weights [E, N, K]: quantize_weights quantizes weights)"
+                   if (ndim, x.dim()) == (2, 3) else "")
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}{weights}")
     k = x.shape[-1]
     if k % fmt.k_multiple:
         raise ValueError(f"{name}: K must be a multiple of {fmt.k_multiple} for {fmt.name}, got K={k}")
@@ -222,13 +239,14 @@ def quantize(
     f, operand, x, bf16 = _prepared(x, "x", fmt, "a", scale_layout)
     if bf16 is not None:
         return bf16
+    if scale_layout == "swizzled" and a_offsets is None:
+        raise ValueError("a_offsets: required to place activation scales in the swizzled layout (quantize takes "
+                         "activations [M, K]; weights [E, N, K] go through quantize_weights)")
     gscale = None
     if operand.global_scale:
         gscale = _nvfp4_global(x, ()) if global_scale is None else _check_global_scale(global_scale, 1, x.device)
     data, scales = _quantize_rows(x, operand, gscale)
     if scale_layout == "swizzled":
-        if a_offsets is None:
-            raise ValueError("a_offsets: required to place activation scales in the swizzled layout")
         scales = layouts.swizzle_a_scales(scales, a_offsets, num_scale_blocks)
         return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale, a_offsets,
                                layouts.a_scale_offsets(a_offsets))

@@ -147,12 +147,15 @@ def experts_with_grad(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     weights and the biases. Weights bf16, in the caller's layout (`transposed`); gate/up rows
     (columns when transposed) "concat" ([gate; up]) or "interleaved" as gate_up_layout states.
     The forward's grouped products read [E, N, K] weights: transposed ones are copied each call
-    (training changes them every step). Returns [T, H] in x's dtype."""
+    (training changes them every step). x may be any view: x whose columns are strided is copied
+    once (the grouped products read rows of unit column stride). Returns [T, H] in x's dtype."""
     check_activation(activation, gate_up_layout)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
             raise TypeError(f"{name}: expected a bf16 [E, N, K] tensor (gradients run on bf16 weights only), got "
                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
     return _Experts.apply(x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
                           activation, float(alpha), float(limit), transposed, backend,
                           _expert_weights(w_gate_up, transposed), _expert_weights(w_down, transposed))

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -258,7 +259,7 @@ def check_transformers_blocks(group, device):
 
 
 def check_errors(group, device):
-    """Bad input names its argument; the decode path refuses unequal token counts in debug mode."""
+    """Bad input names its argument; the decode path without a capacity refuses unequal token counts."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     x = torch.randn(4 + rank, 256)
     ids = torch.zeros(4 + rank, 2, dtype=torch.int32)
@@ -283,15 +284,12 @@ def check_errors(group, device):
         assert "gate" in str(e) and "this rank's experts" in str(e), str(e)
     else:
         raise AssertionError("load_experts took 3 experts")
-    os.environ["MOEGEMM_DEBUG"] = "1"
-    try:
+    try:  # (no MOEGEMM_DEBUG: the eager decode path compares the counts)
         distributed.dispatch(x, ids, None, "bf16", num_experts=2 * world, group=group, path="decode")
     except ValueError as e:
         assert "same number of tokens" in str(e), str(e)
     else:
         raise AssertionError("the decode path took unequal token counts")
-    finally:
-        del os.environ["MOEGEMM_DEBUG"]
 
 
 def check_graph(group, device, fmts, sizes, tol):
@@ -346,6 +344,72 @@ def check_over_capacity(group, device):
     else:
         err = rel_err(ep(mine), one(x_all)[start:start + counts[rank]])
         assert err <= 1e-5, f"rank {rank}: relative error {err:.2e}"
+
+
+def _fails_together(call, starts: str, *pieces: str):
+    """call() raises a ValueError whose message starts with `starts` and holds every piece."""
+    try:
+        call()
+    except ValueError as e:
+        assert str(e).startswith(starts) and all(piece in str(e) for piece in pieces), (starts, str(e))
+    else:
+        raise AssertionError(f"no error where one was due: {starts}")
+
+
+def check_disagreeing_calls(group, device):
+    """Rank 0's moe_forward(ep_group=...) call differs from the others' in what sizes the
+    exchanges or a packed row (the format, k, the hidden size, the path, the capacity; on the
+    decode path without a capacity, the token count): every rank raises a ValueError naming the
+    field and every rank's value, before any token moves, on both paths. Without the check gloo
+    aborts, NCCL hangs, or the rows decode as another format's (fp8_block's rows have mxfp8's
+    bytes). Then MoE's decode path without a capacity on unequal counts; then a right call on the
+    same group gives the single-process outputs (no rank was left inside a collective)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hidden, width, experts, top_k, tokens = 256, 128, 2 * world, 3, 6
+    gen = torch.Generator().manual_seed(21)
+    w_gu = (torch.randn(experts, 2 * width, hidden, generator=gen) / 16).to(device)
+    w_dn = (torch.randn(experts, hidden, width, generator=gen) / 11).to(device)
+    x = torch.randn(world * tokens, hidden, generator=gen).to(device)
+    ids = torch.randint(0, experts, (world * tokens, top_k), generator=gen, dtype=torch.int32).to(device)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    # (numpy and 0-d tensor bounds, as torch's indexing takes them)
+    first, last = (np.int64(bound) for bound in distributed.expert_range(experts, group))
+    whole = {name: (moegemm.quantize_weights(w_gu[..., :h], fmt), moegemm.quantize_weights(w_dn[:, :h], fmt))
+             for name, fmt, h in (("mxfp8", "mxfp8", hidden), ("nvfp4", "nvfp4", hidden),
+                                  ("fp8_block", "fp8_block", hidden), ("mxfp8 narrow", "mxfp8", 128))}
+    share = {fmt: tuple(w.experts(first, torch.tensor(last)) for w in pair) for fmt, pair in whole.items()}
+
+    def call(fmt="mxfp8", k=top_k, count=tokens, h=hidden, **ep):
+        layout = "concat" if fmt == "fp8_block" else "interleaved"
+        return moegemm.moe_forward(x[mine][:count, :h], ids[mine][:count, :k], None, *share[fmt],
+                                   gate_up_layout=layout, ep_group=group, **ep)
+
+    others = ", ".join(f"rank {r} {{}}" for r in range(1, world))
+    cases = [  # (every rank's arguments, rank 0's changes, the error's start, what it names)
+        (dict(ep_path="prefill"), dict(fmt="nvfp4"), "fmt:", "rank 0 'nvfp4', " + others.format(*["'mxfp8'"] * 3)),
+        (dict(ep_path="decode"), dict(fmt="fp8_block"), "fmt:", "rank 0 'fp8_block', rank 1 'mxfp8'"),
+        (dict(ep_path="prefill"), dict(k=2), "top_k:", "rank 0 2, rank 1 3"),
+        (dict(ep_path="decode"), dict(k=2), "top_k:", "rank 0 2, rank 1 3"),
+        (dict(ep_path="prefill"), dict(fmt="mxfp8 narrow", h=128), "hidden_size:", "rank 0 128, rank 1 256"),
+        (dict(ep_path="decode"), dict(ep_path="prefill"), "path:", "rank 0 'prefill', rank 1 'decode'"),
+        (dict(ep_path="decode", ep_capacity=8), dict(ep_capacity=6), "capacity:", "rank 0 6, rank 1 8"),
+        (dict(ep_path="decode"), dict(count=4), "x: the decode path without a capacity", "rank 0 4, rank 1 6",
+         "pass ep_capacity"),
+    ]
+    for every, changes, starts, *pieces in cases:
+        _fails_together(lambda: call(**{**every, **(changes if rank == 0 else {})}), starts, *pieces)
+    # The layer: the decode path without a capacity, rank r holding 3 + r tokens.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    _, layer = _layers("mxfp8", group, device, dtype, hidden=hidden, width=width, experts=experts, top_k=2,
+                       path="decode")
+    counts = ", ".join(f"rank {r} {3 + r}" for r in range(world))
+    _fails_together(lambda: layer(x[mine][:3 + rank].to(dtype)), "x: the decode path without a capacity", counts,
+                    "pass ep_capacity")
+    want = moegemm.moe_forward(x, ids, None, *whole["mxfp8"], gate_up_layout="interleaved")[mine]
+    tol = 1e-5 if device.type == "cpu" else 1e-3  # (GPUs: the combine's fp32 sums in another order)
+    for path in ("prefill", "decode"):
+        err = rel_err(call(ep_path=path), want)
+        assert err <= tol, f"{path} after the refused calls: relative error {err:.2e}"
 
 
 MISUSES = {  # what one rank does differently -> the field every rank's error names

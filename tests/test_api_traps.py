@@ -183,3 +183,95 @@ def test_nvfp4_expert_scales_of_another_shape_are_named():
     with pytest.raises(ValueError, match="^expert_scales:"):
         moegemm.grouped_matmul(qa, qw, None, None, a_offsets, torch.tensor([0, 1], dtype=torch.int32), fmt="nvfp4",
                                expert_scales=torch.ones(3))
+
+
+# ---- f. inputs as users pass them -------------------------------------------------------
+
+def _views(x: torch.Tensor) -> dict:
+    """x [T, H] as views of other strides on x's device, each equal to x: transposed, every other
+    column of a wider tensor, and columns sliced out of a wider row."""
+    t, h = x.shape
+    wide = x.new_zeros(t, 2 * h)
+    wide[:, ::2] = x
+    padded = x.new_zeros(t, h + 40)
+    padded[:, 8:8 + h] = x
+    return {"transposed": x.t().contiguous().t(), "strided columns": wide[:, ::2], "sliced rows": padded[:, 8:8 + h]}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_tokens_of_any_strides_give_the_contiguous_outputs(fmt):
+    # As nn.Linear takes any view, so do moe_forward and the layer: the same bits as the
+    # contiguous tokens' (a transposed view raised "x: expected unit stride along columns").
+    torch.manual_seed(2)
+    x, ids, weights, w_gate_up, w_down = _concat_layer_inputs(fmt)
+    want = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout="concat", backend="reference")
+    for name, view in _views(x).items():
+        got = moegemm.moe_forward(view, ids, weights, w_gate_up, w_down, gate_up_layout="concat", backend="reference")
+        assert torch.equal(got, want), name
+
+
+def test_the_layer_takes_hidden_states_of_any_strides():
+    torch.manual_seed(3)
+    x = torch.randn(6, 64)
+    layer = moegemm.MoE(64, 32, 4, 2, backend="reference").load_experts(
+        gate=torch.randn(4, 32, 64) * 0.2, up=torch.randn(4, 32, 64) * 0.2, down=torch.randn(4, 64, 32) * 0.2)
+    layer.load_router(torch.randn(4, 64))
+    want = layer(x)
+    for name, view in _views(x).items():
+        assert torch.equal(layer(view), want), name
+    batch = x.reshape(2, 3, 64)  # [B, S, H] stored as [H, B, S]: its tokens [B*S, H] are a transposed view
+    assert torch.equal(layer(batch.permute(2, 0, 1).contiguous().permute(1, 2, 0)), want.reshape(2, 3, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_tokens_of_any_strides_gpu(fmt):
+    # The sm90 path: a decode-sized layer call (replayed from its CUDA graph from the second call
+    # on) and a prefill-sized moe_forward, on views, give the contiguous tokens' bits.
+    torch.manual_seed(4)
+    h, i, e, k = 256, 256, 16, 4
+    layer = moegemm.MoE(h, i, e, k, fmt=fmt, device="cuda").load_experts(
+        gate=torch.randn(e, i, h, device="cuda") / 16, up=torch.randn(e, i, h, device="cuda") / 16,
+        down=torch.randn(e, h, i, device="cuda") / 16)
+    layer.load_router(torch.randn(e, h, device="cuda"))
+    w_gate_up, w_down = layer.weights()
+    for tokens in (4, 300):
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        views = _views(x)
+        want = layer(x)
+        for name, view in views.items():
+            for _ in range(3):  # (eager, captured, replayed)
+                assert torch.equal(layer(view), want), (tokens, name)
+        ids, weights = layer.route_tokens(x)
+        want = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout)
+        for name, view in views.items():
+            got = moegemm.moe_forward(view, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout)
+            assert torch.equal(got, want), (tokens, name)
+
+
+def test_weights_given_to_the_activation_quantizer_are_named():
+    # quantize() takes activations [M, K]; weights [E, N, K] there are named as such, in every
+    # layout, before anything else is checked (a 2-D tensor in the swizzled layout needs
+    # a_offsets: the message says what quantize is for).
+    w = torch.randn(4, 32, 64)
+    for fmt in ("mxfp8", "nvfp4", "fp8_block", "bf16"):
+        for layout in ("plain", "swizzled"):
+            with pytest.raises(ValueError, match=r"^x: expected 2 dimensions, got shape \(4, 32, 64\) "
+                                                 r".*quantize_weights"):
+                moegemm.quantize(w, fmt, scale_layout=layout)
+    with pytest.raises(ValueError, match="^a_offsets: required .*activations .*quantize_weights"):
+        moegemm.quantize(w[0], "mxfp8", scale_layout="swizzled")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a torch without a CUDA device")
+def test_a_cuda_layer_without_cuda_is_named():
+    # Was torch's "AssertionError: Torch not compiled with CUDA enabled" from an allocation.
+    for device in ("cuda", torch.device("cuda", 1)):
+        with pytest.raises(ValueError, match="^device: .*no CUDA device is available"):
+            moegemm.MoE(64, 32, 4, 2, device=device)
+
+
+def test_a_device_torch_does_not_know_is_named():
+    with pytest.raises(ValueError, match="^device: expected a device this torch can use.*'gpu'"):
+        moegemm.MoE(64, 32, 4, 2, device="gpu")
+    assert moegemm.MoE(64, 32, 4, 2, device="cpu").router_weight.device.type == "cpu"

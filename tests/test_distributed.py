@@ -27,6 +27,14 @@ def test_disagreeing_ranks_fail_together_cpu(case):
     spawn(2, "gloo", "check_misuse", case, timeout=60)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_disagreeing_calls_fail_together_cpu(world):
+    """moe_forward calls whose ranks disagree (format, k, hidden size, path, capacity, the decode
+    path's token counts), and MoE's decode path without a capacity on unequal counts: a ValueError
+    on every rank, never a crash or a hang (the timeout), and the group still works after."""
+    spawn(world, "gloo", "check_disagreeing_calls", timeout=90)
+
+
 def test_transformers_blocks_two_ranks_cpu():
     pytest.importorskip("transformers")
     spawn(2, "gloo", "check_transformers_blocks")
@@ -47,6 +55,13 @@ def _gpus(world):
 def test_layer_matches_single_gpu_nccl(world):
     _gpus(world)
     spawn(world, "nccl", "check_layers", FORMATS, ("prefill", "decode", "capacity"), GPU_SIZES, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_disagreeing_calls_fail_together_nccl(world):
+    _gpus(world)
+    spawn(world, "nccl", "check_disagreeing_calls", timeout=180)
 
 
 @pytest.mark.gpu

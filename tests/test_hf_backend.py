@@ -129,6 +129,30 @@ def test_gradients_match_the_eager_experts(kind, device):
         assert got.shape == want.shape and _rel(got, want) < 3e-2, (kind, name, _rel(got, want))
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_hidden_states_of_any_strides(kind):
+    """The backend takes hidden states of any strides, as transformers' own experts do: a
+    transposed view gives the contiguous tensor's outputs and gradients, with and without grad
+    (it raised "x: expected unit stride along columns")."""
+    model = _model(kind)
+    module = moegemm.hf.experts_modules(model)[0]
+    module.config._experts_implementation = "moegemm"
+    tokens, hidden = 7, model.config.hidden_size
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    top_k_index = torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
+    top_k_weights = torch.rand(tokens, 2, dtype=torch.bfloat16)
+    transposed = x.t().contiguous().t()
+    with torch.no_grad():
+        assert torch.equal(module(transposed, top_k_index, top_k_weights), module(x, top_k_index, top_k_weights))
+    dout = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    grads = []
+    for given in (x, transposed):
+        given = given.detach().requires_grad_()
+        grads.append(torch.autograd.grad(module(given, top_k_index, top_k_weights), [given, module.down_proj], dout))
+    for want, got in zip(*grads):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_training_step_runs_through_the_backend(kind):
     """A whole model's loss.backward() with the moegemm experts: every expert weight (and bias)

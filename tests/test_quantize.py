@@ -5,6 +5,7 @@ import math
 import struct
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,3 +289,19 @@ def test_a_share_of_the_experts_refuses_what_has_none():
         w.experts(3, 5)
     with pytest.raises(ValueError, match="only weights"):
         moegemm.quantize(torch.randn(4, 64), "mxfp8").experts(0, 1)
+
+
+def test_a_share_of_the_experts_takes_the_integers_torch_indexing_takes():
+    # numpy integers and 0-d integer tensors, as w[first:last] takes them (an expert-parallel
+    # rank's bounds often come from either); bools, floats and 1-D tensors stay refused.
+    w = moegemm.quantize_weights(torch.randn(4, 32, 64), "mxfp8")
+    want = w.experts(1, 3)
+    for first, last in ((np.int64(1), np.int32(3)), (torch.tensor(1), torch.tensor(3, dtype=torch.int32)),
+                        (np.array(1), 3)):
+        got = w.experts(first, last)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    for first, last, name in ((True, 3, "first"), (np.bool_(True), 3, "first"), (torch.tensor(True), 3, "first"),
+                              (1, 3.0, "last"), (1, torch.tensor(3.0), "last"), (1, torch.tensor([3]), "last")):
+        with pytest.raises(TypeError, match=f"^{name}: expected an integer"):
+            w.experts(first, last)
