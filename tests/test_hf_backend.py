@@ -43,10 +43,10 @@ def _config(kind: str, hidden: int = 64, width: int = 32, experts: int = 8, top_
                                          **SMALL)
 
 
-def _model(kind: str, device: str = "cpu", **sizes):
-    """A tiny random model of `kind` in bf16; every parameter drawn N(0, 0.1) (routers included,
-    so that the choices spread over the experts)."""
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **sizes), dtype=torch.bfloat16).to(device)
+def _model(kind: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **sizes):
+    """A tiny random model of `kind` in `dtype`; every parameter drawn N(0, 0.1) (routers
+    included, so that the choices spread over the experts)."""
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **sizes), dtype=dtype).to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
