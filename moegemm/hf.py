@@ -31,8 +31,10 @@ compiled code runs the call as the moegemm::hf_experts op (opaque to the compile
 graphs), which finds its module by the weights prepare saw and checks them at every call, so
 changes are seen there too, with no graph break and no recompile.
 
-Gradients (training): with bf16 weights, a call under grad runs moegemm.training (gradients to
-the hidden states, the router weights, the expert weights and biases); quantized formats raise.
+Gradients (training): a call under grad runs moegemm.training (gradients to the hidden states,
+the router weights, the expert weights and biases): bf16 products for bf16 weights and for fp32
+master weights under torch.autocast to bf16 (gradients in the weights' dtype), fp32 products for
+float weights otherwise; quantized formats raise.
 
 from_transformers(block) builds a standalone moegemm.MoE from a whole MoE block (router
 included). Supported blocks and the checkpoint layouts they hold (read from transformers 5.23):
@@ -273,10 +275,10 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if _needs_grad(self, hidden_states, top_k_weights):
         spec = _module_spec(self)
         fmt = _format_of(self, spec)
-        if fmt != "bf16" or self.gate_up_proj.dtype != torch.bfloat16:
-            raise ValueError(f"{type(self).__name__}: gradients run on bf16 experts only, these run {fmt} "
-                             f"({self.gate_up_proj.dtype} weights); train with moegemm.hf.register(fmt=None) "
-                             f"on bf16 weights or another experts_implementation, or call under torch.no_grad()")
+        if fmt != "bf16":
+            raise ValueError(f"{type(self).__name__}: gradients run on float experts in their own dtype, these run "
+                             f"{fmt} ({self.gate_up_proj.dtype} weights); train with moegemm.hf.register(fmt=None) "
+                             f"on float weights or another experts_implementation, or call under torch.no_grad()")
         return experts_with_grad(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                  gate_up_layout=spec.gate_up_layout, activation=spec.activation,
                                  gate_up_bias=getattr(self, "gate_up_proj_bias", None),
