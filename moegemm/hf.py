@@ -21,14 +21,20 @@ module), FP8Experts run fp8_block on their own bytes and scales (with dynamic 1x
 scales: a module calibrated with static ones raises unless fmt="fp8_block" is named), and a named format quantizes
 the experts once (e.g. fmt="bf16_mxfp4" for gpt-oss: MXFP4 weights, bf16 activations; a
 gpt-oss checkpoint that transformers dequantized to bf16 gets back exactly its MXFP4 codes).
-Converted weights are kept with the module and made again when a source parameter is replaced
-or changed in place (its version counter: optimizer steps, load_state_dict, copy_ under no_grad);
-changes made through `.data` are not seen: call refresh(model). prepare(model) converts every
-module up front (before torch.compile, which traces the call into moegemm's custom op and needs
-the converted weights to exist).
+Converted weights are kept with the module and checked at every call: made again when a source
+parameter is replaced (its identity or address), changed in place (its version counter:
+load_state_dict, copy_ or mul_ under no_grad, most optimizers) or held by a torch optimizer's
+step (moegemm.optimizer_steps: fused optimizers write in place without advancing the version
+counter). Changes made through `.data` outside an optimizer's step are not seen: call
+refresh(model). prepare(model) converts every module up front; call it before torch.compile:
+compiled code runs the call as the moegemm::hf_experts op (opaque to the compiler and to its CUDA
+graphs), which finds its module by the weights prepare saw and checks them at every call, so
+changes are seen there too, with no graph break and no recompile.
 
-Gradients (training): with bf16 weights, a call under grad runs moegemm.training (gradients to
-the hidden states, the router weights, the expert weights and biases); quantized formats raise.
+Gradients (training): a call under grad runs moegemm.training (gradients to the hidden states,
+the router weights, the expert weights and biases): bf16 products for bf16 weights and for fp32
+master weights under torch.autocast to bf16 (gradients in the weights' dtype), fp32 products for
+float weights otherwise; quantized formats raise.
 
 from_transformers(block) builds a standalone moegemm.MoE from a whole MoE block (router
 included). Supported blocks and the checkpoint layouts they hold (read from transformers 5.23):
@@ -46,11 +52,12 @@ transformers is imported only by register(): the modules' tensors are read by at
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from . import graphed
+from . import graphed, optimizer_steps
 from .activation import swiglu
 from .formats import get_format
 from .moe import MoE, moe_forward
@@ -153,7 +160,7 @@ class _Experts:
     """The weights a module's calls read, and what they were made from."""
 
     fmt: str
-    sources: tuple  # (tensor, version, address) of each source parameter, to notice a change
+    sources: tuple  # _stamp() of each source parameter, to notice a change
     w_gate_up: QuantizedTensor
     w_down: QuantizedTensor
     gate_up_layout: str
@@ -163,7 +170,15 @@ class _Experts:
 
     def current(self, fmt: str, sources: tuple) -> bool:
         return self.fmt == fmt and len(sources) == len(self.sources) and all(
-            a is b and a._version == v and a.data_ptr() == p for a, (b, v, p) in zip(sources, self.sources))
+            a is b and a._version == v and a.data_ptr() == p and optimizer_steps.generation(a) == g
+            for a, (b, v, p, g) in zip(sources, self.sources))
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What tells a later call that `t` changed: the tensor itself (replaced), its version counter
+    (in-place ops), its address (`.data` reassigned) and its optimizer step generation (fused
+    optimizers write in place without advancing the version counter)."""
+    return t, t._version, t.data_ptr(), optimizer_steps.watch(t)
 
 
 def _source_tensors(module) -> tuple:
@@ -223,20 +238,16 @@ def _format_of(module, spec: _Spec) -> str:
 
 
 def _experts(module, spec: _Spec) -> _Experts:
-    """The module's converted weights, made again where a source changed (module docstring)."""
+    """The module's converted weights, made again where a source changed (module docstring).
+    Eager only: compiled code reaches it through the moegemm::hf_experts op."""
     fmt = _format_of(module, spec)
     cached = module.__dict__.get("_moegemm_experts")
-    if torch.compiler.is_compiling():
-        if cached is None:
-            raise RuntimeError(f"{type(module).__name__}: moegemm converts the experts' weights before "
-                               f"torch.compile traces them: call moegemm.hf.prepare(model) (or run the model once) "
-                               f"first")
-        return cached
     sources = _source_tensors(module)
     if cached is None or not cached.current(fmt, sources):
         module.__dict__["_moegemm_experts"] = None  # (the old copy freed before the new one is made)
-        cached = _convert(module, spec, fmt, tuple((t, t._version, t.data_ptr()) for t in sources))
+        cached = _convert(module, spec, fmt, tuple(_stamp(t) for t in sources))
         module.__dict__["_moegemm_experts"] = cached
+        _remember_owner(module)
     return cached
 
 
@@ -261,20 +272,30 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts call: hidden_states [T, H], top_k_index [T, k] (ids outside [0, E)
     are dropped), top_k_weights [T, k] -> [T, H] in hidden_states' dtype (module docstring)."""
-    spec = _module_spec(self)
-    backend = _settings["backend"]
     if _needs_grad(self, hidden_states, top_k_weights):
+        spec = _module_spec(self)
         fmt = _format_of(self, spec)
-        if fmt != "bf16" or self.gate_up_proj.dtype != torch.bfloat16:
-            raise ValueError(f"{type(self).__name__}: gradients run on bf16 experts only, these run {fmt} "
-                             f"({self.gate_up_proj.dtype} weights); train with moegemm.hf.register(fmt=None) "
-                             f"on bf16 weights or another experts_implementation, or call under torch.no_grad()")
+        if fmt != "bf16":
+            raise ValueError(f"{type(self).__name__}: gradients run on float experts in their own dtype, these run "
+                             f"{fmt} ({self.gate_up_proj.dtype} weights); train with moegemm.hf.register(fmt=None) "
+                             f"on float weights or another experts_implementation, or call under torch.no_grad()")
         return experts_with_grad(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                  gate_up_layout=spec.gate_up_layout, activation=spec.activation,
                                  gate_up_bias=getattr(self, "gate_up_proj_bias", None),
                                  down_bias=getattr(self, "down_proj_bias", None), alpha=spec.alpha,
-                                 limit=spec.limit, transposed=spec.transposed, backend=backend)
-    experts = _experts(self, spec)
+                                 limit=spec.limit, transposed=spec.transposed, backend=_settings["backend"])
+    if torch.compiler.is_compiling():
+        # Traced code cannot see a version counter or an optimizer step: the call, and the check
+        # of the converted weights with it, runs when the compiled code runs (_compiled_call).
+        return torch.ops.moegemm.hf_experts(hidden_states, top_k_index, top_k_weights, list(_source_tensors(self)))
+    return _call(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _call(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The call without gradients, eagerly: on the converted weights, made again where stale."""
+    spec = _module_spec(module)
+    backend = _settings["backend"]
+    experts = _experts(module, spec)
 
     def call(hidden_states, top_k_index, top_k_weights):
         return moe_forward(hidden_states, top_k_index, top_k_weights, experts.w_gate_up, experts.w_down,
@@ -287,6 +308,50 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return call(hidden_states, top_k_index, top_k_weights)
 
 
+# The experts module of each gate_up_proj moegemm has converted, by the tensor's id (weakly):
+# how the compiled call, which is given the module's tensors, finds the module.
+_owners: dict[int, weakref.ref] = {}
+
+
+def _remember_owner(module) -> None:
+    weight = module.gate_up_proj
+    if id(weight) not in _owners:
+        weakref.finalize(weight, _owners.pop, id(weight), None)  # (gone with the tensor, before its id is reused)
+    _owners[id(weight)] = weakref.ref(module)
+
+
+def _owner(sources: list[torch.Tensor]):
+    """The experts module whose source tensors are `sources` (_remember_owner)."""
+    ref = _owners.get(id(sources[0])) if sources else None
+    module = ref() if ref is not None else None
+    held = _source_tensors(module) if module is not None else ()
+    if len(sources) != len(held) or any(a is not b for a, b in zip(sources, held)):
+        raise RuntimeError("moegemm.hf: a compiled experts call was given weights moegemm has not seen (compiled "
+                           "before moegemm.hf.prepare(model), or parameters replaced since): call "
+                           "moegemm.hf.prepare(model)")
+    return module
+
+
+# Never captured into a CUDA graph (torch.compile's "reduce-overhead" runs the op between its
+# graphs): a replay would skip the check and read the converted weights it was captured with.
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("moegemm::hf_experts", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
+def _compiled_call(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   sources: list[torch.Tensor]) -> torch.Tensor:
+    """experts_forward without gradients as compiled code runs it: opaque to the compiler, which
+    passes the module's source tensors (_source_tensors) as they are, so the op finds the module
+    by them and runs the eager call (its converted weights checked and made again where stale).
+    A pure function of its inputs; the converted weights are its cache."""
+    return _call(_owner(sources), hidden_states, top_k_index, top_k_weights)
+
+
+@_compiled_call.register_fake
+def _(hidden_states, top_k_index, top_k_weights, sources):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
 def experts_modules(model) -> list:
     """The experts modules of `model` that dispatch through transformers' experts interface."""
     return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")
@@ -295,7 +360,9 @@ def experts_modules(model) -> list:
 
 def prepare(model) -> int:
     """Convert the weights of every experts module of `model` now (and check that moegemm runs
-    them: a ValueError names a module it cannot); returns how many there are."""
+    them: a ValueError names a module it cannot); returns how many there are. Before
+    torch.compile: a compiled call finds its module by the weights converted here (or by an
+    eager call), and raises a RuntimeError for weights it has not seen."""
     modules = experts_modules(model)
     for module in modules:
         _experts(module, _module_spec(module))

@@ -1,5 +1,5 @@
-"""Routed experts with gradients: bf16 weights, the forward on moegemm's grouped products, the
-backward as grouped products over the same expert groups.
+"""Routed experts with gradients: the forward on moegemm's grouped products, the backward as
+grouped products over the same expert groups.
 
     y = experts_with_grad(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_layout="concat")
 
@@ -21,9 +21,16 @@ For T tokens [T, H], k choices, E experts of width I, with the weights as the ca
               dx_g = dh @ w_gate_up[e]; dW_gu, db_gu as above
               dx   = sum over a token's valid choices of dx_g    (routing.sum_rows, fp32, deterministic)
 
+Precision, as torch.autocast gives nn.Linear: bf16 weights, or float weights under
+torch.autocast(device, torch.bfloat16) (mixed precision with fp32 master weights), run the bf16
+products above (the forward on moegemm's kernels, on bf16 casts of the weights), and each weight
+gets its gradient in its own dtype. Float weights otherwise (fp32 without autocast) run fp32
+products: torch._grouped_mm in fp32 forward and backward, not moegemm's kernels (torch's CUDA
+fallback for fp32 reads the group offsets on the host).
+
 Choices whose id lies outside [0, E) are dropped (no row in any group, zero gradient). Every
 reduction runs in a fixed order (grouped products, the combine kernels), so gradients are
-deterministic. No host synchronization: every size is T*k or E.
+deterministic. No host synchronization on the bf16 path: every size is T*k or E.
 """
 
 from __future__ import annotations
@@ -35,6 +42,22 @@ from .ops import grouped_matmul
 from .routing import route, scatter_tokens, sum_rows, unpermute_tokens
 
 __all__ = ["experts_with_grad"]
+
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """bf16 for bf16 weights or under autocast to bf16 on x's device, else fp32 (module docstring)."""
+    device = x.device.type
+    if w.dtype == torch.bfloat16 or (torch.is_autocast_enabled(device)
+                                     and torch.get_autocast_dtype(device) == torch.bfloat16):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _in_out(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """[E, in, out]: the weight as the B operand of torch._grouped_mm's forward product (a view)."""
+    return w.detach() if transposed else w.detach().transpose(1, 2)
 
 
 def _expert_weights(w: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -51,7 +74,7 @@ def _row_bias(bias: torch.Tensor | None, expert_of_row: torch.Tensor, rows: int)
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm over groups of rows ending at `ends` (int32 [E]); bf16 operands."""
+    """torch._grouped_mm over groups of rows ending at `ends` (int32 [E]); bf16 or fp32 operands."""
     return torch._grouped_mm(a, b, offs=ends)
 
 
@@ -67,19 +90,36 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
                 activation, alpha, limit, transposed, backend, kernel_gate_up, kernel_down):
+        # kernel_*: the bf16 [E, N, K] operands of moegemm's kernels; None: fp32 products.
+        with torch.autocast(x.device.type, enabled=False):  # (every dtype here is chosen, module docstring)
+            return _Experts._forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids,
+                                     gate_up_layout, activation, alpha, limit, transposed, backend, kernel_gate_up,
+                                     kernel_down)
+
+    @staticmethod
+    def _forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
+                 activation, alpha, limit, transposed, backend, kernel_gate_up, kernel_down):
         num_experts = w_gate_up.shape[0]
         plan = route(topk_ids, num_experts, topk_weights.detach())
         rows = plan.num_grouped_rows
-        x_g = scatter_tokens(x.detach().to(torch.bfloat16), plan)
-        h = grouped_matmul(x_g, kernel_gate_up, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16",
-                           backend=backend, out=torch.empty(rows, kernel_gate_up.shape[1], dtype=torch.bfloat16,
-                                                            device=x.device))
+        compute = torch.bfloat16 if kernel_gate_up is not None else torch.float32
+        x_g = scatter_tokens(x.detach().to(compute), plan)
+        if kernel_gate_up is not None:
+            h = grouped_matmul(x_g, kernel_gate_up, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16",
+                               backend=backend, out=torch.empty(rows, kernel_gate_up.shape[1], dtype=compute,
+                                                                device=x.device))
+        else:
+            h = _grouped(x_g, _in_out(w_gate_up, transposed).to(compute), plan.a_offsets[1:])
         expert_of_row = plan.expert_of_row
         bias = _row_bias(gate_up_bias, expert_of_row, rows)
-        h = (h.float() + bias).to(torch.bfloat16) if bias is not None else h
-        a = swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit).to(torch.bfloat16)
-        y = grouped_matmul(a, kernel_down, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16", backend=backend,
-                           out=torch.empty(rows, kernel_down.shape[1], dtype=torch.bfloat16, device=x.device))
+        h = (h.float() + bias).to(compute) if bias is not None else h
+        a = swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit).to(compute)
+        if kernel_down is not None:
+            y = grouped_matmul(a, kernel_down, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16",
+                               backend=backend, out=torch.empty(rows, kernel_down.shape[1], dtype=compute,
+                                                                device=x.device))
+        else:
+            y = _grouped(a, _in_out(w_down, transposed).to(compute), plan.a_offsets[1:])
         out = unpermute_tokens(y, plan, topk_weights.detach(), out_dtype=x.dtype,
                                expert_bias=None if down_bias is None else down_bias.detach().float())
         ctx.save_for_backward(x_g, h, y, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias,
@@ -90,6 +130,11 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _Experts._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         (x_g, h, y, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, token_index, grouped_row, valid,
          a_offsets, expert_of_row) = ctx.saved_tensors
         gate_up_layout, activation, alpha, limit, transposed = ctx.options
@@ -97,12 +142,13 @@ class _Experts(torch.autograd.Function):
         rows, ends = y.shape[0], a_offsets[1:]
         t, k = grouped_row.shape
         dout = dout.contiguous()
+        compute = h.dtype
         # The choice each grouped row holds (grouped_row is a permutation of the T*k rows).
         choice = torch.empty(rows, dtype=torch.int64, device=y.device)
         choice.scatter_(0, grouped_row.reshape(-1), torch.arange(rows, device=y.device))
         dout_rows = dout.index_select(0, token_index).float()
         row_weight = topk_weights.detach().reshape(-1).index_select(0, choice).float()
-        dy = (dout_rows * row_weight.unsqueeze(1)).to(torch.bfloat16)
+        dy = (dout_rows * row_weight.unsqueeze(1)).to(compute)
         d_topk = None
         if need_w:
             bias = _row_bias(down_bias, expert_of_row, rows)
@@ -112,10 +158,10 @@ class _Experts(torch.autograd.Function):
                                  0.0).to(topk_weights.dtype)
         w_down_kn = w_down.detach().transpose(1, 2) if transposed else w_down.detach()  # [E, H, I]
         w_gate_up_kn = w_gate_up.detach().transpose(1, 2) if transposed else w_gate_up.detach()  # [E, 2I, H]
-        da = _grouped(dy, w_down_kn.to(torch.bfloat16), ends)
+        da = _grouped(dy, w_down_kn.to(compute), ends)
         d_down = d_bias_down = d_gate_up = d_bias_gate_up = dx = None
         if need_d or need_gu or need_x or need_bgu:
-            a = swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit).to(torch.bfloat16)
+            a = swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit).to(compute)
         if need_d:
             d_down = _grouped(a.t(), dy, ends) if transposed else _grouped(dy.t(), a, ends)
             d_down = d_down.to(w_down.dtype)
@@ -126,14 +172,14 @@ class _Experts(torch.autograd.Function):
                 h_var = h.float().requires_grad_()
                 act = swiglu(h_var, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit)
                 (dh,) = torch.autograd.grad(act, h_var, da.float())
-            dh = dh.to(torch.bfloat16)
+            dh = dh.to(compute)
             if need_gu:
                 d_gate_up = _grouped(x_g.t(), dh, ends) if transposed else _grouped(dh.t(), x_g, ends)
                 d_gate_up = d_gate_up.to(w_gate_up.dtype)
             if need_bgu:
                 d_bias_gate_up = _segment_sums(dh, ends).to(gate_up_bias.dtype)
             if need_x:
-                dx = sum_rows(_grouped(dh, w_gate_up_kn.to(torch.bfloat16), ends), grouped_row, valid,
+                dx = sum_rows(_grouped(dh, w_gate_up_kn.to(compute), ends), grouped_row, valid,
                               out_dtype=ctx.x_dtype)
         return (dx, d_topk, d_gate_up, d_down, d_bias_gate_up, d_bias_down) + (None,) * 9
 
@@ -144,18 +190,25 @@ def experts_with_grad(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                       alpha: float = 1.702, limit: float = 7.0, transposed: bool = False,
                       backend: str = "auto") -> torch.Tensor:
     """The routed experts of x [T, H] (module docstring) with gradients to x, topk_weights, the
-    weights and the biases. Weights bf16, in the caller's layout (`transposed`); gate/up rows
-    (columns when transposed) "concat" ([gate; up]) or "interleaved" as gate_up_layout states.
-    The forward's grouped products read [E, N, K] weights: transposed ones are copied each call
-    (training changes them every step). x may be any view: x whose columns are strided is copied
-    once (the grouped products read rows of unit column stride). Returns [T, H] in x's dtype."""
+    weights and the biases. Weights of one float dtype, in the caller's layout (`transposed`);
+    gate/up rows (columns when transposed) "concat" ([gate; up]) or "interleaved" as
+    gate_up_layout states. bf16 weights, or any under torch.autocast to bf16, run bf16 products
+    on moegemm's kernels, else fp32 products (module docstring). The kernels read bf16 [E, N, K]
+    weights: other dtypes are cast, and transposed ones copied, each call (training changes them
+    every step). x may be any view: x whose columns are strided is copied once (the grouped
+    products read rows of unit column stride). Returns [T, H] in x's dtype; each gradient in
+    its tensor's dtype."""
     check_activation(activation, gate_up_layout)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
-            raise TypeError(f"{name}: expected a bf16 [E, N, K] tensor (gradients run on bf16 weights only), got "
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in _WEIGHT_DTYPES:
+            raise TypeError(f"{name}: expected a bf16, fp16 or fp32 [E, N, K] tensor, got "
                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
     if isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
+    if w_down.dtype != w_gate_up.dtype:
+        raise TypeError(f"w_down: expected w_gate_up's dtype {w_gate_up.dtype}, got {w_down.dtype}")
+    kernels = (None, None)
+    if _compute_dtype(x, w_gate_up) == torch.bfloat16:
+        kernels = tuple(_expert_weights(w.detach().to(torch.bfloat16), transposed) for w in (w_gate_up, w_down))
     return _Experts.apply(x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
-                          activation, float(alpha), float(limit), transposed, backend,
-                          _expert_weights(w_gate_up, transposed), _expert_weights(w_down, transposed))
+                          activation, float(alpha), float(limit), transposed, backend, *kernels)

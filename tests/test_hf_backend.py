@@ -43,10 +43,10 @@ def _config(kind: str, hidden: int = 64, width: int = 32, experts: int = 8, top_
                                          **SMALL)
 
 
-def _model(kind: str, device: str = "cpu", **sizes):
-    """A tiny random model of `kind` in bf16; every parameter drawn N(0, 0.1) (routers included,
-    so that the choices spread over the experts)."""
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **sizes), dtype=torch.bfloat16).to(device)
+def _model(kind: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, **sizes):
+    """A tiny random model of `kind` in `dtype`; every parameter drawn N(0, 0.1) (routers
+    included, so that the choices spread over the experts)."""
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **sizes), dtype=dtype).to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
@@ -105,28 +105,58 @@ def test_outputs_match_the_eager_experts(kind, device):
         assert _rel(got, want) < 2e-2, (kind, _rel(got, want))
 
 
+# How a call under grad computes (moegemm.training): bf16 weights; fp32 master weights under
+# torch.autocast to bf16 (mixed precision: moegemm's kernels on bf16 casts, fp32 gradients); fp32
+# weights without autocast (fp32 products, torch._grouped_mm). Each: its weights' dtype, whether
+# autocast is on, the dtype of the kernels' operands (None: not run), the tolerance.
+PRECISIONS = {"bf16": (torch.bfloat16, False, torch.bfloat16, 3e-2),
+              "autocast": (torch.float32, True, torch.bfloat16, 3e-2),
+              "fp32": (torch.float32, False, None, 1e-4)}
+
+
+def _kernel_calls(monkeypatch) -> list:
+    """The dtypes of the A operands moegemm.training passes to moegemm's grouped product."""
+    calls = []
+    real = moegemm.training.grouped_matmul
+
+    def spy(a, *args, **kwargs):
+        calls.append(a.dtype)
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(moegemm.training, "grouped_matmul", spy)
+    return calls
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_gradients_match_the_eager_experts(kind, device):
-    """Each family's experts module alone, under grad: the gradients to the hidden states, the
-    router weights, the expert weights and biases against the eager experts' (3e-2)."""
-    model = _model(kind, device, **({} if device == "cpu" else dict(hidden=256, width=128)))
+def test_gradients_match_the_eager_experts(kind, precision, device, monkeypatch):
+    """Each family's experts module alone, under grad, in each precision: the gradients to the
+    hidden states, the router weights, the expert weights and biases against the eager experts'
+    in the same precision (under the same autocast); each gradient in its tensor's dtype."""
+    dtype, autocast, kernel_dtype, tolerance = PRECISIONS[precision]
+    model = _model(kind, device, dtype, **({} if device == "cpu" else dict(hidden=256, width=128)))
     module = moegemm.hf.experts_modules(model)[0]
     module.config._experts_implementation = "moegemm"
     tokens, hidden = 37, model.config.hidden_size
-    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     top_k_index = torch.stack([torch.randperm(8, device=device)[:2] for _ in range(tokens)])
-    top_k_weights = torch.rand(tokens, 2, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dout = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    top_k_weights = torch.rand(tokens, 2, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn(tokens, hidden, device=device, dtype=dtype)
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     params = [p for p in module.parameters() if p.requires_grad]
     assert len(params) == (4 if kind == "gpt_oss" else 2)
+    kernel_calls = _kernel_calls(monkeypatch)
     grads = []
     for run in (lambda: _eager_experts(module, x, top_k_index, top_k_weights),
                 lambda: module(x, top_k_index, top_k_weights)):
-        grads.append(torch.autograd.grad(run(), [x, top_k_weights, *params], dout))
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
+            out = run()
+        grads.append(torch.autograd.grad(out, [x, top_k_weights, *params], dout))
+    assert kernel_calls == ([] if kernel_dtype is None else [kernel_dtype] * 2)  # (gate/up, then down)
     for name, want, got in zip(["x", "top_k_weights", *names], *grads):
-        assert got.shape == want.shape and _rel(got, want) < 3e-2, (kind, name, _rel(got, want))
+        assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype)
+        assert _rel(got, want) < tolerance, (kind, name, _rel(got, want))
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
@@ -153,23 +183,69 @@ def test_hidden_states_of_any_strides(kind):
         assert torch.equal(got, want)
 
 
+# Real models' experts (hidden, intermediate, experts, top-k): Qwen3-30B-A3B, gpt-oss-20b.
+REAL_SIZES = {"qwen3_moe": dict(hidden=2048, width=768, experts=128, top_k=8),
+              "gpt_oss": dict(hidden=2880, width=2880, experts=32, top_k=4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", REAL_SIZES)
+def test_mixed_precision_gradients_at_real_sizes(kind, monkeypatch):
+    """fp32 master weights under torch.autocast("cuda", torch.bfloat16) (the transformers
+    Trainer's bf16=True), an experts module of a real model's sizes alone, 384 tokens: moegemm's
+    kernels run on bf16, and every gradient (fp32) is within 3e-2 of the eager experts' under the
+    same autocast."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    sizes = REAL_SIZES[kind]
+    config = _config(kind, **sizes)
+    config._experts_implementation = "moegemm"
+    with torch.device("cuda"):
+        module = (Qwen3MoeExperts if kind == "qwen3_moe" else GptOssExperts)(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)  # (hidden states of unit scale through both products)
+    tokens, hidden, top_k = 384, sizes["hidden"], sizes["top_k"]
+    x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
+    top_k_index = torch.rand(tokens, sizes["experts"], device="cuda").topk(top_k, dim=1).indices
+    top_k_weights = torch.rand(tokens, top_k, device="cuda").softmax(dim=1).requires_grad_()
+    dout = torch.randn(tokens, hidden, device="cuda")
+    names, params = zip(*module.named_parameters())
+    kernel_calls = _kernel_calls(monkeypatch)
+    grads = []
+    for run in (lambda: _eager_experts(module, x, top_k_index, top_k_weights),
+                lambda: module(x, top_k_index, top_k_weights)):
+        with torch.autocast("cuda", torch.bfloat16):
+            out = run()
+        grads.append(torch.autograd.grad(out, [x, top_k_weights, *params], dout))
+    assert kernel_calls == [torch.bfloat16] * 2
+    for name, want, got in zip(["x", "top_k_weights", *names], *grads):
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, name
+        assert _rel(got, want) < 3e-2, (kind, name, _rel(got, want))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_training_step_runs_through_the_backend(kind):
-    """A whole model's loss.backward() with the moegemm experts: every expert weight (and bias)
-    and router gets a finite, nonzero gradient, and the loss is the eager experts' (the
+def test_a_training_step_runs_through_the_backend(kind, precision):
+    """A whole model's loss.backward() with the moegemm experts, bf16 or fp32 master weights
+    under autocast (the transformers Trainer's bf16=True): every expert weight (and bias) and
+    router gets a finite, nonzero gradient in its dtype, and the loss is the eager experts' (the
     gradients themselves: test_gradients_match_the_eager_experts)."""
-    model = _model(kind).train()
+    dtype, autocast, _, _ = PRECISIONS[precision]
+    model = _model(kind, dtype=dtype).train()
     ids = torch.randint(0, 128, (2, 9))
     model.set_experts_implementation("eager")
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         eager_loss = model(ids, labels=ids).loss
     model.set_experts_implementation("moegemm")
-    loss = model(ids, labels=ids).loss
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = model(ids, labels=ids).loss
     loss.backward()
     assert abs(loss.item() - eager_loss.item()) < 2e-2 * abs(eager_loss.item())
     trained = [(n, p) for n, p in model.named_parameters() if ".experts." in n or ".gate." in n or ".router." in n]
-    assert trained and all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
-                           for _, p in trained), [n for n, p in trained if p.grad is None]
+    assert trained and all(p.grad is not None and p.grad.dtype == p.dtype and torch.isfinite(p.grad).all()
+                           and p.grad.abs().sum() > 0 for _, p in trained), [n for n, p in trained if p.grad is None]
 
 
 def test_register_is_idempotent_and_fills_both_interfaces():
@@ -190,11 +266,13 @@ def test_a_named_format_quantizes_the_experts_once():
             for w in (module.gate_up_proj, module.down_proj):
                 w.copy_(moegemm.dequantize(moegemm.quantize_weights(w.float(), "mxfp8")))
     ids = torch.randint(0, 128, (2, 9))
-    ref_logits, ref_calls = _experts_calls(model, ids, "eager")
     moegemm.hf.register(fmt="mxfp8")
     logits, calls = _experts_calls(model, ids, "moegemm")
-    for (module, _, want), (_, _, got) in zip(ref_calls, calls):
+    # Each call against the eager experts on its own inputs (a later layer's inputs differ between two runs).
+    for module, inputs, got in calls:
         assert module._moegemm_experts.fmt == "mxfp8"
+        with torch.no_grad():
+            want = _eager_experts(module, *inputs)
         assert _rel(got, want) < 0.1  # mxfp8's layer error on its own weights (tests/test_moe_parity.py)
     first = [m._moegemm_experts for m in moegemm.hf.experts_modules(model)]
     _experts_calls(model, ids, "moegemm")
@@ -239,7 +317,7 @@ def test_quantized_formats_refuse_gradients():
     ids = torch.randint(0, 128, (1, 5))
     moegemm.hf.register(fmt="mxfp8")
     model.set_experts_implementation("moegemm")
-    with pytest.raises(ValueError, match="gradients run on bf16 experts only"):
+    with pytest.raises(ValueError, match="Qwen3MoeExperts: gradients run on float experts.*these run mxfp8"):
         model(ids, labels=ids).loss.backward()
     with torch.no_grad():
         model(ids)  # inference still runs
