@@ -465,7 +465,7 @@ def test_bf16_experts_are_read_in_place(kind):
 
 
 @pytest.mark.parametrize("kind,fmt,how", [("qwen3_moe", "fp8_block", "prepare"), ("gpt_oss", "bf16_mxfp4", "prepare"),
-                                          ("qwen3_moe", "mxfp8", "register")])
+                                          ("qwen3_moe", "bf16_nvfp4", "register")])
 def test_free_source_keeps_the_converted_weights_alone(kind, fmt, how):
     """prepare(model, free_source=True), or register(fmt, free_source=True) at the first call: the
     source weights hold no storage and require no grad, the model computes what it computed
