@@ -35,10 +35,19 @@ POINTERS = {"a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "a_scale_offsets_
 
 @pytest.mark.parametrize("fmt,layout", FORMAT_LAYOUTS)
 def test_portable_kernel_compiles_for_sm90(fmt, layout):
+    check_portable_kernel(fmt, layout)
+
+
+def test_portable_kernel_compiles_for_n_major_weights():
+    """bf16 weights read in place as the transpose of a contiguous [E, K, N]."""
+    check_portable_kernel("bf16", "plain", n_major=True)
+
+
+def check_portable_kernel(fmt, layout, n_major=False):
     f = FORMATS[fmt]
     n, k = 4096, 7168
     problem = GroupedProblem(f, m=8192, n=n, k=k, num_experts=8, num_groups=8, scale_layout=layout,
-                             out_dtype=torch.bfloat16)
+                             out_dtype=torch.bfloat16, b_n_major=n_major)
     cfg = portable_config(f, n, k, "cuda")
     constexprs = portable.kernel_constexprs(problem, cfg, interpret=False)
     constexprs.update(HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=True)

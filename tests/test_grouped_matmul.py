@@ -77,17 +77,19 @@ def n_major(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("backend,device", [("reference", "cpu"),
+                                            pytest.param("triton", "cpu", marks=needs_interpreter),
+                                            pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("pattern", [p for p in TOKEN_PATTERNS if p.name in ("ragged", "skip_some", "offset_start")],
                          ids=lambda p: p.name)
-def test_bf16_weights_are_read_in_either_major_order(backend, pattern):
+def test_bf16_weights_are_read_in_either_major_order(backend, device, pattern):
     """bf16 weights N-major, read in place: the bits their contiguous copy gives, against the
     reference with rows outside the slots untouched. N=48 and K=80: partial N and K tiles (the
     portable kernel's N-major loads are masked along both)."""
-    p = make_problem("bf16", "plain", pattern, 48, 80, "cpu")
+    p = make_problem("bf16", "plain", pattern, 48, 80, device)
     weights = n_major(p.w.data)
     assert not weights.is_contiguous() and weights.stride(1) == 1
-    poisoned = poison_like(p.m, 48, torch.bfloat16, "cpu")
+    poisoned = poison_like(p.m, 48, torch.bfloat16, device)
     outs = []
     for b in (p.w.data, weights):
         out = poisoned.clone()
