@@ -16,10 +16,11 @@ Anything else (no gate, a post-expert norm, another activation) raises a ValueEr
 module.
 
 Weights: the format is the weights' own unless register(fmt=...) names one: bf16 experts run
-bf16 (read in place where their layout is the kernels' [E, N, K], else a copy kept with the
-module), FP8Experts run fp8_block on their own bytes and scales (with dynamic 1x128 activation
-scales: a module calibrated with static ones raises unless fmt="fp8_block" is named), and a named format quantizes
-the experts once (e.g. fmt="bf16_mxfp4" for gpt-oss: MXFP4 weights, bf16 activations; a
+bf16 read in place in either layout ([E, out, in] as the kernels' [E, N, K]; gpt-oss's
+[E, in, out] as its transpose, which the kernels read N-major: no copy), FP8Experts run
+fp8_block on their own bytes and scales (with dynamic 1x128 activation scales: a module
+calibrated with static ones raises unless fmt="fp8_block" is named), and a named format
+quantizes the experts once (e.g. fmt="bf16_mxfp4" for gpt-oss: MXFP4 weights, bf16 activations; a
 gpt-oss checkpoint that transformers dequantized to bf16 gets back exactly its MXFP4 codes).
 Converted weights are kept with the module and checked at every call: made again when a source
 parameter is replaced (its identity or address), changed in place (its version counter:
@@ -30,6 +31,15 @@ refresh(model). prepare(model) converts every module up front; call it before to
 compiled code runs the call as the moegemm::hf_experts op (opaque to the compiler and to its CUDA
 graphs), which finds its module by the weights prepare saw and checks them at every call, so
 changes are seen there too, with no graph break and no recompile.
+
+Freeing the source: register(..., free_source=True) or prepare(model, free_source=True) keep only
+the converted copy of a module whose weights are copied (a named format, e.g. a bf16 checkpoint
+run in fp8_block): right after its conversion, layer by layer, its gate_up_proj and down_proj
+(and FP8 experts' scale_inv) become empty tensors that require no grad. The module then runs
+through this backend alone, on the kept copy: another experts_implementation fails on the empty
+weights, and gradients, refresh(model) and another format raise a ValueError saying the sources
+were freed; the model's state dict holds the empty tensors. Weights read in place have nothing
+to free and stay.
 
 Gradients (training): a call under grad runs moegemm.training (gradients to the hidden states,
 the router weights, the expert weights and biases): bf16 products for bf16 weights and for fp32
@@ -69,14 +79,17 @@ __all__ = ["from_transformers", "register", "prepare", "refresh", "experts_forwa
 
 NAME = "moegemm"
 
-# register()'s choices: the format (None: the weights' own), the backend and the fused epilogue.
-_settings = {"fmt": None, "backend": "auto", "fused": True}
+# register()'s choices: the format (None: the weights' own), the backend, the fused epilogue and
+# whether a conversion that copies the weights frees their source.
+_settings = {"fmt": None, "backend": "auto", "fused": True, "free_source": False}
 
 
-def register(fmt: str | None = None, *, backend: str = "auto", fused: bool = True) -> str:
+def register(fmt: str | None = None, *, backend: str = "auto", fused: bool = True, free_source: bool = False) -> str:
     """Add "moegemm" to transformers' experts interfaces (the bf16 one and the fine-grained FP8
     one); calling it again only changes the settings, which the next forward uses. fmt: the
     experts' format (any of moegemm.FORMATS; None: the weights' own, module docstring).
+    free_source: a module whose weights are converted into a copy (a named format) then keeps
+    that copy alone (module docstring, freeing the source).
     Returns the name to pass as experts_implementation."""
     from transformers.integrations.moe import ExpertsInterface
 
@@ -84,7 +97,7 @@ def register(fmt: str | None = None, *, backend: str = "auto", fused: bool = Tru
         fmt = get_format(fmt).name
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    _settings.update(fmt=fmt, backend=backend, fused=bool(fused))
+    _settings.update(fmt=fmt, backend=backend, fused=bool(fused), free_source=bool(free_source))
     ExpertsInterface.register(NAME, experts_forward)
     try:
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
@@ -188,8 +201,10 @@ def _source_tensors(module) -> tuple:
 
 
 def _float_weights(module, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [E, 2I, H], down [E, H, I]) in nn.Linear's [out, in] convention, fp32 for the
-    quantizers (FP8 experts dequantized with their 128x128 scales)."""
+    """(gate_up [E, 2I, H], down [E, H, I]) in nn.Linear's [out, in] convention for the quantizers:
+    views of float parameters (transposed ones too; MoE.load_experts quantizes a few experts at a
+    time, so no whole-layer copy is made), FP8 experts dequantized with their 128x128 scales (fp32
+    copies)."""
     gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
     if spec.fp8_block:
         gate_up = dequantize_operand(gate_up, module.gate_up_proj_scale_inv.detach().float(), "fp8_block", "b")
@@ -199,20 +214,32 @@ def _float_weights(module, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
+def _readable(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """w as the kernels read it: itself where its strides are theirs (contiguous; bf16 also
+    N-major), else a contiguous copy (a parameter laid out otherwise in memory)."""
+    if w.is_contiguous() or (fmt == "bf16" and w.transpose(1, 2).is_contiguous()):
+        return w
+    return w.contiguous()
+
+
 def _bias(t) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
 @torch.no_grad()
 def _convert(module, spec: _Spec, fmt: str, sources: tuple) -> _Experts:
+    _check_sources(module, fmt)
     gate_up_bias, down_bias = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
-    if (fmt == "fp8_block" and spec.fp8_block) or (
-            fmt == "bf16" and not spec.transposed and module.gate_up_proj.dtype == torch.bfloat16):
-        # The weights as transformers holds them are the kernels' [E, N, K] operand: read in place.
+    if (fmt == "fp8_block" and spec.fp8_block) or (fmt == "bf16" and module.gate_up_proj.dtype == torch.bfloat16):
+        # The weights as transformers holds them are the kernels' B operand, read in place: [E, N, K],
+        # or for bf16 [E, in, out] (gpt-oss), whose transpose the kernels read N-major.
         scale = (lambda name: getattr(module, name).detach().float().contiguous()) if spec.fp8_block else \
             (lambda name: None)
-        w_gate_up = QuantizedTensor(module.gate_up_proj.detach(), scale("gate_up_proj_scale_inv"), fmt, "b")
-        w_down = QuantizedTensor(module.down_proj.detach(), scale("down_proj_scale_inv"), fmt, "b")
+        gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+        if spec.transposed and not spec.fp8_block:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        w_gate_up = QuantizedTensor(_readable(gate_up, fmt), scale("gate_up_proj_scale_inv"), fmt, "b")
+        w_down = QuantizedTensor(_readable(down, fmt), scale("down_proj_scale_inv"), fmt, "b")
         return _Experts(fmt, sources, w_gate_up, w_down, spec.gate_up_layout, _bias(gate_up_bias), _bias(down_bias))
     gate_up, down = _float_weights(module, spec)
     num_experts, two_i, hidden = gate_up.shape
@@ -221,7 +248,45 @@ def _convert(module, spec: _Spec, fmt: str, sources: tuple) -> _Experts:
     layer.load_experts(gate_up=gate_up, gate_up_order=spec.gate_up_layout, down=down, gate_up_bias=gate_up_bias,
                        down_bias=down_bias)
     w_gate_up, w_down = layer.weights()
-    return _Experts(fmt, sources, w_gate_up, w_down, layer.gate_up_layout, layer.gate_up_bias, layer.down_bias)
+    experts = _Experts(fmt, sources, w_gate_up, w_down, layer.gate_up_layout, layer.gate_up_bias, layer.down_bias)
+    if _settings["free_source"]:
+        _free_sources(module, experts)
+    return experts
+
+
+# module.__dict__ key of a module whose source weights were freed: the format of the converted
+# weights, which are then all that is left of them.
+_FREED = "_moegemm_freed"
+
+
+def _free_sources(module, experts: _Experts) -> None:
+    """Release the storage of the module's expert weights (gate_up_proj, down_proj and FP8 experts'
+    scale_inv), of which `experts` holds a converted copy: they become empty tensors (numel 0, same
+    dtype and device) that require no grad, whoever else holds them (an optimizer), and the module
+    is marked, so that nothing converts them again (_check_sources). Weights read in place (bf16,
+    FP8Experts run fp8_block) are the converted weights themselves: kept."""
+    if module.__dict__.get(_FREED) is not None:
+        return
+    names = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+    sources = [t for t in (getattr(module, n, None) for n in names) if isinstance(t, torch.Tensor)]
+    kept = {t.untyped_storage().data_ptr() for t in (experts.w_gate_up.data, experts.w_down.data)}
+    if any(t.untyped_storage().data_ptr() in kept for t in sources):
+        return
+    for t in sources:
+        t.grad = None
+        t.requires_grad_(False)
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    module.__dict__[_FREED] = experts.fmt
+
+
+def _check_sources(module, fmt: str | None = None) -> None:
+    """ValueError where the module's source weights were freed and something needs them: a
+    conversion into another format than the one kept (fmt), or gradients (fmt None)."""
+    freed = module.__dict__.get(_FREED)
+    if freed is not None and freed != fmt:
+        need = "gradients" if fmt is None else f"a conversion to {fmt}"
+        raise ValueError(f"{type(module).__name__}: its source weights were freed (free_source=True) once converted "
+                         f"to {freed}, and {need} would need them; reload the model to run it otherwise")
 
 
 def _format_of(module, spec: _Spec) -> str:
@@ -242,6 +307,9 @@ def _experts(module, spec: _Spec) -> _Experts:
     Eager only: compiled code reaches it through the moegemm::hf_experts op."""
     fmt = _format_of(module, spec)
     cached = module.__dict__.get("_moegemm_experts")
+    if module.__dict__.get(_FREED) is not None and cached is not None:  # (the converted weights are all there is)
+        _check_sources(module, fmt)
+        return cached
     sources = _source_tensors(module)
     if cached is None or not cached.current(fmt, sources):
         module.__dict__["_moegemm_experts"] = None  # (the old copy freed before the new one is made)
@@ -273,6 +341,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     """transformers' experts call: hidden_states [T, H], top_k_index [T, k] (ids outside [0, E)
     are dropped), top_k_weights [T, k] -> [T, H] in hidden_states' dtype (module docstring)."""
     if _needs_grad(self, hidden_states, top_k_weights):
+        _check_sources(self)
         spec = _module_spec(self)
         fmt = _format_of(self, spec)
         if fmt != "bf16":
@@ -358,20 +427,31 @@ def experts_modules(model) -> list:
             and hasattr(m, "_apply_gate")]
 
 
-def prepare(model) -> int:
+def prepare(model, *, free_source: bool = False) -> int:
     """Convert the weights of every experts module of `model` now (and check that moegemm runs
     them: a ValueError names a module it cannot); returns how many there are. Before
     torch.compile: a compiled call finds its module by the weights converted here (or by an
-    eager call), and raises a RuntimeError for weights it has not seen."""
+    eager call), and raises a RuntimeError for weights it has not seen. free_source: free each
+    module's source weights right after its conversion into a copy, as
+    register(free_source=True) does at every conversion (module docstring): a bf16 model runs a
+    quantized format in the memory of the model's other weights, its quantized experts and a
+    workspace of one layer."""
     modules = experts_modules(model)
     for module in modules:
-        _experts(module, _module_spec(module))
+        experts = _experts(module, _module_spec(module))
+        if free_source:
+            _free_sources(module, experts)
     return len(modules)
 
 
 def refresh(model) -> None:
     """Forget the converted weights of every experts module of `model` (the next call makes
-    them again from the parameters)."""
+    them again from the parameters). A model whose source weights were freed raises."""
+    freed = [m for m in experts_modules(model) if m.__dict__.get(_FREED) is not None]
+    if freed:
+        raise ValueError(f"model: the source weights of {len(freed)} experts modules ({type(freed[0]).__name__}) were "
+                         f"freed (free_source=True) once converted: their converted weights are all there is, and "
+                         f"nothing can be converted again")
     for module in experts_modules(model):
         module.__dict__.pop("_moegemm_experts", None)
         module.__dict__.pop("_moegemm_spec", None)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -382,6 +383,10 @@ class _StateChange(NamedTuple):
     prepacked: dict  # "gate_up" / "down" -> the order of its loaded codes
 
 
+# Weights a chunk of load_experts' quantization holds (2^23: 32 MiB in fp32; MoE._store_quantized).
+QUANTIZE_CHUNK = 1 << 23
+
+
 class MoE(torch.nn.Module):
     """A drop-in MoE block: router, routed experts in `fmt`, optional shared expert (DeepSeek).
 
@@ -521,7 +526,7 @@ class MoE(torch.nn.Module):
         self.scale_layout = _weight_scale_layout(f.name)
 
     def _store(self, prefix: str, q: QuantizedTensor):
-        if self._prepacks(q):
+        if not q.prepacked and self._prepacks(q):
             q = prepack_weights(q)
         setattr(self, f"{prefix}_prepacked", q.prepacked)
         setattr(self, f"{prefix}_data", q.data)
@@ -597,9 +602,8 @@ class MoE(torch.nn.Module):
             gate_bias, up_bias = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
         elif gate_up_bias is not None:
             gate_bias, up_bias = gate_up_bias.chunk(2, dim=1)
-        fused_w = self._arrange(gate, up)
-        self._store("gate_up", quantize_weights(fused_w.float(), self.fmt, scale_layout=self.scale_layout))
-        self._store("down", quantize_weights(down.float(), self.fmt, scale_layout=self.scale_layout))
+        self._store_quantized("gate_up", lambda first, last: self._arrange(gate[first:last], up[first:last]), 2 * i * h)
+        self._store_quantized("down", lambda first, last: down[first:last], h * i)
         bias = None
         if gate_bias is not None or up_bias is not None:
             zeros = torch.zeros(e, i, device=down.device)
@@ -608,6 +612,32 @@ class MoE(torch.nn.Module):
             bias = self._arrange(gb.float().unsqueeze(-1), ub.float().unsqueeze(-1)).squeeze(-1)
         self._set_biases(bias, down_bias)
         return self._loaded("load_experts")
+
+    def _store_quantized(self, prefix: str, experts, size: int):
+        """Quantize (and prepack, as _store would) the layer's experts a chunk at a time:
+        experts(first, last) gives float weights [last - first, N, K] of `size` = N * K elements
+        an expert. The quantizers' temporaries are a few fp32 copies of their input, GBs for a
+        whole layer of a large model (Qwen3-30B-A3B's gate/up: 1.6 GB in fp32), so each chunk
+        holds at most QUANTIZE_CHUNK elements, written into tensors allocated once for the layer.
+        Exact: quantization, nvfp4's global scale and the prepacked order are each expert's own."""
+        count = self.num_local_experts
+        step = max(1, QUANTIZE_CHUNK // max(size, 1))
+        whole = None
+        for first in range(0, count, step):
+            last = min(first + step, count)
+            q = quantize_weights(experts(first, last).float(), self.fmt, scale_layout=self.scale_layout)
+            if self._prepacks(q):
+                q = prepack_weights(q)
+            if first == 0 and last == count:
+                whole = q
+                break
+            if whole is None:
+                grown = lambda t: None if t is None else t.new_empty((count, *t.shape[1:]))  # noqa: E731
+                whole = replace(q, data=grown(q.data), scales=grown(q.scales), global_scale=grown(q.global_scale))
+            for part, into in ((q.data, whole.data), (q.scales, whole.scales), (q.global_scale, whole.global_scale)):
+                if part is not None:
+                    into[first:last].copy_(part)
+        self._store(prefix, whole)
 
     def _arrange(self, gate, up):
         """gate, up [E, I, X] -> the [E, 2I, X] row order of this format."""

@@ -63,7 +63,8 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
                          + (interpreter_note(device) if backend == "triton" else ""))
     if backend == "sm90" and not sm90.supports(problem):
         raise ValueError(
-            f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block) or K % 32 == 0 "
+            f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block; N % 8 == 0 for N-major "
+            f"bf16 b) or K % 32 == 0 "
             f"({', '.join(MX_FORMATS)}) and runs no other format; got fmt="
             f"{problem.fmt.name}, K={problem.k}, N={problem.n}, out_dtype={problem.out_dtype}"
         )
@@ -86,7 +87,9 @@ def _plan_key(operands: Operands, a_offsets, expert_ids, a_scale_offsets, row_sc
     tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, a_scale_offsets,
                operands.expert_scales, row_scales, out, operands.quantized_a_offsets)
     try:
+        # (b's strides: its major order, which bf16 weights may have either way, decides the kernels)
         return (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend,
+                operands.b.stride(),
                 *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
     except (AttributeError, TypeError):
         return None

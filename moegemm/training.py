@@ -61,8 +61,11 @@ def _in_out(w: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 def _expert_weights(w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """The [E, N, K] operand moegemm's grouped product reads (a copy of transposed weights)."""
-    return w.detach().transpose(1, 2).contiguous() if transposed else w.detach()
+    """The [E, N, K] operand moegemm's grouped product reads: a view of w, transposed weights
+    ([E, in, out]) read N-major (bf16 grouped_matmul takes either major order); a copy only
+    where w is laid out otherwise in memory (no stride along N or K is 1)."""
+    w = w.detach().transpose(1, 2) if transposed else w.detach()
+    return w if w.is_contiguous() or w.transpose(1, 2).is_contiguous() else w.contiguous()
 
 
 def _row_bias(bias: torch.Tensor | None, expert_of_row: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -194,8 +197,8 @@ def experts_with_grad(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     gate/up rows (columns when transposed) "concat" ([gate; up]) or "interleaved" as
     gate_up_layout states. bf16 weights, or any under torch.autocast to bf16, run bf16 products
     on moegemm's kernels, else fp32 products (module docstring). The kernels read bf16 [E, N, K]
-    weights: other dtypes are cast, and transposed ones copied, each call (training changes them
-    every step). x may be any view: x whose columns are strided is copied once (the grouped
+    weights in place (transposed ones N-major); other dtypes are cast each call (training changes
+    them every step). x may be any view: x whose columns are strided is copied once (the grouped
     products read rows of unit column stride). Returns [T, H] in x's dtype; each gradient in
     its tensor's dtype."""
     check_activation(activation, gate_up_layout)

@@ -53,6 +53,7 @@ class GroupedProblem:
     scale_layout: str
     out_dtype: torch.dtype
     prepacked: bool = False  # b's codes in moegemm.prepack's order
+    b_n_major: bool = False  # b [E, N, K] is the transpose(1, 2) of a contiguous [E, K, N] (bf16 only)
 
     @property
     def num_k_scales(self) -> int:
@@ -62,7 +63,7 @@ class GroupedProblem:
     def key(self) -> tuple:
         """The problem as a tuple of plain values (cheap to hash: the kernels' launch keys)."""
         return (self.fmt.name, self.m, self.n, self.k, self.num_experts, self.num_groups, self.scale_layout,
-                self.out_dtype, self.prepacked)
+                self.out_dtype, self.prepacked, self.b_n_major)
 
 
 @dataclass(frozen=True)
@@ -213,9 +214,12 @@ def validate_grouped_matmul(
         if a.dim() != 2:
             raise ValueError(f"a: expected 2 dimensions [M, K] (tokens in {a_form}), got shape {tuple(a.shape)}")
     _contiguous(a, "a")
-    b = _check(b, "b", (f.b.element.storage_dtype,), device)
+    b = _tensor(b, "b")
+    _dtype(b, "b", (f.b.element.storage_dtype,))
+    _device(b, "b", device)
     if b.dim() != 3:
         raise ValueError(f"b: expected 3 dimensions [E, N, K{'/2' if f.b.element.packed else ''}], got shape {tuple(b.shape)}")
+    b_n_major = _weight_order(b, f)
 
     m = a.shape[0]
     k = f.a.logical_k(a.shape[1]) if a_form is None else a.shape[1]
@@ -235,7 +239,7 @@ def validate_grouped_matmul(
 
     if b_prepacked:
         check_prepackable(f.name, b.shape, "b")
-    problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype, b_prepacked)
+    problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype, b_prepacked, b_n_major)
     if a_form is not None:
         _validate_form(problem, a_form, a_scales, device)
     _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device, a_form is not None)
@@ -256,6 +260,19 @@ def validate_grouped_matmul(
         validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets, quantized_a_offsets,
                         a_form)
     return problem
+
+
+def _weight_order(b: torch.Tensor, f: Format) -> bool:
+    """Whether b [E, N, K] is read N-major. Every format takes contiguous weights (K-major); bf16
+    also the transpose(1, 2) of a contiguous [E, K, N] tensor (unit stride along N: gpt-oss
+    stores its experts [E, in, out]), read in place by every backend. Other strides raise."""
+    if b.is_contiguous():
+        return False
+    if f.name == "bf16" and b.transpose(1, 2).is_contiguous():
+        return True
+    either = " or the transpose(1, 2) of a contiguous [E, K, N] tensor (bf16 only)" if f.name == "bf16" else ""
+    raise ValueError(f"b: expected a contiguous tensor{either}, got shape {tuple(b.shape)} and strides "
+                     f"{tuple(b.stride())}")
 
 
 def _validate_form(p: GroupedProblem, form: TokenForm, a_scales, device):

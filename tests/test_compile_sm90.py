@@ -35,10 +35,19 @@ POINTERS = {"a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "a_scale_offsets_
 
 @pytest.mark.parametrize("fmt,layout", FORMAT_LAYOUTS)
 def test_portable_kernel_compiles_for_sm90(fmt, layout):
+    check_portable_kernel(fmt, layout)
+
+
+def test_portable_kernel_compiles_for_n_major_weights():
+    """bf16 weights read in place as the transpose of a contiguous [E, K, N]."""
+    check_portable_kernel("bf16", "plain", n_major=True)
+
+
+def check_portable_kernel(fmt, layout, n_major=False):
     f = FORMATS[fmt]
     n, k = 4096, 7168
     problem = GroupedProblem(f, m=8192, n=n, k=k, num_experts=8, num_groups=8, scale_layout=layout,
-                             out_dtype=torch.bfloat16)
+                             out_dtype=torch.bfloat16, b_n_major=n_major)
     cfg = portable_config(f, n, k, "cuda")
     constexprs = portable.kernel_constexprs(problem, cfg, interpret=False)
     constexprs.update(HAS_EXPERT_SCALES=True, HAS_ROW_SCALES=True)
@@ -70,15 +79,17 @@ SM90_CASES = [
 ]
 
 
-def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True):
+def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False):
     """kernels/sm90/dense.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
-    the specialization with expert and row scales (a call without them compiles another)."""
+    the specialization with expert and row scales (a call without them compiles another); n_major:
+    for N-major bf16 weights (their [1, block_k, weight_tile] boxes, launcher._weight_descriptor)."""
     from moegemm.kernels.sm90 import dense
 
     dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
     signature = {
         "a_desc": offline.tensordesc_signature(dt, [cfg.token_tile, cfg.block_k]),
-        "b_desc": offline.tensordesc_signature(dt, [cfg.weight_tile, cfg.block_k]),
+        "b_desc": offline.tensordesc_signature(dt, [1, cfg.block_k, cfg.weight_tile] if n_major
+                                               else [cfg.weight_tile, cfg.block_k]),
         "c_desc": offline.tensordesc_signature(out, [64, cfg.epilogue_n(fmt == "fp8_block")]),
         "out_ptr": "*u8" if epilogue and epilogue[1] else "*" + out, "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
         "a_offsets_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
@@ -142,6 +153,45 @@ def test_sm90_fused_epilogue_compiles_for_sm90(tokens_per_slot, epilogue):
     assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(FORMATS["bf16"], 2, fused=True) + 256)
     allowed = 32 if (cfg.block_n == 256 and not cfg.split_n and epilogue[1] != 0) else 0
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+
+
+# (tokens per slot, fused output or None): the bf16 kernel's swapped (16, 40), split-n (130) and
+# normal (8192) tiles on N-major weights (gpt-oss's experts, read in place), plain and fused
+N_MAJOR_CASES = [(tps, epi) for tps in (16, 40, 130, 8192) for epi in (None, (2, 0, False, True, 32, False))]
+
+
+@pytest.mark.parametrize("tokens_per_slot,epilogue", N_MAJOR_CASES)
+def test_sm90_n_major_weights_compile_for_sm90(tokens_per_slot, epilogue):
+    """N-major bf16 weights: the same wgmmas as K-major ones (shape and count), reading the weights
+    as staged through the hardware's transposed-operand bit (tnspB; tnspA where the swapped tile
+    makes them the M side), kept in flight, with no spills, in the shared memory the config counts;
+    a weight tile is loaded in 64-column boxes (128-byte swizzle), one more TMA load a 64 columns."""
+    from moegemm.config import SM90_SMEM_BYTES, sm90_config
+
+    cfg = sm90_config(FORMATS["bf16"], 5760, 2880, tokens_per_slot, 2, fused=epilogue is not None)
+    k_major = wgmma_sass(sm90_kernel_compiled("bf16", cfg, epilogue=epilogue))
+    compiled = sm90_kernel_compiled("bf16", cfg, epilogue=epilogue, n_major=True)
+    sass = wgmma_sass(compiled)
+    ops, k_ops = offline.opcode_counts(sass), offline.opcode_counts(k_major)
+    shapes = lambda text: sorted(re.findall(r"HGMMA\.(\d+x\d+x\d+)", text))  # noqa: E731
+    assert shapes(sass) == shapes(k_major) and shapes(sass), "other wgmma shapes than on K-major weights"
+    flag = "tnspA" if cfg.swap else "tnspB"
+    gmmas = [line for line in sass.splitlines() if "HGMMA" in line]
+    assert all(flag in line for line in gmmas) and not any("tnspA" in line for line in k_major.splitlines()), \
+        f"N-major weights read without the {flag} bit"
+    assert wgmma_overlaps(sass), "every wgmma is serialized"
+    assert ops["UTMALDG"] == k_ops["UTMALDG"] + cfg.weight_tile // 64 - 1
+    # The fused normal tile (gpt-oss's gate/up product at prefill) spills the program id once
+    # (stored twice in the setup all warps run, loaded where the producer starts: 2 STL, 1 LDL,
+    # read off the SASS; the same with the producer at 56 or 72 registers); none anywhere else.
+    allowed = 3 if epilogue is not None and not cfg.swap and not cfg.split_n else 0
+    assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+    for loop in innermost_mma_loops(sass):
+        assert not [t for t in loop if re.search(r"\b(LDL|STL)\b", t)], "register spills in a K loop"
+    assert setmaxnreg_values(compiled) == setmaxnreg_values(
+        sm90_kernel_compiled("bf16", cfg, epilogue=epilogue)) and cfg.consumer_regs in setmaxnreg_values(compiled)
+    assert compiled.metadata.shared <= min(SM90_SMEM_BYTES,
+                                           cfg.smem_bytes(FORMATS["bf16"], 2, fused=epilogue is not None) + 256)
 
 
 MX_CASES = [

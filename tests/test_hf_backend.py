@@ -438,3 +438,184 @@ def test_the_gate_is_read_from_each_module_not_its_class():
     specs = [moegemm.hf._module_spec(cls(config, block_size=(128, 128))) for config in (plain, clamped, plain)]
     assert [s.activation for s in specs] == ["swiglu", "swiglu_oai", "swiglu"]
     assert (specs[1].alpha, specs[1].limit) == (1.702, 7.0)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_bf16_experts_are_read_in_place(kind):
+    """bf16 experts in either layout (Qwen3's [E, out, in]; gpt-oss's [E, in, out], read N-major)
+    run on the parameters' own storage: the backend holds no copy, and free_source has nothing to
+    free."""
+    model = _model(kind)
+    moegemm.hf.register(free_source=True)
+    assert moegemm.hf.prepare(model) == 2
+    for module in moegemm.hf.experts_modules(model):
+        experts = module._moegemm_experts
+        for weights, param in ((experts.w_gate_up, module.gate_up_proj), (experts.w_down, module.down_proj)):
+            assert _storage(weights.data) == _storage(param) and param.numel() > 0
+            assert torch.equal(weights.data, param.transpose(1, 2) if kind == "gpt_oss" else param)
+    ids = torch.randint(0, 128, (2, 9))
+    _, calls = _experts_calls(model, ids, "moegemm")
+    for module, inputs, got in calls:
+        with torch.no_grad():
+            assert _rel(got, _eager_experts(module, *inputs)) < 2e-2
+
+
+@pytest.mark.parametrize("kind,fmt,how", [("qwen3_moe", "fp8_block", "prepare"), ("gpt_oss", "bf16_mxfp4", "prepare"),
+                                          ("qwen3_moe", "bf16_nvfp4", "register")])
+def test_free_source_keeps_the_converted_weights_alone(kind, fmt, how):
+    """prepare(model, free_source=True), or register(fmt, free_source=True) at the first call: the
+    source weights hold no storage and require no grad, the model computes what it computed
+    before (the same converted weights), and what would need the sources raises, naming them:
+    gradients, refresh, another format."""
+    model = _model(kind)
+    ids = torch.randint(0, 128, (2, 9))
+    moegemm.hf.register(fmt=fmt)
+    model.set_experts_implementation("moegemm")
+    with torch.no_grad():
+        before = model(ids).logits
+    if how == "prepare":
+        moegemm.hf.prepare(model, free_source=True)
+    else:
+        moegemm.hf.refresh(model)
+        moegemm.hf.register(fmt=fmt, free_source=True)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, before)  # (converted again, then freed)
+    modules = moegemm.hf.experts_modules(model)
+    for module in modules:
+        for param in (module.gate_up_proj, module.down_proj):
+            assert param.numel() == 0 and param.untyped_storage().nbytes() == 0 and not param.requires_grad
+        assert module._moegemm_experts.fmt == fmt
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    with pytest.raises(ValueError, match="source weights were freed.*gradients"):
+        model.train()(ids, labels=ids).loss.backward()
+    with pytest.raises(ValueError, match=r"^model: the source weights .* were freed"):
+        moegemm.hf.refresh(model)
+    moegemm.hf.register(fmt="nvfp4")
+    with torch.no_grad(), pytest.raises(ValueError, match="source weights were freed.*conversion to nvfp4"):
+        model(ids)
+    moegemm.hf.register(fmt=fmt)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_gradients_read_gpt_oss_weights_in_place(monkeypatch):
+    """Under grad, gpt-oss's [E, in, out] weights reach the forward's grouped products as views of
+    the parameters (read N-major), not copies made every step; the gradients are checked against
+    the eager experts in test_gradients_match_the_eager_experts."""
+    model = _model("gpt_oss")
+    module = moegemm.hf.experts_modules(model)[0]
+    module.config._experts_implementation = "moegemm"
+    seen = []
+    product = moegemm.training.grouped_matmul
+    monkeypatch.setattr(moegemm.training, "grouped_matmul", lambda a, b, *args, **kw: seen.append(b) or
+                        product(a, b, *args, **kw))
+    x = torch.randn(7, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    module(x, torch.randint(0, 8, (7, 2)), torch.rand(7, 2, dtype=torch.bfloat16)).sum().backward()
+    assert [_storage(b) for b in seen] == [_storage(module.gate_up_proj), _storage(module.down_proj)]
+    assert x.grad is not None and module.gate_up_proj.grad is not None
+
+
+def _experts_on_gpu(cls, config, std: float = 0.02):
+    """An experts module of `cls` in bf16 on the GPU, weights drawn N(0, std) (made on the meta
+    device first: no fp32 copy of a real-size layer)."""
+    with torch.device("meta"):
+        module = cls(config)
+    module = module.to(torch.bfloat16).to_empty(device="cuda")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+    return module
+
+
+@pytest.mark.gpu
+def test_gpt_oss_experts_run_in_the_memory_of_their_weights():
+    """gpt-oss-20b's experts layer (32 experts, H = I = 2880, bf16 [in, out] weights: 1.6 GB) on
+    the GPU: converting it and a 256-token call grow the allocated memory by the call's workspace
+    alone (< 64 MiB; a copy of the weights in the kernels' [E, out, in] order took 1.6 GB), and
+    the call computes what the eager experts compute."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = _config("gpt_oss", hidden=2880, width=2880, experts=32, top_k=4)
+    config._experts_implementation = "moegemm"
+    module = _experts_on_gpu(GptOssExperts, config)
+    tokens = 256
+    x = torch.randn(tokens, 2880, device="cuda", dtype=torch.bfloat16)
+    index = torch.stack([torch.randperm(32, device="cuda")[:4] for _ in range(tokens)])
+    weights = torch.rand(tokens, 4, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        assert moegemm.hf.prepare(module) == 1
+        got = module(x, index, weights)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    weight_bytes = sum(p.numel() * p.element_size() for p in (module.gate_up_proj, module.down_proj))
+    assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB allocated beyond {weight_bytes / 2**20:.0f} MiB of weights"
+    with torch.no_grad():
+        want = _eager_experts(module, x, index, weights)
+    assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_free_source_prepares_a_bf16_model_layer_by_layer():
+    """Four layers of Qwen3-30B-A3B's experts (128 experts, H = 2048, I = 768: 1.2 GB of bf16
+    each) prepared as fp8_block with free_source=True. The peak stays under the model plus one
+    layer's bf16 size: the first layer's conversion adds its fp8 copy (0.6 GB) and one chunk's
+    quantizer temporaries (moe.QUANTIZE_CHUNK weights in a few fp32 copies, ~0.2 GB), and each
+    later one starts with a freed layer to spare. Afterwards the experts take their fp8 size alone
+    (a bf16-loaded Qwen3-30B-A3B then runs fp8_block on an 80 GB card), and compute what the bf16
+    experts computed, within fp8_block's error."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = _config("qwen3_moe", hidden=2048, width=768, experts=128, top_k=8)
+    config._experts_implementation = "moegemm"
+    model = torch.nn.ModuleList([_experts_on_gpu(Qwen3MoeExperts, config) for _ in range(4)])
+    tokens = 64
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    index = torch.stack([torch.randperm(128, device="cuda")[:8] for _ in range(tokens)])
+    weights = torch.rand(tokens, 8, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = _eager_experts(model[0], x, index, weights)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model[0].parameters())
+    moegemm.hf.register(fmt="fp8_block")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    assert moegemm.hf.prepare(model, free_source=True) == 4
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < layer_bytes, f"peak {peak / 2**20:.0f} MiB beyond the model; a layer: {layer_bytes / 2**20:.0f} MiB"
+    kept = sum(t.numel() * t.element_size() for m in model for q in (m._moegemm_experts.w_gate_up,
+                                                                      m._moegemm_experts.w_down)
+               for t in (q.data, q.scales))
+    now = torch.cuda.memory_allocated() - (base - 4 * layer_bytes)
+    assert abs(now - kept) < 8 * 2**20, f"{now / 2**20:.0f} MiB held for {kept / 2**20:.0f} MiB of fp8 experts"
+    with torch.no_grad():
+        got = model[0](x, index, weights)
+    assert _rel(got, want) < 0.1  # fp8_block's layer error
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_bf16_experts_laid_out_otherwise_in_memory_still_run(kind):
+    """Expert weights whose strides are neither layout the kernels read in place (here every
+    other element of a wider tensor) run from a copy, computing what the eager experts compute."""
+    model = _model(kind)
+    with torch.no_grad():
+        for module in moegemm.hf.experts_modules(model):
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(module, name)
+                wide = torch.zeros(*w.shape[:-1], 2 * w.shape[-1], dtype=w.dtype)
+                wide[..., ::2] = w
+                setattr(module, name, torch.nn.Parameter(wide[..., ::2]))
+    ids = torch.randint(0, 128, (2, 9))
+    _, calls = _experts_calls(model, ids, "moegemm")
+    for module, inputs, got in calls:
+        assert module.gate_up_proj.stride(-1) == 2
+        with torch.no_grad():
+            assert _rel(got, _eager_experts(module, *inputs)) < 2e-2

@@ -410,6 +410,31 @@ def test_moe_module_gpt_oss_variant_with_biases():
     assert _rel_err(y.reshape(-1, h), want) < 2e-2
 
 
+@pytest.mark.parametrize("fmt,prepack", [("fp8_block", None), ("nvfp4", None), ("mxfp8", None),
+                                         ("bf16_mxfp4", True), ("bf16", None)])
+def test_load_experts_quantizes_a_chunk_of_experts_at_a_time(fmt, prepack, monkeypatch):
+    """load_experts gives its quantizer at most QUANTIZE_CHUNK weights at a time (its temporaries
+    are fp32 copies of what it is given: GBs for a whole layer of a large model), and stores
+    what quantizing the layer at once gives, every field bit for bit (codes, scales in their
+    layout, nvfp4's per-expert global scales, the prepacked order). Here chunks of 3 of 8 experts
+    (the last one short) for gate/up, 6 for down."""
+    e, i, h = 8, 64, 64
+    gate, up, down = _layer_weights(e, i, h)
+    whole = moegemm.MoE(h, i, e, 2, fmt=fmt, prepack=prepack).load_experts(gate=gate, up=up, down=down)
+    calls = []
+    quantize = moegemm.moe.quantize_weights
+    monkeypatch.setattr(moegemm.moe, "quantize_weights", lambda w, *args, **kw: calls.append(w.shape[0]) or
+                        quantize(w, *args, **kw))
+    monkeypatch.setattr(moegemm.moe, "QUANTIZE_CHUNK", 3 * 2 * i * h)
+    chunked = moegemm.MoE(h, i, e, 2, fmt=fmt, prepack=prepack).load_experts(gate=gate, up=up, down=down)
+    assert calls == [3, 3, 2, 6, 2]
+    for q, r in zip(chunked.weights(), whole.weights()):
+        assert q.prepacked == r.prepacked == bool(prepack) and q.scale_layout == r.scale_layout
+        assert_same_quantized(q, r)
+        assert (q.global_scale is None) == (r.global_scale is None)
+        assert q.global_scale is None or torch.equal(q.global_scale, r.global_scale)
+
+
 def test_load_fp8_block_keeps_the_checkpoint_bytes():
     e, i, h = 2, 128, 256
     gate, up, down = _layer_weights(e, i, h)

@@ -3,6 +3,7 @@ tests/cases.py TOKEN_PATTERNS, every format and scale layout, every tile arrange
 swapped for fp8_block/bf16; token tiles of 16..256 for the block formats; the mxfp8 promotion
 kernel), partial K and N blocks, fp32 output, CUDA-graph capture. GPU only (marked gpu)."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -340,6 +341,90 @@ def test_sm90_fp32_output_without_scales(fmt, arrangement):
     if config.smem_bytes(FORMATS[fmt], 4) > 232448:
         config = dataclasses.replace(config, stages=config.stages - 1)
     run_sm90(fmt, TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False, config=config)
+
+
+def n_major(w: torch.Tensor) -> torch.Tensor:
+    """Weights [E, N, K] with unit stride along N: the transpose(1, 2) of a contiguous [E, K, N]
+    copy (gpt-oss stores its experts [E, in, out])."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def check_n_major(p, n: int, config=None):
+    """The bf16 kernel on p's weights N-major (read in place) into a poisoned output: against the
+    fp64 reference with rows outside the slots untouched, and bit for bit what the same weights
+    K-major give (the same wgmmas in the same order: only the operand's major order differs)."""
+    weights = n_major(p.w.data)
+    assert weights.stride(1) == 1 and not weights.is_contiguous()
+    poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
+    outs = []
+    for b in (p.w.data, weights):
+        out = poisoned.clone()
+        with override_config(config) if config is not None else contextlib.nullcontext():
+            moegemm.grouped_matmul(p.a.data, b, None, None, p.a_offsets, p.expert_ids, **p.kwargs(), out=out,
+                                   backend="sm90")
+        outs.append(out)
+    check_output(p, outs[1], poisoned, tolerance("bf16", "sm90"))
+    assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16)), "N-major weights gave other bits"
+
+
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+@pytest.mark.parametrize("pattern", [TOKEN_PATTERNS[i] for i in (1, 7, 8, 12, 13)], ids=lambda p: p.name)
+def test_sm90_n_major_bf16_weights(pattern, arrangement):
+    # N=320: a partial last weight tile (TMA zero-fills the N-major box past N); K=560: a partial
+    # last K step (8.75 x 64), zero-filled at each expert's end by the 3-D box.
+    p = make_problem("bf16", "plain", pattern, 320, 560, "cuda")
+    check_n_major(p, 320, forced_config("bf16", arrangement))
+
+
+def _gpt_oss_pattern(name: str, tokens: tuple, why: str) -> TokenPattern:
+    """32 slots of gpt-oss's 32 experts, slots 3, 10 and 21 skipped (id -1: non-empty slots that
+    must not be written), rows before the first slot and after the last."""
+    ids = tuple(-1 if g in (3, 10, 21) else (g * 7) % 32 for g in range(len(tokens)))
+    return TokenPattern(name, tokens, ids, start=5, tail=7, experts=32, why=why)
+
+
+GPT_OSS_PATTERNS = [
+    _gpt_oss_pattern("prefill", (700, 0, 129, 512, 65, 1, 250, 384, 0, 77, 128, 1200, 3, 256, 90, 140, 1000, 7, 64,
+                                 33, 0, 130, 45, 257, 12, 99, 5, 150, 600, 31, 2, 1088),
+                     "normal 128 x 256 tiles: ragged ends, empty and one-row slots"),
+    _gpt_oss_pattern("small_groups", tuple(100 + (g * 37) % 61 - 30 for g in range(32)),
+                     "split-n tiles: ~100 tokens a slot"),
+    _gpt_oss_pattern("decode", tuple((g * 5) % 4 for g in range(32)), "swapped tiles: 0-3 tokens a slot"),
+]
+
+
+@pytest.mark.parametrize("n,k", [(5760, 2880), (2880, 2880)], ids=["gate_up", "down"])
+@pytest.mark.parametrize("pattern", GPT_OSS_PATTERNS, ids=lambda p: p.name)
+def test_sm90_n_major_bf16_weights_at_gpt_oss_sizes(pattern, n, k):
+    """gpt-oss-20b's experts in bf16 as it stores them ([E, in, out], read N-major in place) with
+    the default config of each regime (normal, split-n, swapped tiles), more tiles than SMs."""
+    p = make_problem("bf16", "plain", pattern, n, k, "cuda")
+    cfg = config.sm90_config(FORMATS["bf16"], n, k, p.m / len(pattern.tokens))
+    arrangement = "swap" if cfg.swap else "split_n" if cfg.split_n else "normal"
+    assert arrangement == {"prefill": "normal", "small_groups": "split_n", "decode": "swap"}[pattern.name]
+    tiles = sum(-(-t // cfg.token_tile) for t, e in zip(pattern.tokens, pattern.expert_ids) if e >= 0)
+    assert tiles * -(-n // cfg.weight_tile) > torch.cuda.get_device_properties(0).multi_processor_count
+    check_n_major(p, n)
+
+
+@pytest.mark.parametrize("pattern", [GPT_OSS_PATTERNS[0], GPT_OSS_PATTERNS[2]], ids=lambda p: p.name)
+def test_sm90_fused_swiglu_reads_n_major_weights(pattern, monkeypatch):
+    """gpt-oss's gate/up step as the MoE layer runs it (fused clamped SwiGLU with biases, gate and
+    up interleaved) on its N-major weights: the fused epilogue runs, and writes the bits the
+    K-major weights give, at prefill and at decode."""
+    p = make_problem("bf16", "plain", pattern, 5760, 2880, "cuda", with_scales=False)
+    bias = torch.randn(32, 5760, device="cuda")
+    fused = []
+    launch = moegemm.ops.fused_epilogue.launch_fused
+    monkeypatch.setattr(moegemm.ops.fused_epilogue, "launch_fused",
+                        lambda *args, **kw: fused.append(1) or launch(*args, **kw))
+    outs = [moegemm.grouped_matmul_swiglu(p.a.data, b, None, None, p.a_offsets, p.expert_ids, fmt="bf16",
+                                          gate_up_layout="interleaved", activation="swiglu_oai", bias=bias,
+                                          backend="sm90").data for b in (p.w.data, n_major(p.w.data))]
+    assert len(fused) == 2
+    valid = p.valid_rows().to("cuda")
+    assert outs[0].shape == (p.m, 2880) and not bool(outs[1][valid].isnan().any())
+    assert torch.equal(outs[1][valid].view(torch.int16), outs[0][valid].view(torch.int16))
 
 
 @pytest.mark.parametrize("fmt", SM90_FORMATS + MX_FORMATS)

@@ -46,6 +46,8 @@ CASES = {
     "b K differs from a": (ValueError, "b", dict(b=torch.zeros(3, 16, 96, dtype=torch.float8_e4m3fn)), "mxfp8", "plain"),
     "b on another device": (ValueError, "b", dict(b=torch.zeros(3, 16, 64, dtype=torch.float8_e4m3fn, device="meta")),
                             "mxfp8", "plain"),
+    "b N-major, not bf16": (ValueError, "b", dict(b=torch.zeros(3, 64, 16, dtype=torch.float8_e4m3fn).transpose(1, 2)),
+                            "mxfp8", "plain"),
     "b packed K differs": (ValueError, "b", dict(b=torch.zeros(3, 16, 16, dtype=torch.uint8)), "mxfp4", "plain"),
     "K not a multiple of the block": (ValueError, "a", dict(a=torch.zeros(40, 48, dtype=torch.float8_e4m3fn),
                                                             b=torch.zeros(3, 16, 48, dtype=torch.float8_e4m3fn)),
@@ -182,3 +184,16 @@ def test_a_repeated_shape_still_checks_what_changed():
     expect(ValueError, "expert_ids", dict(args), kwargs, expert_ids=torch.tensor([0, 3], dtype=torch.int32))
     expect(ValueError, "a", dict(args), kwargs, a=torch.zeros(64, 40, dtype=torch.float8_e4m3fn).t())
     expect(TypeError, "a_scales", dict(args), kwargs, a_scales=args["a_scales"].float())
+
+
+def test_bf16_weights_take_either_major_order_and_no_other_strides():
+    """bf16 weights: contiguous, or N-major (the transpose(1, 2) of a contiguous [E, K, N]), the
+    same products; other strides raise, also after an N-major call of the same shapes (a call's
+    plan is kept by b's strides, not only by whether b is contiguous)."""
+    args, kwargs = good("bf16")
+    ref = call(args, kwargs)
+    args["b"] = args["b"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(call(args, kwargs), ref)
+    strided = torch.zeros(3, 16, 128, dtype=torch.bfloat16)[:, :, ::2]
+    with pytest.raises(ValueError, match=r"^b: expected a contiguous tensor or the transpose\(1, 2\) of a contiguous"):
+        call(dict(args, b=strided), kwargs)

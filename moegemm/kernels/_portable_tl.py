@@ -51,10 +51,11 @@ def _decode_e4m3(byte, BY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """Rows `rows` (int64) x columns [k0, k0 + BLOCK_K) of a row-major operand, decoded to fp32
-    (bf16 elements: as loaded, bf16).
+def _load_operand(ptr, rows, row_mask, k0, K, STRIDE, ELEM: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, K_MAJOR: tl.constexpr):
+    """Rows `rows` (int64) x columns [k0, k0 + BLOCK_K) of an operand, decoded to fp32 (bf16
+    elements: as loaded, bf16). K_MAJOR: element (r, k) at r * STRIDE + k (packed e2m1: byte k/2);
+    else (N-major bf16 weights) at r + k * STRIDE.
 
     Out-of-range rows and columns read as zero.
     """
@@ -62,14 +63,18 @@ def _load_operand(ptr, rows, row_mask, k0, K, ELEM: tl.constexpr, BLOCK_R: tl.co
         half_k = K // 2
         cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = row_mask[:, None] & (cols[None, :] < half_k)
-        packed = tl.load(ptr + rows[:, None] * half_k + cols[None, :], mask=mask, other=0).to(tl.int32)
+        packed = tl.load(ptr + rows[:, None] * STRIDE + cols[None, :], mask=mask, other=0).to(tl.int32)
         low = codecs.decode_e2m1(packed & 15)  # element 2i
         high = codecs.decode_e2m1(packed >> 4)  # element 2i + 1
         return tl.join(low, high).reshape(BLOCK_R, BLOCK_K)
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (cols[None, :] < K)
-        x = tl.load(ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0)
+        if K_MAJOR:
+            offsets = rows[:, None] * STRIDE + cols[None, :]
+        else:
+            offsets = rows[:, None] + cols[None, :].to(tl.int64) * STRIDE
+        x = tl.load(ptr + offsets, mask=mask, other=0)
         if ELEM == ELEM_E4M3:
             return _decode_e4m3(x, INTERPRETED)
         else:
@@ -112,17 +117,20 @@ def grouped_matmul_kernel(
     NUM_KB, KB4, NUM_SCALE_ROWS,
     A_ELEM: tl.constexpr, B_ELEM: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
     VEC: tl.constexpr, SWIZZLED: tl.constexpr, HAS_EXPERT_SCALES: tl.constexpr, HAS_ROW_SCALES: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, B_N_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """C[s:t] = decode(A[s:t]) @ decode(B[e]).T * expert_scales[e] * row_scales[s:t] per valid slot.
 
     A_SCALE and B_SCALE are the scale kinds of A and B: equal, or A's SCALE_NONE (weight-only
-    formats: bf16 activations); SWIZZLED applies to the scales that exist."""
+    formats: bf16 activations); SWIZZLED applies to the scales that exist. B_N_MAJOR: B [E, N, K]
+    is the transpose of a contiguous [E, K, N] (bf16 weights), else contiguous."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    a_row_elems = K // 2 if A_ELEM == ELEM_E2M1 else K
     b_row_elems = K // 2 if B_ELEM == ELEM_E2M1 else K
+    b_stride = N if B_N_MAJOR else b_row_elems  # (between K elements N-major, else between weight rows)
     # Per-expert strides of the B scales: plain [E, N, NUM_KB] (fp8_block: [E, ceil(N/128), NUM_KB]),
     # swizzled [E, ceil(N/128), KB4, 512].
     if B_SCALE == SCALE_FP32_BLOCK:
@@ -163,8 +171,10 @@ def grouped_matmul_kernel(
 
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                a = _load_operand(a_ptr, rows, row_mask, k0, K, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED)
-                b = _load_operand(b_base, cols, col_mask, k0, K, B_ELEM, BLOCK_N, BLOCK_K, INTERPRETED)
+                a = _load_operand(a_ptr, rows, row_mask, k0, K, a_row_elems, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED,
+                                  True)
+                b = _load_operand(b_base, cols, col_mask, k0, K, b_stride, B_ELEM, BLOCK_N, BLOCK_K, INTERPRETED,
+                                  not B_N_MAJOR)
                 if A_SCALE == SCALE_E8M0 or A_SCALE == SCALE_E4M3:
                     a = _apply_block_scales(a, a_scale_ptr, a_scale_rows, a_scale_mask, k0, NUM_KB, KB4,
                                             A_SCALE, SWIZZLED, VEC, BLOCK_M, BLOCK_K, INTERPRETED)
@@ -245,7 +255,8 @@ def dequantize_rows_kernel(
     for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
         rows, row_mask, scale_rows, scale_mask = _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M)
         for k0 in range(0, K, BLOCK_K):
-            x = _load_operand(a_ptr, rows, row_mask, k0, K, A_ELEM, BLOCK_M, BLOCK_K, INTERPRETED)
+            x = _load_operand(a_ptr, rows, row_mask, k0, K, K // 2 if A_ELEM == ELEM_E2M1 else K, A_ELEM, BLOCK_M,
+                              BLOCK_K, INTERPRETED, True)
             x = _apply_block_scales(x, a_scale_ptr, scale_rows, scale_mask, k0, NUM_KB, KB4, SCALE, SWIZZLED, VEC,
                                     BLOCK_M, BLOCK_K, INTERPRETED)
             cols = k0 + tl.arange(0, BLOCK_K)

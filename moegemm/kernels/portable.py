@@ -71,6 +71,7 @@ def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
         DOT_DTYPE=module.tl.float32 if interpret else module.tl.bfloat16,
         DOT_PRECISION="ieee",
         INTERPRETED=interpret,
+        B_N_MAJOR=p.b_n_major,  # (bf16 weights read in place as the transpose of [E, K, N])
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
     )
 

@@ -15,6 +15,11 @@ Steady state of one consumer, fp8_block (PROMOTE):
     wait ready[s]; part = wgmma(A[s], B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
     acc += part * (sa * sb)[k]       # fp32 promotion per 128-wide K block (docs/contract.md)
 bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
+
+bf16 weights may also be N-major (B [E, N, K] the transpose of a contiguous [E, K, N], as gpt-oss
+stores its experts): their stages hold [BLOCK_K, W_TILE] boxes of that tensor, which wgmma reads
+as they are (the transposed-operand bit: tnspB, or tnspA for the swapped tile's weights), in
+every tile arrangement, with the same instruction shapes and order of sums.
 """
 
 
@@ -23,21 +28,29 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, producer_registers, walk
+from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, n_major, produce, producer_registers, walk
 from .swiglu import Swiglu
 
 
 @gluon.jit
-def _wgmma_operands(m_op, n_op, stage, col, WG: gl.constexpr, SPLIT_N: gl.constexpr, SUB_N: gl.constexpr):
+def _wgmma_operands(m_op, n_op, stage, col: gl.constexpr, WG: gl.constexpr, SPLIT_N: gl.constexpr,
+                    SUB_N: gl.constexpr, SWAP: gl.constexpr, N_MAJOR: gl.constexpr):
     """This warpgroup's wgmma operands in ring stage `stage`: A [64, K] and B^T [K, SUB_N]
-    (weight columns [col, col + SUB_N) of its share)."""
+    (weight columns [col, col + SUB_N) of its share). The weights' buffer (n_op, or m_op when
+    SWAP) is [W_TILE, K], or [K, W_TILE] for N-major weights (N_MAJOR): wgmma reads a 16-bit
+    operand from shared memory in either major order, so that one is only viewed, not moved."""
+    B_START: gl.constexpr = WG * SUB_N + col if SPLIT_N else col
     if SPLIT_N:
         a = m_op.index(stage)
-        b = n_op.index(stage).slice(WG * SUB_N + col, SUB_N)
+    elif SWAP and N_MAJOR:
+        a = m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=1).permute((1, 0))
     else:
         a = m_op.index(stage).slice(WG * WG_ROWS, WG_ROWS)
-        b = n_op.index(stage).slice(col, SUB_N)
-    return a, b.permute((1, 0))
+    if N_MAJOR and not SWAP:
+        b = n_op.index(stage).slice(B_START, SUB_N, dim=1)
+    else:
+        b = n_op.index(stage).slice(B_START, SUB_N).permute((1, 0))
+    return a, b
 
 
 @gluon.jit
@@ -65,13 +78,13 @@ def _promote(m_op, n_op, ring, zero, a_scale_rows, tok_mask, b_scale_row, NUM_KB
         if N_SUB == 2:
             sb1_next = gl.load(b_scale_row + NUM_KB + kk + 1, mask=more & high_valid, other=0.0)
         stage = ring.wait_ready(it)
-        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N)
+        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N, False, False)
         part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
         scale0 = gl.expand_dims(sa * sb0, tok_dim)
         part = warpgroup_mma_wait(0, deps=(part, ))
         if N_SUB == 2:
             acc0 = acc0 + part * scale0
-            a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, SPLIT_N, SUB_N)
+            a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, SPLIT_N, SUB_N, False, False)
             part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
             scale1 = gl.expand_dims(sa * sb1, tok_dim)
             part = warpgroup_mma_wait(0, deps=(part, ))
@@ -88,15 +101,17 @@ def _promote(m_op, n_op, ring, zero, a_scale_rows, tok_mask, b_scale_row, NUM_KB
 
 
 @gluon.jit
-def _chain(m_op, n_op, ring, zero, it, k_steps, WG: gl.constexpr, SPLIT_N: gl.constexpr):
+def _chain(m_op, n_op, ring, zero, it, k_steps, WG: gl.constexpr, SPLIT_N: gl.constexpr, SWAP: gl.constexpr,
+           N_MAJOR: gl.constexpr):
     """bf16 main loop: acc = sum_k wgmma(block k), chained with one wgmma in flight; a stage is
-    released once the wgmma after it has been issued and the one reading it has retired."""
+    released once the wgmma after it has been issued and the one reading it has retired.
+    N_MAJOR: the weights' stages are [K, W_TILE] (_wgmma_operands)."""
     SUB_N: gl.constexpr = zero.shape[1]
     acc = zero
     prev = 0
     for kk in range(k_steps):
         stage = ring.wait_ready(it)
-        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N)
+        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N, SWAP, N_MAJOR)
         acc = warpgroup_mma(a, b, acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))  # the wgmma of step kk-1 has retired
         ring.release(prev, pred=kk > 0)
@@ -129,10 +144,11 @@ class DenseConsumer:
     SWAP: gl.constexpr
     SPLIT_N: gl.constexpr
     PROMOTE: gl.constexpr
+    N_MAJOR: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ring, a_bufs, b_bufs, c_desc, c_smem, out, swiglu, a_scale_ptr, b_scale_ptr, K, NUM_KB, WG,
-                 SUB_N, SWAP, SPLIT_N, PROMOTE):
+                 SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR):
         self.ring = ring
         self.a_bufs = a_bufs
         self.b_bufs = b_bufs
@@ -149,6 +165,7 @@ class DenseConsumer:
         self.SWAP = gl.constexpr(SWAP)
         self.SPLIT_N = gl.constexpr(SPLIT_N)
         self.PROMOTE = gl.constexpr(PROMOTE)
+        self.N_MAJOR = gl.constexpr(N_MAJOR)
 
     @gluon.jit
     def tile(self, sched, slot, tok_block, w_block, it, done):
@@ -201,7 +218,7 @@ class DenseConsumer:
             if N_SUB == 2:
                 self.epilogue(acc1, e, toks, tok_mask, ns + SUB_N, N, row0, col0 + SUB_N, t)
         else:
-            acc0, it = _chain(m_op, n_op, self.ring, zero, it, k_steps, WG, SPLIT_N)
+            acc0, it = _chain(m_op, n_op, self.ring, zero, it, k_steps, WG, SPLIT_N, SWAP, self.N_MAJOR)
         if self.swiglu.ACT != 0:  # the fused SwiGLU epilogue (bf16 only: PROMOTE is never fused)
             tok0 = s + tok_block * TOK_TILE if SWAP else row0
             w0 = w_block * W_TILE + WG * WG_ROWS if SWAP else col0
@@ -231,19 +248,27 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
                  HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  EPI: gl.constexpr, DYNAMIC: gl.constexpr):
     """a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight tiles [W_TILE, BLOCK_K] of B
-    viewed as [E*N, K]; c_desc: [64, SUB_N] tiles of C (unused when SWAP). The tile arrangement
-    follows from the descriptor shapes: TOK_TILE = 64 is split-n. a_scale_ptr, b_scale_ptr: the
+    viewed as [E*N, K], or for N-major bf16 weights [1, BLOCK_K, W_TILE] boxes of B's [E, K, N]
+    storage (pipeline.n_major); c_desc: [64, SUB_N] tiles of C (unused when SWAP). The tile
+    arrangement follows from the descriptor shapes: TOK_TILE = 64 is split-n. a_scale_ptr, b_scale_ptr: the
     fp8_block scales (PROMOTE), NUM_KB K blocks a row. epi, EPI: the fused epilogue (Swiglu.create).
     DYNAMIC: the last claim_rounds * nprog tiles are claimed from tile_counter_ptr (an int32 that
     is zero at launch), else all are dealt round-robin (pipeline.py, schedule)."""
     TOK_TILE: gl.constexpr = a_desc.block_type.shape[0]
-    W_TILE: gl.constexpr = b_desc.block_type.shape[0]
+    N_MAJOR: gl.constexpr = n_major(b_desc)
+    W_TILE: gl.constexpr = b_desc.block_type.shape[2] if N_MAJOR else b_desc.block_type.shape[0]
     SPLIT_N: gl.constexpr = (not SWAP) and TOK_TILE == WG_ROWS
     SUB_N: gl.constexpr = c_desc.block_type.shape[1]
     gl.static_assert((W_TILE if SWAP else TOK_TILE) == 2 * WG_ROWS or SPLIT_N, "two warpgroups of 64 rows")
     gl.static_assert((not SPLIT_N) or W_TILE == 2 * SUB_N, "split-n: each warpgroup takes half the weights")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    if N_MAJOR:
+        gl.static_assert(not PROMOTE, "N-major weights are bf16")
+        BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, W_TILE],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_K, W_TILE], b_desc.dtype))
+    else:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     # Swapped tiles store with masks: their epilogue buffer is a token one, leaving the shared
     # memory to the ring.
     c_rows: gl.constexpr = 1 if SWAP else WG_ROWS
@@ -256,9 +281,9 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
     K = gl.to_tensor(K)
     NUM_KB = gl.to_tensor(NUM_KB)
     consumer0 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(0), out, swiglu, a_scale_ptr, b_scale_ptr, K,
-                              NUM_KB, 0, SUB_N, SWAP, SPLIT_N, PROMOTE)
+                              NUM_KB, 0, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
     consumer1 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(1), out, swiglu, a_scale_ptr, b_scale_ptr, K,
-                              NUM_KB, 1, SUB_N, SWAP, SPLIT_N, PROMOTE)
+                              NUM_KB, 1, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
     producer = Producer.create(ring, a_desc, b_desc, a_bufs, b_bufs, K)
     gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
                        [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

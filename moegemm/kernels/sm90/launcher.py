@@ -100,16 +100,16 @@ class LaunchArgs:
 
 
 def supports(p: GroupedProblem) -> bool:
-    """Shapes the kernels take: 16-byte aligned rows of A, B and C for TMA (bf16, fp8_block); for
-    the block formats K % 32 == 0 (16-byte rows of packed weights) and K > 0 (K = 0 streams
-    nothing; the portable kernel writes the zeros)."""
+    """Shapes the kernels take: 16-byte aligned rows of A, B and C for TMA (bf16, fp8_block; N-major
+    bf16 weights: rows of N); for the block formats K % 32 == 0 (16-byte rows of packed weights)
+    and K > 0 (K = 0 streams nothing; the portable kernel writes the zeros)."""
     if p.fmt.name in MX_FORMATS:
         return p.k % 32 == 0 and p.k > 0
     if p.fmt.name not in ("bf16", "fp8_block"):
         return False
     elem = 2 if p.fmt.name == "bf16" else 1
     out_elem = 2 if p.out_dtype == torch.bfloat16 else 4
-    return (p.k * elem) % 16 == 0 and (p.n * out_elem) % 16 == 0
+    return (p.k * elem) % 16 == 0 and (p.n * out_elem) % 16 == 0 and (not p.b_n_major or (p.n * elem) % 16 == 0)
 
 
 def fused_supports(p: GroupedProblem) -> bool:
@@ -218,6 +218,18 @@ def _or_dummy(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return tensor if tensor is not None else dummy
 
 
+def _weight_descriptor(p: GroupedProblem, b: torch.Tensor, cfg) -> Tma:
+    """The dense kernel's weight boxes: [weight_tile, block_k] of B seen as [E*N, K], or for N-major
+    bf16 weights (the transpose of a contiguous [E, K, N]) [1, block_k, weight_tile] of that
+    [E, K, N] tensor, read in place: the 3-D box zero-fills K past an expert's end instead of
+    reading the next expert's rows (the kernel tells the two by the box's rank)."""
+    if not p.b_n_major:
+        return _descriptor(b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
+    # (the strides TMA needs; a dimension of size 1 may carry any stride in b)
+    by_k = b.as_strided((p.num_experts, p.k, p.n), (p.k * p.n, p.n, 1))
+    return _descriptor(by_k, (1, cfg.block_k, cfg.weight_tile))
+
+
 def _launch_dense(args: LaunchArgs) -> torch.Tensor:
     p, out = args.problem, args.out
     cfg = _config(p, args.epilogue is not None, out.element_size())
@@ -225,7 +237,7 @@ def _launch_dense(args: LaunchArgs) -> torch.Tensor:
     counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
     promote = p.fmt.name == "fp8_block"
     a_desc = _descriptor(args.a, (cfg.token_tile, cfg.block_k))
-    b_desc = _descriptor(args.b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
+    b_desc = _weight_descriptor(p, args.b, cfg)
     if args.epilogue is None:
         c_desc = _descriptor(out, (WG_ROWS.value, cfg.epilogue_n(promote)))
     else:  # the fused epilogue stores with masks: its TMA descriptor only has to exist

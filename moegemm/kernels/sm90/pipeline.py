@@ -73,6 +73,15 @@ def optional(value):
 
 
 @gluon.constexpr_function
+def n_major(b_desc):
+    """Whether a weight descriptor holds N-major weights: bf16 B [E, N, K] that is the transpose
+    of a contiguous [E, K, N], loaded in 3-D boxes [1, BLOCK_K, W_TILE] of that tensor (zero past
+    an expert's K, where a 2-D box would read the next expert's rows) and staged [BLOCK_K, W_TILE];
+    K-major weights come in 2-D boxes [W_TILE, K step]."""
+    return len(b_desc.block_type.shape) == 3
+
+
+@gluon.constexpr_function
 def producer_registers(CONSUMERS, CONSUMER_REGS):
     """The producer warp's setmaxnreg budget beside CONSUMERS consumer warpgroups of CONSUMER_REGS
     registers a thread. The default partition (consumer 0) gets what the workers leave of the
@@ -389,8 +398,9 @@ def walk(sched, role, PRODUCER: gl.constexpr = False):
 
 @aggregate
 class Producer:
-    """The producer warp's loads (Producer.tile). A stage holds one weight box of b_desc and SUB
-    consecutive token boxes of a_desc (a_bufs[stage * SUB + j]), and optionally:
+    """The producer warp's loads (Producer.tile). A stage holds one weight box of b_desc (N-major
+    bf16 weights: a 3-D box staged [BLOCK_K, W_TILE], n_major) and SUB consecutive token boxes of
+    a_desc (a_bufs[stage * SUB + j]), and optionally:
     - s_desc: the tokens' fp32 scales of the stage's K blocks, a [K blocks, TOK_TILE] box of their
       K-block-major copy (slots start at multiples of S_COLUMN_BLOCK columns, token_forms.py);
     - ws_desc: the weight tile's swizzled e8m0 scales seen as [atoms * 32, 4] int32, KB4 atoms per
@@ -482,6 +492,9 @@ class Producer:
                                               self.tail_s_desc.block_type.nbytes)
         a_row = slot.s + tok_block * TOK_TILE
         b_row = slot.e * sched.N + w_block * W_TILE
+        B_N_MAJOR: gl.constexpr = n_major(self.b_desc)
+        if B_N_MAJOR:
+            gl.static_assert(self.b_half_desc is None and B_STEP == BLOCK_K * SUB, "N-major weights: whole boxes")
         if self.b_half_desc is not None:
             half_tile = sched.N - w_block * W_TILE <= W_TILE // 2
         if self.s_desc is not None:  # the slot's columns start 16-byte aligned (token_forms.kb_major_column)
@@ -510,7 +523,10 @@ class Producer:
             for j in gl.static_range(SUB):
                 tma.async_copy_global_to_shared(self.a_desc, [a_row, (kk * SUB + j) * BLOCK_K], ready,
                                                 self.a_bufs.index(stage * SUB + j))
-            if self.b_half_desc is None:
+            if B_N_MAJOR:
+                tma.async_copy_global_to_shared(self.b_desc, [slot.e, kk * B_STEP, w_block * W_TILE], ready,
+                                                self.b_bufs.index(stage).reshape(self.b_desc.block_type.shape))
+            elif self.b_half_desc is None:
                 tma.async_copy_global_to_shared(self.b_desc, [b_row, kk * B_STEP], ready, self.b_bufs.index(stage))
             elif half_tile:
                 tma.async_copy_global_to_shared(self.b_half_desc, [b_row, kk * B_STEP], ready,
