@@ -124,11 +124,11 @@ def test_the_families_run_include_the_tested_models():
     assert len(ran) >= 10, sorted(ran)
 
 
-def _gated_experts(apply_gate, layout: str, **attributes):
-    """An experts class of the interface's shape, [out, in] weights with gate/up in `layout`, whose
-    _apply_gate is `apply_gate`; `attributes` set on the module."""
+def _gated_experts(apply_gate, **attributes):
+    """An experts class of the interface's shape, [out, in] weights, whose _apply_gate is
+    `apply_gate` (the gate/up order is its own); `attributes` set on the module."""
 
-    @use_experts_implementation(is_concatenated=layout == "concat")
+    @use_experts_implementation
     class CustomExperts(torch.nn.Module):
         def __init__(self, config):
             super().__init__()
@@ -179,10 +179,10 @@ def test_a_clamped_swiglu_is_read_from_what_it_computes(layout, stored):
     exactly, and the outputs are the module's own experts'."""
     alpha, limit = (1.25, 3.5) if stored == "unusual names" else (2.375, 0.875)
     if stored == "unusual names":
-        module = _gated_experts(_clamped(lambda m: m.sharpness, lambda m: m.ceiling, layout), layout,
-                                sharpness=alpha, ceiling=limit)
+        module = _gated_experts(_clamped(lambda m: m.sharpness, lambda m: m.ceiling, layout), sharpness=alpha,
+                                ceiling=limit)
     else:
-        module = _gated_experts(_clamped(lambda m: 2.375, lambda m: 0.875, layout), layout)
+        module = _gated_experts(_clamped(lambda m: 2.375, lambda m: 0.875, layout))
     spec = moegemm.hf._module_spec(module)
     assert (spec.activation, spec.gate_up_layout, spec.alpha, spec.limit) == ("swiglu_oai", layout, alpha, limit)
     x, index, weights = _route()
@@ -200,12 +200,12 @@ def test_a_gate_unlike_both_raises_even_where_it_differs_only_at_large_values():
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate.clamp(max=1000.0)) * up.clamp(min=-1000.0, max=1000.0)
 
-    module = _gated_experts(apply_gate, "concat")
+    module = _gated_experts(apply_gate)
     with torch.no_grad(), pytest.raises(ValueError, match="CustomExperts.*computes neither"):
         module(*_route())
 
 
 def test_a_large_limit_is_read_exactly():
-    module = _gated_experts(_clamped(lambda m: 1.702, lambda m: 12345.5, "interleaved"), "interleaved")
+    module = _gated_experts(_clamped(lambda m: 1.702, lambda m: 12345.5, "interleaved"))
     spec = moegemm.hf._module_spec(module)
     assert (spec.activation, spec.alpha, spec.limit) == ("swiglu_oai", 1.702, 12345.5)
