@@ -1,7 +1,8 @@
 """README.md's ```python blocks run as written on the CPU, except those that `_needs` sets apart (a
 GPU, a torch.distributed process group); a block that loads a model from the hub (`name = "..."`)
-loads a tiny one saved here instead, since no hub is reachable. A block the README shows the
-printed lines of prints those lines (its error values within a factor of 2)."""
+loads a tiny one saved here instead, since no hub is reachable. Where the README shows what a
+block prints ("It prints"), it prints those lines (error values within a factor of 2; a backend
+this machine lacks prints no line)."""
 
 import contextlib
 import io
@@ -10,6 +11,9 @@ import re
 
 import pytest
 import torch
+
+import moegemm
+from moegemm.ops import BACKENDS
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
@@ -72,13 +76,14 @@ def test_a_readme_block_runs_as_written(index, tmp_path):
     with contextlib.redirect_stdout(printed):
         exec(compile(code, f"README.md python block {index}", "exec"), namespace)
     if shown is not None:
-        got, want = printed.getvalue().splitlines(), shown.splitlines()
+        # (the lines of a backend this CPU lacks, e.g. the interpreter under numpy >= 2.4, are not printed)
+        absent = set(BACKENDS) - set(moegemm.available_backends("cpu"))
+        got, want = printed.getvalue().splitlines(), [line for line in shown.splitlines()
+                                                      if line.split()[0] not in absent]
         assert [NUMBER.sub("#", line) for line in got] == [NUMBER.sub("#", line) for line in want], printed.getvalue()
         for g, w in zip(NUMBER.findall(printed.getvalue()), NUMBER.findall(shown)):
             assert float(w) / 2 <= float(g) <= float(w) * 2, (g, w)
     if loads:
-        import moegemm
-
         model = namespace["model"]
         experts = moegemm.hf.experts_modules(model)
         assert len(experts) == 2 and all(m.config._experts_implementation == "moegemm" for m in experts)
