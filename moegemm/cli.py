@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import platform
 import sys
@@ -137,6 +138,10 @@ def info(args) -> int:
     print(f"torch    {torch.__version__}")
     print(f"triton   {triton.__version__}")
     print(f"numpy    {numpy.__version__}")
+    try:  # (its version without importing it: `import moegemm` never does)
+        print(f"transformers {importlib.metadata.version('transformers')}")
+    except importlib.metadata.PackageNotFoundError:
+        print("transformers not installed")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)

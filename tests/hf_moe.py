@@ -174,6 +174,8 @@ def build_gpt_oss(
     )
     block = GptOssMLP(config)
     experts = block.experts
+    # (releases up to 5.17 at least fix the experts' alpha and limit at 1.702 and 7.0, whatever the config says)
+    experts.alpha, experts.limit = swiglu_alpha, swiglu_limit
     return _drawn(block, dtype, (block.router.weight, router_std), (block.router.bias, bias_std),
                   (experts.gate_up_proj, std), (experts.gate_up_proj_bias, bias_std), (experts.down_proj, std),
                   (experts.down_proj_bias, bias_std))

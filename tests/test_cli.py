@@ -1,3 +1,4 @@
+import importlib.metadata
 import math
 import subprocess
 import sys
@@ -17,6 +18,11 @@ def test_info_prints_versions_and_backends():
     assert result.returncode == 0, result.stderr
     for word in ("moegemm", "torch", "triton", "numpy", "backends on cpu", "formats"):
         assert word in result.stdout
+    try:  # (make test prints these versions first: the one it runs with)
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = "not installed"
+    assert f"transformers {transformers}\n" in result.stdout
 
 
 @pytest.mark.skipif(not interpreter_usable(), reason="the CPU demo runs the kernel under triton's interpreter")
