@@ -19,11 +19,14 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/nvidia-smi-$mode.txt" 2>&1
 case "$mode" in
   tests)
-    echo "# bash bench/gpu_check.sh tests (python3 -m pytest -q -m gpu -n ${WORKERS:-8} tests), one $gpu, commit $commit" \
-      > "$OUT/gpu-tests.log"
-    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n ${WORKERS:-8} tests >> "$OUT/gpu-tests.log" 2>&1
-    grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -5
-    grep -E "^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -30 ;;
+    # TESTS: the test paths (default: all); PART names the log of a part (gpu-tests-PART.log);
+    # PYTEST_ADDOPTS (pytest's own) adds options such as -k.
+    log="$OUT/gpu-tests${PART:+-$PART}.log"
+    echo "# bash bench/gpu_check.sh tests (python3 -m pytest -q -m gpu -n ${WORKERS:-8} ${TESTS:-tests}" \
+      "${PYTEST_ADDOPTS:-}), one $gpu, commit $commit" > "$log"
+    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -n ${WORKERS:-8} ${TESTS:-tests} >> "$log" 2>&1
+    grep -E "passed|failed|error" "$log" | tail -5
+    grep -E "^FAILED|^ERROR" "$log" | head -30 ;;
   fuzz)
     timeout ${T_FUZZ:-560} python3 bench/fuzz.py --out "$OUT" ${FUZZ_ARGS:-} > "$OUT/fuzz.log" 2>&1
     echo "fuzz rc=$?"; grep -v "^ *\[" "$OUT/fuzz.log" | tail -40 ;;

@@ -6,6 +6,9 @@
 Workloads (each at a shape with several tiles per program: more tiles than 2 x the SMs; each
 result also checked against the fp64 reference, so the sanitized path is the right one):
     sm90            fp8_block and bf16 (kernels/sm90/dense.py): normal, split-n and swapped tiles
+    n-major         bf16 weights read N-major in place (the transpose of [E, K, N], gpt-oss's
+                    layout) on normal, split-n and swapped tiles and the fused SwiGLU epilogue,
+                    partial last N and K steps; each bit for bit the K-major copy's result
     mx-decoding     the bf16-decoding block-format kernel (kernels/sm90/decode.py): mxfp4, nvfp4,
                     w4a8, mxfp8 on 32-, 64-, 128- and 256-token tiles, bf16_mxfp4 (bf16 tokens)
                     on 32 and 256, unscaled and scaled calls
@@ -58,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
-WORKLOADS = ("sm90", "mx-decoding", "prepacked", "mxfp8-promotion", "e2m1-split-k", "fused-swiglu", "routing",
+WORKLOADS = ("sm90", "n-major", "mx-decoding", "prepacked", "mxfp8-promotion", "e2m1-split-k", "fused-swiglu", "routing",
              "adversarial")
 
 
@@ -106,6 +109,45 @@ def workload_sm90():
         _check(fmt, "plain", big, 2048, 256, DenseConfig(block_n=128, block_k=bk, stages=3, group_m=4, split_n=True))
         _check(fmt, "plain", small, 1024, 256, DenseConfig(block_n=32, block_k=bk, stages=6, group_m=1, swap=True))
         _check(fmt, "plain", small, 1024, 256, with_scales=False)
+
+
+def workload_n_major():
+    import torch
+
+    import moegemm
+    from moegemm.config import DenseConfig, override_config
+
+    from cases import check_output, make_problem, poison_like, tolerance
+
+    big, small = _groups(8, 300, 500, 3), _groups(64, 1, 30, 4)
+    cases = [(big, DenseConfig(block_n=128, block_k=64, stages=4, group_m=4)),
+             (big, DenseConfig(block_n=128, block_k=64, stages=3, group_m=4, split_n=True)),
+             (small, DenseConfig(block_n=32, block_k=64, stages=6, group_m=1, swap=True))]
+    if not _racecheck():
+        cases.append((big, DenseConfig(block_n=256, block_k=64, stages=3, group_m=2)))
+    n, k = 2112, 560  # (a partial last weight tile of 128 and 256, a partial last K step of 64)
+    for pattern, cfg in cases:
+        p = make_problem("bf16", "plain", pattern, n, k, "cuda")
+        weights = p.w.data.transpose(1, 2).contiguous().transpose(1, 2)
+        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
+        outs = []
+        for b in (p.w.data, weights):
+            out = poisoned.clone()
+            with override_config(cfg):
+                moegemm.grouped_matmul(p.a.data, b, None, None, p.a_offsets, p.expert_ids, **p.kwargs(), out=out,
+                                       backend="sm90")
+            outs.append(out)
+        check_output(p, outs[1], poisoned, tolerance("bf16", "sm90"))
+        assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16)), f"N-major bits differ, {cfg}"
+        print(f"ok bf16 N-major {pattern.name} N={n} K={k} {cfg}", flush=True)
+    p = make_problem("bf16", "plain", small, 1024, 256, "cuda", with_scales=False)
+    kw = dict(fmt="bf16", gate_up_layout="interleaved", activation="swiglu_oai", backend="sm90",
+              bias=torch.randn(small.experts, 1024, device="cuda") * 0.1)
+    outs = [moegemm.grouped_matmul_swiglu(*p.args()[:1], b, None, None, *p.args()[4:6], fused=True, **kw).data
+            for b in (p.w.data, p.w.data.transpose(1, 2).contiguous().transpose(1, 2))]
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(outs[1][valid].view(torch.int16), outs[0][valid].view(torch.int16))
+    print("ok fused SwiGLU on N-major bf16 weights", flush=True)
 
 
 def workload_mx_decoding():
