@@ -344,15 +344,18 @@ def assert_same_fields(q: moegemm.QuantizedTensor, r: moegemm.QuantizedTensor):
             assert torch.equal(bits(got), bits(want)), name
 
 
-def edge_rows(m: int, k: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    """Rows spanning twelve decades, with an all-zero block, a negative zero, an fp32 subnormal and
-    a value near fp32's largest: the edges of every scale rule, all finite (a block holding inf or
-    NaN gets the same scale, but its element bits are unspecified: docs/contract.md section 3)."""
+def edge_rows(m: int, k: int, fmt: str, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """Rows spanning twelve decades, with an all-zero block, a negative zero, an fp32 subnormal and,
+    but where it would be the tensor-wide amax of nvfp4's global scale (and zero every other
+    block's scale), a value near fp32's largest: the edges of the scale rules, all finite (a block
+    holding inf or NaN gets the same scale, but its element bits are unspecified:
+    docs/contract.md section 3)."""
     x = torch.randn(m, k, device=device) * torch.logspace(-6, 6, m, device=device)[:, None]
     x[2, :32] = 0
     x[0, 1] = -0.0
     x[3, 5] = 1e-40
-    x[4, 7] = 3e38
+    if not FORMATS[fmt].a.global_scale:
+        x[4, 7] = 3e38
     return x.to(dtype)
 
 
@@ -370,7 +373,7 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
     block, mxfp8's 3 scale blocks padded to the swizzle atom's 4), slots leaving rows 0-2 and 30-36
     outside every slot and one slot empty. Left out, num_scale_blocks is the bound ceil(M/128) + G:
     the reference given that bound writes the same buffer, padding zero."""
-    x = edge_rows(37, 96)
+    x = edge_rows(37, 96, fmt)
     a_offsets = torch.tensor([3, 10, 10, 30], dtype=torch.int32)
     got = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, backend="triton")
     blocks = scale_blocks_bound(37, a_offsets) if layout == "swizzled" else None
@@ -383,7 +386,7 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
 def test_quantize_kernel_takes_any_float_rows(fmt):
     """bf16, fp16 and fp64 tokens (fp64 rounded to fp32 first, as the reference reads it), rows
     of a column-strided view, a given nvfp4 global scale: the reference's bytes."""
-    x = edge_rows(20, 64)
+    x = edge_rows(20, 64, fmt)
     strided = torch.randn(64, 20).t()
     assert strided.stride(-1) != 1
     for rows, global_scale in ((x.bfloat16(), None), (x.half().clamp(-6e4, 6e4), None), (x.double() / 3, 0.25),
@@ -407,7 +410,7 @@ def test_quantize_kernel_of_no_rows(fmt, layout):
 def test_quantize_kernel_checks_a_tight_num_scale_blocks():
     """A num_scale_blocks below the bound ceil(M/128) + G is checked against the groups' blocks
     (the one case that reads a_offsets); one that holds them gives the reference's buffer."""
-    x = edge_rows(37, 64)
+    x = edge_rows(37, 64, "mxfp4")
     a_offsets = torch.tensor([3, 10, 10, 30], dtype=torch.int32)  # 2 blocks needed, bound 4
     got = moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=2,
                            backend="triton")
@@ -468,7 +471,7 @@ def test_quantize_on_cuda_is_the_reference_bit_for_bit(fmt, layout):
     """4096 + 37 bf16 rows x 7168 (DeepSeek-V3's hidden size), slots leaving rows outside and one
     empty: the compiled kernel's every field against the PyTorch quantizer on the same GPU."""
     m, k = 4096 + 37, 7168
-    x = edge_rows(m, k, "cuda", torch.bfloat16)
+    x = edge_rows(m, k, fmt, "cuda", torch.bfloat16)
     a_offsets = torch.tensor([5, 1000, 1000, 3001, 4100], dtype=torch.int32, device="cuda")
     got = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets)
     blocks = scale_blocks_bound(m, a_offsets) if layout == "swizzled" else None
