@@ -316,6 +316,9 @@ def quantize(
     swizzled = scale_layout == "swizzled" and f.a.scale is not None
     if swizzled:
         _check_index(a_offsets, "a_offsets", x.device)
+        if a_offsets.numel() < 1:
+            raise ValueError(f"a_offsets: expected a 1-D tensor [G+1] with G >= 0, got shape {tuple(a_offsets.shape)}")
+        a_offsets = a_offsets.contiguous()  # (the kernel reads it as one run of values)
         _check_scale_blocks(num_scale_blocks, a_offsets, x.shape[0])
     else:
         a_offsets = None  # (plain scales are by row: the reference ignores a_offsets there)

@@ -424,6 +424,20 @@ def test_quantize_kernel_checks_a_tight_num_scale_blocks():
                          backend="triton")
     with pytest.raises(TypeError, match="^a_offsets:"):
         moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets.float(), backend="triton")
+    with pytest.raises(ValueError, match=r"^a_offsets: expected a 1-D tensor \[G\+1\]"):
+        moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets[:0], backend="triton")
+
+
+@needs_interpreter
+def test_quantize_kernel_reads_strided_offsets():
+    """a_offsets of any strides (the kernel reads a contiguous copy): the reference's bytes."""
+    x = edge_rows(37, 64, "mxfp8")
+    a_offsets = torch.tensor([[3, 0], [10, 0], [10, 0], [30, 0]], dtype=torch.int32)[:, 0]
+    assert not a_offsets.is_contiguous()
+    got = moegemm.quantize(x, "mxfp8", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=4,
+                           backend="triton")
+    want = moegemm.reference.quantize(x, "mxfp8", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=4)
+    assert torch.equal(bits(got.scales), bits(want.scales)) and torch.equal(bits(got.data), bits(want.data))
 
 
 def test_quantize_backends(monkeypatch):
