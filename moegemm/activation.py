@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from pathlib import Path
 
 import torch
@@ -319,7 +320,7 @@ def quantize(
         if a_offsets.numel() < 1:
             raise ValueError(f"a_offsets: expected a 1-D tensor [G+1] with G >= 0, got shape {tuple(a_offsets.shape)}")
         a_offsets = a_offsets.contiguous()  # (the kernel reads it as one run of values)
-        _check_scale_blocks(num_scale_blocks, a_offsets, x.shape[0])
+        num_scale_blocks = _checked_scale_blocks(num_scale_blocks, a_offsets, x.shape[0])
     else:
         a_offsets = None  # (plain scales are by row: the reference ignores a_offsets there)
     if f.a.global_scale and global_scale is None:
@@ -349,19 +350,24 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_scale_blocks(num_scale_blocks, a_offsets: torch.Tensor, rows: int):
-    """num_scale_blocks of swizzled token scales: None, or an int that holds the groups' blocks.
-    Only a value below the host-known bound ceil(rows / 128) + G is checked against a_offsets
-    (a read of device values: callers that must not read pass the bound or more)."""
+def _checked_scale_blocks(num_scale_blocks, a_offsets: torch.Tensor, rows: int) -> int | None:
+    """num_scale_blocks of swizzled token scales: None, or an integer (as operator.index takes it,
+    bools aside) that holds the groups' blocks. Only a value below the host-known bound
+    ceil(rows / 128) + G is checked against a_offsets (a read of device values: callers that
+    must not read pass the bound or more)."""
     if num_scale_blocks is None:
-        return
-    if isinstance(num_scale_blocks, bool) or not isinstance(num_scale_blocks, int):
-        raise TypeError(f"num_scale_blocks: expected an int, got {num_scale_blocks!r}")
-    if num_scale_blocks < math.ceil(rows / layouts.ROWS_PER_BLOCK) + a_offsets.numel() - 1:
+        return None
+    try:
+        if isinstance(num_scale_blocks, bool):
+            raise TypeError
+        blocks = operator.index(num_scale_blocks)
+    except TypeError:
+        raise TypeError(f"num_scale_blocks: expected an int, got {num_scale_blocks!r}") from None
+    if blocks < math.ceil(rows / layouts.ROWS_PER_BLOCK) + a_offsets.numel() - 1:
         needed = layouts.num_a_scale_blocks(a_offsets)
-        if num_scale_blocks < needed:
-            raise ValueError(f"num_scale_blocks: the groups need {needed} 128-row scale blocks, got "
-                             f"{num_scale_blocks}")
+        if blocks < needed:
+            raise ValueError(f"num_scale_blocks: the groups need {needed} 128-row scale blocks, got {blocks}")
+    return blocks
 
 
 def gather_quantize(

@@ -409,19 +409,21 @@ def test_quantize_kernel_of_no_rows(fmt, layout):
 @needs_interpreter
 def test_quantize_kernel_checks_a_tight_num_scale_blocks():
     """A num_scale_blocks below the bound ceil(M/128) + G is checked against the groups' blocks
-    (the one case that reads a_offsets); one that holds them gives the reference's buffer."""
+    (the one case that reads a_offsets); one that holds them (any integer type) gives the
+    reference's buffer."""
     x = edge_rows(37, 64, "mxfp4")
     a_offsets = torch.tensor([3, 10, 10, 30], dtype=torch.int32)  # 2 blocks needed, bound 4
-    got = moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=2,
+    got = moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=np.int64(2),
                            backend="triton")
     assert_same_fields(got, moegemm.reference.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets,
                                                        num_scale_blocks=2))
     with pytest.raises(ValueError, match="^num_scale_blocks: the groups need 2 128-row scale blocks, got 1"):
         moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=1,
                          backend="triton")
-    with pytest.raises(TypeError, match="^num_scale_blocks: expected an int"):
-        moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=2.0,
-                         backend="triton")
+    for wrong in (2.0, True):
+        with pytest.raises(TypeError, match="^num_scale_blocks: expected an int"):
+            moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=wrong,
+                             backend="triton")
     with pytest.raises(TypeError, match="^a_offsets:"):
         moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets.float(), backend="triton")
     with pytest.raises(ValueError, match=r"^a_offsets: expected a 1-D tensor \[G\+1\]"):
