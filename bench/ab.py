@@ -20,6 +20,9 @@ Timing plans (one H100 or H200; each writes DIR/<plan>-<GPU>.json):
 - layer plans (layer-*): the whole MoE layer of bench/moe_layer.py captured once per variant,
   timed in turns with the PyTorch baseline, twice.
 - fused-ceiling, scatter-check, activation-sweep, power-cap: see their functions.
+- quantize: moegemm.quantize at 32K x 7168 tokens against the copy bandwidth, and the two-call
+  path (quantize + grouped_matmul) against the layer's token path (gather_quantize + the same
+  grouped_matmul) on the verify shapes; ab_quantize.py's docstring.
 
 Two revisions (--base REV, --head REV or the working tree): each revision is checked out into a
 temporary git worktree; the plan runs in a process of its own per revision, the two alternating
@@ -42,7 +45,7 @@ not; MOEGEMM_COMMIT overrides the commit where the tree's copy has a stale git h
 
 Modules: ab_common.py (paths, the record, the GPU environment), ab_kernels.py (kernel plans),
 ab_layer.py (layer plans), ab_probes.py (fused-ceiling, scatter-check, activation-sweep,
-power-cap), ab_revisions.py (two revisions, sass); timing.py (Timer) and layer_models.py (the
+power-cap), ab_quantize.py (quantize), ab_revisions.py (two revisions, sass); timing.py (Timer) and layer_models.py (the
 layer's models) are shared with moe_layer.py.
 """
 
@@ -61,6 +64,7 @@ from ab_common import library_only, record
 from ab_kernels import KERNEL_PLANS, run_kernel_plan
 from ab_layer import LAYER_PLANS, run_layer_plan
 from ab_probes import run_activation_sweep, run_fused_ceiling, run_power_cap, run_scatter_check
+from ab_quantize import run_quantize
 from ab_revisions import run_revisions, run_sass
 
 # ---- the plans ----------------------------------------------------------------------------------
@@ -73,6 +77,8 @@ OTHER_PLANS = {
     "activation-sweep": ("launch shapes of the activation kernels at 4096 tokens", run_activation_sweep),
     "power-cap": ("the layer's graph alone, beside and in turns with the baseline, nvidia-smi clocks",
                   run_power_cap),
+    "quantize": ("moegemm.quantize against the copy bandwidth; quantize + grouped_matmul against the layer's "
+                 "gather_quantize + grouped_matmul", run_quantize),
 }
 
 
@@ -129,6 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head", help="the head revision (default: the working tree as it is)")
     parser.add_argument("--rounds", type=int, default=2, help="two revisions: rounds of alternating processes")
     parser.add_argument("--tokens", type=int, default=4096, help="fused-ceiling: tokens of the layer")
+    parser.add_argument("--formats", default="", help="quantize: the formats of the two paths (comma-separated; "
+                                                      "default fp8_block,mxfp8,w4a8)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="sass: seconds for one revision's pytest")
     parser.add_argument("--keep-dumps", action="store_true", help="sass: keep both revisions' dumps and logs in --out")
     args = parser.parse_args(argv)

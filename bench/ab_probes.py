@@ -203,7 +203,8 @@ def run_scatter_check(plan: str, args) -> dict:
 
 def run_activation_sweep(plan: str, args) -> dict:
     """Rows a program x scale blocks a program (times 1, 2, 4) x warps of the gather/scatter and
-    SwiGLU quantization kernels at DeepSeek-V3 / gpt-oss 4096 tokens (graph replay, median)."""
+    SwiGLU quantization kernels at DeepSeek-V3 / gpt-oss 4096 tokens, and of moegemm.quantize at
+    32768 x 7168 tokens (graph replay, median)."""
     import layer_models as L
     import torch
     from timing import Timer, capture
@@ -227,6 +228,8 @@ def run_activation_sweep(plan: str, args) -> dict:
     xg, idsg, twg = L.routing_inputs(go, 4096, 3, dev)
     route_g = moegemm.route(idsg, go["experts"], twg)
     gather_bytes = x.numel() * 2 + ids.numel() * 7168
+    tokens = torch.randn(32768, 7168, device=dev).bfloat16()
+    token_slots = torch.arange(0, 32769, 4096, dtype=torch.int32, device=dev)
     cases = {
         "dsv3-scatter-mxfp8-e4m3form": (lambda: act.scatter_quantize(
             x, "mxfp8", route.grouped_row, row_experts(route), a_offsets=route.a_offsets,
@@ -242,6 +245,11 @@ def run_activation_sweep(plan: str, args) -> dict:
         "gptoss-gather-mxfp4-bf16form": (lambda: act.gather_quantize(
             xg, "mxfp4", route_g.token_index, a_offsets=route_g.a_offsets, scale_layout=TokenForm("bf16")),
             xg.numel() * 2 + idsg.numel() * 2880 * 2),
+        "quantize-fp8block-32k": (lambda: moegemm.quantize(tokens, "fp8_block"),
+                                  tokens.numel() * 3 + tokens.numel() // 32),
+        "quantize-mxfp8-32k-swizzled": (lambda: moegemm.quantize(tokens, "mxfp8", scale_layout="swizzled",
+                                                                 a_offsets=token_slots),
+                                        tokens.numel() * 3 + tokens.numel() // 32),
     }
     original = (act.CUDA_BLOCK_M, act.CUDA_WARPS, act._out_code)
     rows = []

@@ -9,7 +9,7 @@ from . import (
                        reference,
                        routing,
 )
-from .activation import gather_quantize, interleave_gate_up, swiglu_quantize
+from .activation import gather_quantize, interleave_gate_up, quantize, swiglu_quantize
 from .formats import FORMATS, Format, get_format
 from .moe import MoE, moe_forward
 from .ops import BACKENDS, available_backends, grouped_matmul, grouped_matmul_swiglu
@@ -18,7 +18,6 @@ from .quantize import (
                        dequantize,
                        dequantize_operand,
                        prepack_weights,
-                       quantize,
                        quantize_weights,
                        unpack_weights,
 )

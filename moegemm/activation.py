@@ -1,5 +1,6 @@
 """Gated activations and row quantizers of an MoE layer, around the grouped matmuls.
 
+    quantize(x, fmt)                 x quantized into fmt's A operand (moegemm.quantize)
     interleave_gate_up(gate, up)     [E, I, K] x 2 -> [E, 2I, K], rows 2j = gate_j, 2j+1 = up_j
     gather_quantize(x, fmt, rows)    x[rows] quantized into fmt's A operand (routing's gather)
     scatter_quantize(x, fmt, ...)    the same, each token read once and stored to its k rows
@@ -7,7 +8,9 @@
     swiglu(h)                        the same math in PyTorch, fp32 (the reference)
 
 The quantizers run one Triton kernel (kernels/_activation_tl.py) on CUDA and, through
-Triton's interpreter, on the CPU; their bytes equal `moegemm.quantize` of the same fp32 rows.
+Triton's interpreter, on the CPU (`quantize` there only when asked: backend="triton"); their
+bytes equal quantize.reference_quantize's (PyTorch: moegemm.reference.quantize) of the same
+fp32 rows.
 The A operand of bf16 and of the weight-only formats (bf16_mxfp4, bf16_nvfp4, bf16_mxfp8) is
 the rows rounded to bf16, without scales.
 Given a TokenForm as scale_layout they write the tokens in the form the next product's sm90
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from pathlib import Path
 
 import torch
@@ -32,11 +36,12 @@ from . import layouts
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
 from .kernels import tl_source
 from .kernels.launch import launch
-from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantize, quantized_from_op
+from .quantize import (QuantizedTensor, allocate_a_operand, as_quantized, check_activations, quantized_from_op,
+                       reference_quantize)
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 
-__all__ = ["ACTIVATIONS", "interleave_gate_up", "deinterleave_gate_up", "swiglu", "gather_quantize",
-           "scatter_quantize", "swiglu_quantize"]
+__all__ = ["ACTIVATIONS", "QUANTIZE_BACKENDS", "quantize", "interleave_gate_up", "deinterleave_gate_up", "swiglu",
+           "gather_quantize", "scatter_quantize", "swiglu_quantize"]
 
 ACTIVATIONS = ("swiglu", "swiglu_oai")
 GATE_UP_LAYOUTS = ("interleaved", "concat")
@@ -242,7 +247,7 @@ def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_of
         global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale: expected one value, got {global_scale.numel()}")
-        global_scale = global_scale.reshape(())  # a tensor-wide scalar, as moegemm.quantize returns it
+        global_scale = global_scale.reshape(())  # a tensor-wide scalar, as quantize returns it
     return f, global_scale
 
 
@@ -267,6 +272,102 @@ def _traced(fmt: str, scale_layout, a_offsets, op, *args) -> QuantizedTensor:
         raise ValueError("scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
                          "there, writes them)")
     return quantized_from_op(op(*args), fmt, scale_layout == "swizzled", a_offsets)
+
+
+QUANTIZE_BACKENDS = ("auto", "reference", "triton")
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    scale_layout: str = "plain",
+    a_offsets: torch.Tensor | None = None,
+    num_scale_blocks: int | None = None,
+    global_scale: torch.Tensor | float | None = None,
+    backend: str = "auto",
+) -> QuantizedTensor:
+    """Quantize activations [M, K] into the A operand of `fmt` (docs/contract.md section 3).
+
+    On a CUDA tensor one pass of the activation kernel (gather_quantize's, reading x once): the
+    bytes of the PyTorch quantizer (moegemm.reference.quantize) bit for bit, no host read, so
+    that it captures in a CUDA graph; torch.compile traces it as one op.
+    scale_layout="swizzled" places each group's scale rows by `a_offsets` (required); rows
+    outside every slot get no scales, and entries that hold no scale are zero. num_scale_blocks:
+    the first dimension of swizzled scales, at least the blocks the groups need; left out, the
+    kernel takes the bound ceil(M / 128) + G (no device value read; the blocks past the groups
+    zero) and the reference the exact count (reading a_offsets). A value below that bound is
+    checked against a_offsets, which reads them. nvfp4 uses one global scale for the whole
+    tensor: `global_scale`, else amax(x) / 2688, computed on the device. bf16 and the weight-only
+    formats (bf16 activations) return x rounded to bf16, without scales.
+    backend: "auto" (the kernel on CUDA tensors, the reference elsewhere), "reference", or
+    "triton" (the kernel: compiled on CUDA, Triton's interpreter on CPU tensors).
+    """
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"backend: expected one of {list(QUANTIZE_BACKENDS)}, got {backend!r}")
+    on_cuda = isinstance(x, torch.Tensor) and x.device.type == "cuda"
+    if backend == "reference" or (backend == "auto" and not on_cuda):
+        return reference_quantize(x, fmt, scale_layout=scale_layout, a_offsets=a_offsets,
+                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    f, global_scale = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
+    if not _kernel_usable(x.device):
+        raise ValueError(f"backend: 'triton' runs the kernel on CUDA tensors, or through Triton's interpreter on CPU "
+                         f"ones; x is on {x.device}" + tl_source.interpreter_note(x.device))
+    x = _kernel_rows(x)
+    swizzled = scale_layout == "swizzled" and f.a.scale is not None
+    if swizzled:
+        _check_index(a_offsets, "a_offsets", x.device)
+        if a_offsets.numel() < 1:
+            raise ValueError(f"a_offsets: expected a 1-D tensor [G+1] with G >= 0, got shape {tuple(a_offsets.shape)}")
+        a_offsets = a_offsets.contiguous()  # (the kernel reads it as one run of values)
+        num_scale_blocks = _checked_scale_blocks(num_scale_blocks, a_offsets, x.shape[0])
+    else:
+        a_offsets = None  # (plain scales are by row: the reference ignores a_offsets there)
+    if f.a.global_scale and global_scale is None:
+        global_scale = _nvfp4_global_of(x)
+    layout = "swizzled" if swizzled else "plain"
+    if torch.compiler.is_compiling():  # (its torch.library op: library.py)
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets) if swizzled else None
+        q = quantized_from_op(torch.ops.moegemm.gather_quantize(x, f.name, None, a_offsets, a_scale_offsets, layout,
+                                                                num_scale_blocks, global_scale),
+                              f.name, swizzled, a_offsets, a_scale_offsets)
+    else:
+        module = _kernels(x.device.type != "cuda")
+        q = _launch(x, f.name, rows=x.shape[0], src_rows=None, act=module.ACT_NONE.value, concat=False,
+                    k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=None,
+                    scale_layout=layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=1.0,
+                    limit=0.0)
+    if f.a.scale is None:  # (unscaled activations keep the layout asked for, as the reference's do)
+        return QuantizedTensor(q.data, None, f.name, "a", scale_layout)
+    return q
+
+
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the activation kernel reads it: bf16, fp16 or fp32 rows of unit column stride (other
+    floating dtypes converted to fp32 first, as the reference reads them)."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _checked_scale_blocks(num_scale_blocks, a_offsets: torch.Tensor, rows: int) -> int | None:
+    """num_scale_blocks of swizzled token scales: None, or an integer (as operator.index takes it,
+    bools aside) that holds the groups' blocks. Only a value below the host-known bound
+    ceil(rows / 128) + G is checked against a_offsets (a read of device values: callers that
+    must not read pass the bound or more)."""
+    if num_scale_blocks is None:
+        return None
+    try:
+        if isinstance(num_scale_blocks, bool):
+            raise TypeError
+        blocks = operator.index(num_scale_blocks)
+    except TypeError:
+        raise TypeError(f"num_scale_blocks: expected an int, got {num_scale_blocks!r}") from None
+    if blocks < math.ceil(rows / layouts.ROWS_PER_BLOCK) + a_offsets.numel() - 1:
+        needed = layouts.num_a_scale_blocks(a_offsets)
+        if blocks < needed:
+            raise ValueError(f"num_scale_blocks: the groups need {needed} 128-row scale blocks, got {blocks}")
+    return blocks
 
 
 def gather_quantize(
@@ -302,8 +403,8 @@ def gather_quantize(
     rows = x.shape[0] if src_rows is None else src_rows.numel()
     if not _kernel_usable(x.device):
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
-        return quantize(picked, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
-                        num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+        return reference_quantize(picked, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
+                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = _kernels(x.device.type != "cuda")
     return _launch(x, f.name, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False, k_out=k,
                    bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=a_scale_offsets,
@@ -409,8 +510,8 @@ def swiglu_quantize(
     if not _kernel_usable(h.device):
         if y is None:
             y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
-        return quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
-                        num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+        return reference_quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
+                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = _kernels(h.device.type != "cuda")
     act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
     return _launch(h, f.name, rows=h.shape[0], src_rows=None, act=act, concat=gate_up_layout == "concat",

@@ -12,9 +12,10 @@ import time
 import torch
 
 from . import __version__, benchmark, ops, reference
+from .activation import quantize
 from .formats import FORMATS
 from .moe import MoE, moe_forward
-from .quantize import quantize, quantize_weights
+from .quantize import quantize_weights
 from .validation import validate_grouped_matmul
 
 # A DeepSeek-V3-like up projection (N=4096, K=7168) over a few experts with ragged, unaligned

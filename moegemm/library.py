@@ -2,7 +2,7 @@
 
     torch.ops.moegemm.grouped_matmul          -> C [M, N]
     torch.ops.moegemm.grouped_matmul_swiglu   -> (data, scales, global_scale) of the A operand
-    torch.ops.moegemm.gather_quantize         -> (data, scales, global_scale)
+    torch.ops.moegemm.gather_quantize         -> (data, scales, global_scale); also moegemm.quantize's kernel
     torch.ops.moegemm.swiglu_quantize         -> (data, scales, global_scale)
     torch.ops.moegemm.route                   -> the RoutingPlan's tensors
     torch.ops.moegemm.unpermute_tokens        -> [T, N]

@@ -1,6 +1,8 @@
 """Block quantizers and dequantizers for every format (pure PyTorch, any device).
 
-quantize(x, fmt)          activations [M, K]    -> A operand + A scales
+reference_quantize(x, fmt) activations [M, K]   -> A operand + A scales (the reference of
+                                                   moegemm.quantize, activation.py, which runs
+                                                   one kernel pass on CUDA with these bytes)
 quantize_weights(w, fmt)  weights     [E, N, K] -> B operand + B scales
 dequantize(q)             either one            -> fp32 values (global scale included)
 prepack_weights(w)        B operand             -> its codes in the sm90 decoding kernel's order
@@ -33,8 +35,8 @@ from . import codecs, layouts, prepack
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, Format, OperandFormat, get_format
 from .token_forms import TokenForm, dequantize_tokens
 
-__all__ = ["QuantizedTensor", "quantize", "quantize_weights", "prepack_weights", "unpack_weights", "dequantize",
-           "dequantize_operand",
+__all__ = ["QuantizedTensor", "check_activations", "reference_quantize", "quantize_weights", "prepack_weights",
+           "unpack_weights", "dequantize", "dequantize_operand",
            "allocate_a_operand", "as_quantized", "quantized_to_op", "quantized_from_op"]
 
 _NVFP4_GLOBAL_DIVISOR = 448.0 * 6.0  # e4m3 max times e2m1 max
@@ -184,18 +186,16 @@ def _quantize_fp8_block_weights(w: torch.Tensor, operand: OperandFormat):
     return codecs.encode_e4m3(scaled), scale
 
 
-def _prepared(x, name: str, fmt: str, which: str, scale_layout: str):
-    """(format, operand format, x as fp32, the QuantizedTensor when the operand is unscaled bf16:
-    bf16's, and a weight-only format's activations) of a quantizer's checked input: activations
-    (which "a", [M, K]) or weights ("b", [E, N, K])."""
+def _prepared_weights(w, fmt: str, scale_layout: str):
+    """(format, weight operand format, w as fp32, the QuantizedTensor when the weights are
+    unscaled bf16: bf16's) of quantize_weights' checked input [E, N, K]."""
     f = get_format(fmt)
-    operand = f.a if which == "a" else f.b
-    _check_float_input(x, name, 2 if which == "a" else 3, f, operand)
+    _check_float_input(w, "w", 3, f, f.b)
     _check_layout(f, scale_layout)
-    x = x.float()
-    if operand.scale is None:
-        return f, operand, x, QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, which, scale_layout)
-    return f, operand, x, None
+    w = w.float()
+    if f.b.scale is None:
+        return f, f.b, w, QuantizedTensor(w.to(torch.bfloat16).contiguous(), None, f.name, "b", scale_layout)
+    return f, f.b, w, None
 
 
 def _check_float_input(x: torch.Tensor, name: str, ndim: int, fmt: Format, operand: OperandFormat):
@@ -219,7 +219,26 @@ def _check_global_scale(global_scale, expected_numel: int, device) -> torch.Tens
     return g.reshape(-1) if expected_numel > 1 else g.reshape(())
 
 
-def quantize(
+def check_activations(x, fmt: str, scale_layout: str, a_offsets, global_scale) -> tuple[Format, torch.Tensor | None]:
+    """The checks of moegemm.quantize's arguments (either backend), in this order: fmt; x
+    (activations [M, K] of a floating dtype, K a multiple of the format's); scale_layout;
+    a_offsets where swizzled scales need them; nvfp4's global_scale where given. Returns the
+    format and that global scale as a 0-d fp32 tensor on x's device (None where not given or
+    where the format's activations have none)."""
+    f = get_format(fmt)
+    _check_float_input(x, "x", 2, f, f.a)
+    _check_layout(f, scale_layout)
+    if f.a.scale is None:
+        return f, None
+    if scale_layout == "swizzled" and a_offsets is None:
+        raise ValueError("a_offsets: required to place activation scales in the swizzled layout (quantize takes "
+                         "activations [M, K]; weights [E, N, K] go through quantize_weights)")
+    if f.a.global_scale and global_scale is not None:
+        return f, _check_global_scale(global_scale, 1, x.device)
+    return f, None
+
+
+def reference_quantize(
     x: torch.Tensor,
     fmt: str,
     *,
@@ -228,23 +247,24 @@ def quantize(
     num_scale_blocks: int | None = None,
     global_scale: torch.Tensor | float | None = None,
 ) -> QuantizedTensor:
-    """Quantize activations [M, K] into the A operand of `fmt`.
+    """Quantize activations [M, K] into the A operand of `fmt`, in PyTorch on any device: the
+    reference of moegemm.quantize (moegemm.reference.quantize; `backend="reference"` there).
 
     scale_layout="swizzled" places each group's scale rows by `a_offsets` (required); rows
     outside every slot get no scales. num_scale_blocks may give the first dimension (an upper
-    bound) so that no device value is read. nvfp4 uses one global scale for the whole tensor
-    (computed, or `global_scale`). bf16 and the weight-only formats (bf16 activations) return
-    x rounded to bf16, without scales.
+    bound) so that no device value is read; left out, it is the blocks the groups need (read
+    from a_offsets). nvfp4 uses one global scale for the whole tensor (computed, or
+    `global_scale`). bf16 and the weight-only formats (bf16 activations) return x rounded to
+    bf16, without scales.
     """
-    f, operand, x, bf16 = _prepared(x, "x", fmt, "a", scale_layout)
-    if bf16 is not None:
-        return bf16
-    if scale_layout == "swizzled" and a_offsets is None:
-        raise ValueError("a_offsets: required to place activation scales in the swizzled layout (quantize takes "
-                         "activations [M, K]; weights [E, N, K] go through quantize_weights)")
+    f, given_global = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
+    operand = f.a
+    x = x.float()
+    if operand.scale is None:
+        return QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, "a", scale_layout)
     gscale = None
     if operand.global_scale:
-        gscale = _nvfp4_global(x, ()) if global_scale is None else _check_global_scale(global_scale, 1, x.device)
+        gscale = _nvfp4_global(x, ()) if given_global is None else given_global
     data, scales = _quantize_rows(x, operand, gscale)
     if scale_layout == "swizzled":
         scales = layouts.swizzle_a_scales(scales, a_offsets, num_scale_blocks)
@@ -266,7 +286,7 @@ def quantize_weights(
     given as [E]). A weight-only format's weights are the bytes of its block format's (bf16_mxfp4
     those of mxfp4, ...).
     """
-    f, operand, w, bf16 = _prepared(w, "w", fmt, "b", scale_layout)
+    f, operand, w, bf16 = _prepared_weights(w, fmt, scale_layout)
     if bf16 is not None:
         return bf16
     if operand.block_n > 1:
@@ -432,11 +452,14 @@ def quantized_to_op(q: QuantizedTensor, like: torch.Tensor) -> tuple[torch.Tenso
             q.global_scale.reshape(()).clone() if q.global_scale is not None else like.new_empty(0, dtype=torch.float32))
 
 
-def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets) -> QuantizedTensor:
-    """Inverse of quantized_to_op for an A operand of `fmt`."""
+def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets, a_scale_offsets=None) -> QuantizedTensor:
+    """Inverse of quantized_to_op for an A operand of `fmt` (swizzled scales placed by a_offsets,
+    their slots' tiles starting at a_scale_offsets where given)."""
     data, scales, global_scale = outputs
     f = get_format(fmt)
     scales = scales if f.a.scale is not None else None
     global_scale = global_scale if f.a.global_scale else None
     layout = "swizzled" if swizzled and scales is not None else "plain"
-    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if layout == "swizzled" else None)
+    placed = layout == "swizzled"
+    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if placed else None,
+                           a_scale_offsets if placed else None)

@@ -1,9 +1,13 @@
-"""The fp32 (or fp64) oracle of the grouped matmul: docs/contract.md sections 1 and 4, written plainly.
+"""The oracles: the fp32 (or fp64) grouped matmul of docs/contract.md sections 1 and 4, written
+plainly, and the PyTorch quantizer of activations.
 
-Tests and benchmarks compare every backend against this one function. It decodes both
+Tests and benchmarks compare every backend against grouped_matmul. It decodes both
 operands with the bit-exact codecs (dequantize_operand; the weights one expert at a time, so
 an fp64 oracle of a large layer fits in memory), then runs one matmul per valid group. It
 reads offsets on the host and loops over groups in Python: it is an oracle, not a fast path.
+
+quantize is moegemm.quantize in PyTorch on any device (quantize.reference_quantize): the bytes
+its kernel must write, and what moegemm.quantize runs on the CPU.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from .quantize import dequantize_operand
+from .quantize import reference_quantize as quantize
 
-__all__ = ["grouped_matmul", "expert_weights"]
+__all__ = ["grouped_matmul", "expert_weights", "quantize"]
 
 
 def expert_weights(b: torch.Tensor, b_scales: torch.Tensor | None, fmt: str, e: int, *, scale_layout: str = "plain",

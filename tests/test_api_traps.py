@@ -254,13 +254,14 @@ def test_weights_given_to_the_activation_quantizer_are_named():
     # layout, before anything else is checked (a 2-D tensor in the swizzled layout needs
     # a_offsets: the message says what quantize is for).
     w = torch.randn(4, 32, 64)
-    for fmt in ("mxfp8", "nvfp4", "fp8_block", "bf16"):
-        for layout in ("plain", "swizzled"):
-            with pytest.raises(ValueError, match=r"^x: expected 2 dimensions, got shape \(4, 32, 64\) "
-                                                 r".*quantize_weights"):
-                moegemm.quantize(w, fmt, scale_layout=layout)
-    with pytest.raises(ValueError, match="^a_offsets: required .*activations .*quantize_weights"):
-        moegemm.quantize(w[0], "mxfp8", scale_layout="swizzled")
+    for backend in ("auto", "triton"):  # (the kernel path's checks are the reference's)
+        for fmt in ("mxfp8", "nvfp4", "fp8_block", "bf16"):
+            for layout in ("plain", "swizzled"):
+                with pytest.raises(ValueError, match=r"^x: expected 2 dimensions, got shape \(4, 32, 64\) "
+                                                     r".*quantize_weights"):
+                    moegemm.quantize(w, fmt, scale_layout=layout, backend=backend)
+        with pytest.raises(ValueError, match="^a_offsets: required .*activations .*quantize_weights"):
+            moegemm.quantize(w[0], "mxfp8", scale_layout="swizzled", backend=backend)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a torch without a CUDA device")

@@ -85,3 +85,25 @@ def test_public_functions_compile_fullgraph():
     weights = torch.rand(9, 2)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, ids, weights), layer(x, ids, weights))
+
+
+@pytest.mark.parametrize("fmt,layout", (("nvfp4", "swizzled"), ("bf16_mxfp4", "swizzled")))
+def test_quantize_kernel_compiles_fullgraph(fmt, layout):
+    """moegemm.quantize's kernel path (backend "triton": the default on CUDA) traced whole, as the
+    gather_quantize op: the eager call's every field (swizzled scales with their slots' tile
+    offsets, nvfp4's device-computed global scale; unscaled tokens keep the layout asked for)."""
+    x = torch.randn(37, 64)
+    a_offsets = torch.tensor([3, 10, 10, 30], dtype=torch.int32)
+
+    def call(x, a_offsets):
+        return moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, backend="triton")
+
+    got = torch.compile(call, fullgraph=True, backend="aot_eager")(x, a_offsets)
+    want = call(x, a_offsets)
+    assert (got.fmt, got.scale_layout) == (want.fmt, want.scale_layout)
+    for name in ("data", "scales", "global_scale", "a_offsets", "a_scale_offsets"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                      b.view(torch.uint8) if b.element_size() == 1 else b), name

@@ -57,10 +57,10 @@ def _rows(m, k, device="cpu"):
 def test_gather_quantize_is_bitwise_quantize(fmt):
     x = _rows(29, 160)
     q = act.gather_quantize(x, fmt)
-    assert_same_quantized(q, moegemm.quantize(x, fmt, global_scale=q.global_scale))
+    assert_same_quantized(q, moegemm.reference.quantize(x, fmt, global_scale=q.global_scale))
     src = torch.randint(0, 29, (41,))
     q = act.gather_quantize(x, fmt, src)
-    assert_same_quantized(q, moegemm.quantize(x[src], fmt, global_scale=q.global_scale))
+    assert_same_quantized(q, moegemm.reference.quantize(x[src], fmt, global_scale=q.global_scale))
 
 
 @needs_interpreter
@@ -70,8 +70,8 @@ def test_gather_quantize_swizzled_places_each_group(fmt):
     offsets = torch.tensor([0, 5, 5, 30, 37], dtype=torch.int32)  # an empty group, rows past 30 in one
     src = torch.randint(0, 37, (37,))
     q = act.gather_quantize(x, fmt, src, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7)
-    r = moegemm.quantize(x[src], fmt, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7,
-                         global_scale=q.global_scale)
+    r = moegemm.reference.quantize(x[src], fmt, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7,
+                                   global_scale=q.global_scale)
     assert_same_quantized(q, r)
 
 
@@ -134,9 +134,9 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     hb = h.clone()
     hb[0:10] += bias[2]
     hb[25:33] += bias[0]
-    ref = moegemm.quantize(act.swiglu(hb, "swiglu_oai"), fmt, scale_layout=layout, a_offsets=offsets,
-                           num_scale_blocks=q.scales.shape[0] if layout == "swizzled" else None,
-                           global_scale=1.0 if fmt == "nvfp4" else None)
+    ref = moegemm.reference.quantize(act.swiglu(hb, "swiglu_oai"), fmt, scale_layout=layout, a_offsets=offsets,
+                                     num_scale_blocks=q.scales.shape[0] if layout == "swizzled" else None,
+                                     global_scale=1.0 if fmt == "nvfp4" else None)
     same = (_bytes(q.data) == _bytes(ref.data)).float().mean().item()
     assert same > 0.97
     got, want = moegemm.dequantize(q), moegemm.dequantize(ref)
@@ -197,7 +197,7 @@ def test_gather_quantize_non_finite_block_gets_the_nan_scale(fmt):
     x = torch.randn(8, 64)
     x[1, 3], x[2, 40], x[3, 5] = float("inf"), float("-inf"), float("nan")
     q = act.gather_quantize(x, fmt, torch.arange(8))
-    r = moegemm.quantize(x, fmt)
+    r = moegemm.reference.quantize(x, fmt)
     assert torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
     assert q.scales.view(torch.uint8)[1, 0] == 255 and q.scales.view(torch.uint8)[2, 1] == 255
     got = moegemm.dequantize(q)

@@ -12,6 +12,7 @@ import torch
 import moegemm
 from moegemm import codecs, layouts
 from moegemm.formats import FORMATS
+from moegemm.kernels.tl_source import interpreter_usable
 
 from test_codecs import E2M1_MAGNITUDES, e4m3_value, nearest_even, smallest_power_at_least
 
@@ -233,21 +234,25 @@ def test_output_dtypes_are_what_the_op_consumes():
                                                                       want.scales.dtype), fmt
 
 
-def test_quantizer_bad_input():
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+def test_quantizer_bad_input(backend):
+    # (the same checks and messages on every backend: they run before any launch)
     with pytest.raises(TypeError, match="^x:"):
-        moegemm.quantize(torch.ones(4, 64, dtype=torch.int32), "mxfp8")
+        moegemm.quantize(torch.ones(4, 64, dtype=torch.int32), "mxfp8", backend=backend)
     with pytest.raises(ValueError, match="^x: K must be a multiple of 32"):
-        moegemm.quantize(torch.ones(4, 48), "mxfp8")
+        moegemm.quantize(torch.ones(4, 48), "mxfp8", backend=backend)
     with pytest.raises(ValueError, match="^x: expected 2 dimensions"):
-        moegemm.quantize(torch.ones(4), "mxfp8")
+        moegemm.quantize(torch.ones(4), "mxfp8", backend=backend)
     with pytest.raises(ValueError, match="^w: expected 3 dimensions"):
         moegemm.quantize_weights(torch.ones(4, 64), "mxfp8")
     with pytest.raises(ValueError, match="^a_offsets: required"):
-        moegemm.quantize(torch.ones(4, 64), "mxfp8", scale_layout="swizzled")
+        moegemm.quantize(torch.ones(4, 64), "mxfp8", scale_layout="swizzled", backend=backend)
     with pytest.raises(ValueError, match="^scale_layout:"):
-        moegemm.quantize(torch.ones(4, 128), "fp8_block", scale_layout="swizzled")
+        moegemm.quantize(torch.ones(4, 128), "fp8_block", scale_layout="swizzled", backend=backend)
     with pytest.raises(ValueError, match="^fmt:"):
-        moegemm.quantize(torch.ones(4, 64), "fp6")
+        moegemm.quantize(torch.ones(4, 64), "fp6", backend=backend)
+    with pytest.raises(ValueError, match="^global_scale: expected 1 value"):
+        moegemm.quantize(torch.ones(4, 64), "nvfp4", global_scale=torch.ones(2), backend=backend)
 
 
 @pytest.mark.parametrize("fmt", sorted(moegemm.FORMATS))
@@ -305,3 +310,219 @@ def test_a_share_of_the_experts_takes_the_integers_torch_indexing_takes():
                               (1, 3.0, "last"), (1, torch.tensor(3.0), "last"), (1, torch.tensor([3]), "last")):
         with pytest.raises(TypeError, match=f"^{name}: expected an integer"):
             w.experts(first, last)
+
+
+# ---- moegemm.quantize's kernel path (backend "triton"; the default on CUDA tensors) ---------
+
+needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
+# Inputs near fp32's limit on purpose: the interpreter's numpy reports the IEEE results they give.
+IEEE_EDGES = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+
+
+def accepted_layouts(fmt: str) -> tuple[str, ...]:
+    """The scale layouts quantize takes for fmt (unscaled activations take both, and ignore it)."""
+    f = FORMATS[fmt]
+    return ("plain", "swizzled") if f.swizzle_capable or not f.a_scaled else ("plain",)
+
+
+KERNEL_CASES = [(fmt, layout) for fmt in FORMATS for layout in accepted_layouts(fmt)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits as integers of its element size (NaN == NaN, -0 != 0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_fields(q: moegemm.QuantizedTensor, r: moegemm.QuantizedTensor):
+    """Every field of two QuantizedTensors equal, their tensors in dtype, shape and bits."""
+    assert (q.fmt, q.operand, q.scale_layout, q.prepacked) == (r.fmt, r.operand, r.scale_layout, r.prepacked)
+    for name in ("data", "scales", "global_scale", "a_offsets", "a_scale_offsets"):
+        got, want = getattr(q, name), getattr(r, name)
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert (got.dtype, got.shape, got.device) == (want.dtype, want.shape, want.device), name
+            assert torch.equal(bits(got), bits(want)), name
+
+
+def edge_rows(m: int, k: int, fmt: str, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """Rows spanning twelve decades, with an all-zero block, a negative zero, an fp32 subnormal, a
+    row of subnormals (scales from a subnormal amax) and, but where it would be the tensor-wide
+    amax of nvfp4's global scale (and zero every other block's scale), a value near fp32's
+    largest: the edges of the scale rules, all finite (a block holding inf or NaN gets the same
+    scale, but its element bits are unspecified: docs/contract.md section 3)."""
+    x = torch.randn(m, k, device=device) * torch.logspace(-6, 6, m, device=device)[:, None]
+    x[2, :32] = 0
+    x[0, 1] = -0.0
+    x[3, 5] = 1e-40
+    x[5] = torch.randn(k, device=device) * 1e-39
+    if not FORMATS[fmt].a.global_scale:
+        x[4, 7] = 3e38
+    return x.to(dtype)
+
+
+def scale_blocks_bound(rows: int, a_offsets: torch.Tensor) -> int:
+    """ceil(M / 128) + G: the first dimension of swizzled scales the kernel takes by default."""
+    return math.ceil(rows / layouts.ROWS_PER_BLOCK) + a_offsets.numel() - 1
+
+
+@needs_interpreter
+@IEEE_EDGES
+@pytest.mark.parametrize("fmt,layout", KERNEL_CASES)
+def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
+    """The kernel path (Triton's interpreter here; compiled on CUDA) against the PyTorch quantizer:
+    every field, bit for bit. 37 rows (a partial program of rows), K = 96 (a partial fp8_block
+    block, mxfp8's 3 scale blocks padded to the swizzle atom's 4), slots leaving rows 0-2 and 30-36
+    outside every slot and one slot empty. Left out, num_scale_blocks is the bound ceil(M/128) + G:
+    the reference given that bound writes the same buffer, padding zero."""
+    x = edge_rows(37, 96, fmt)
+    a_offsets = torch.tensor([3, 10, 10, 30], dtype=torch.int32)
+    got = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, backend="triton")
+    blocks = scale_blocks_bound(37, a_offsets) if layout == "swizzled" else None
+    want = moegemm.reference.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, num_scale_blocks=blocks)
+    assert_same_fields(got, want)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_quantize_kernel_takes_any_float_rows(fmt):
+    """bf16, fp16 and fp64 tokens (fp64 rounded to fp32 first, as the reference reads it), rows
+    of a column-strided view, a given nvfp4 global scale: the reference's bytes. (bf16 without
+    subnormals: Triton 3.6's interpreter converts those to fp32 wrongly; the GPU test has them.)"""
+    x = edge_rows(20, 64, fmt)
+    normal = torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(x), x)
+    strided = torch.randn(64, 20).t()
+    assert strided.stride(-1) != 1
+    for rows, global_scale in ((normal.bfloat16(), None), (x.half().clamp(-6e4, 6e4), None), (x.double() / 3, 0.25),
+                               (strided, torch.tensor(1e-3))):
+        got = moegemm.quantize(rows, fmt, global_scale=global_scale, backend="triton")
+        assert_same_fields(got, moegemm.reference.quantize(rows, fmt, global_scale=global_scale))
+
+
+@pytest.mark.parametrize("fmt,layout", [("nvfp4", "swizzled"), ("fp8_block", "plain"), ("bf16", "plain")])
+def test_quantize_kernel_of_no_rows(fmt, layout):
+    """Zero rows: no launch, the reference's empty operand (nvfp4's global scale 1)."""
+    x = torch.zeros(0, 64)
+    a_offsets = torch.zeros(3, dtype=torch.int32)
+    got = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, backend="triton")
+    blocks = scale_blocks_bound(0, a_offsets) if layout == "swizzled" else None
+    assert_same_fields(got, moegemm.reference.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets,
+                                                       num_scale_blocks=blocks))
+
+
+@needs_interpreter
+def test_quantize_kernel_checks_a_tight_num_scale_blocks():
+    """A num_scale_blocks below the bound ceil(M/128) + G is checked against the groups' blocks
+    (the one case that reads a_offsets); one that holds them (any integer type) gives the
+    reference's buffer."""
+    x = edge_rows(37, 64, "mxfp4")
+    a_offsets = torch.tensor([3, 10, 10, 30], dtype=torch.int32)  # 2 blocks needed, bound 4
+    got = moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=np.int64(2),
+                           backend="triton")
+    assert_same_fields(got, moegemm.reference.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets,
+                                                       num_scale_blocks=2))
+    with pytest.raises(ValueError, match="^num_scale_blocks: the groups need 2 128-row scale blocks, got 1"):
+        moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=1,
+                         backend="triton")
+    for wrong in (2.0, True):
+        with pytest.raises(TypeError, match="^num_scale_blocks: expected an int"):
+            moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=wrong,
+                             backend="triton")
+    with pytest.raises(TypeError, match="^a_offsets:"):
+        moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets.float(), backend="triton")
+    with pytest.raises(ValueError, match=r"^a_offsets: expected a 1-D tensor \[G\+1\]"):
+        moegemm.quantize(x, "mxfp4", scale_layout="swizzled", a_offsets=a_offsets[:0], backend="triton")
+
+
+@needs_interpreter
+def test_quantize_kernel_reads_strided_offsets():
+    """a_offsets of any strides (the kernel reads a contiguous copy): the reference's bytes."""
+    x = edge_rows(37, 64, "mxfp8")
+    a_offsets = torch.tensor([[3, 0], [10, 0], [10, 0], [30, 0]], dtype=torch.int32)[:, 0]
+    assert not a_offsets.is_contiguous()
+    got = moegemm.quantize(x, "mxfp8", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=4,
+                           backend="triton")
+    want = moegemm.reference.quantize(x, "mxfp8", scale_layout="swizzled", a_offsets=a_offsets, num_scale_blocks=4)
+    assert torch.equal(bits(got.scales), bits(want.scales)) and torch.equal(bits(got.data), bits(want.data))
+
+
+def test_quantize_backends(monkeypatch):
+    """The CPU's default is the reference (no launch); backend="triton" launches the kernel (Triton's
+    interpreter); another backend is named."""
+    from moegemm import activation
+
+    launched = []
+    real_launch = activation.launch
+    monkeypatch.setattr(activation, "launch", lambda fn, *args: launched.append(fn.__name__) or real_launch(fn, *args))
+    x = torch.randn(4, 64)
+    want = moegemm.reference.quantize(x, "bf16")
+    for backend in ("auto", "reference"):
+        assert_same_fields(moegemm.quantize(x, "bf16", backend=backend), want)
+    assert launched == []
+    if interpreter_usable():
+        assert_same_fields(moegemm.quantize(x, "bf16", backend="triton"), want)
+        assert launched == ["activation_quantize_kernel"]
+    with pytest.raises(ValueError, match=r"^backend: expected one of \['auto', 'reference', 'triton'\], got 'sm90'"):
+        moegemm.quantize(x, "bf16", backend="sm90")
+
+
+# The GPU: the same kernel compiled, at a real size.
+
+@pytest.mark.gpu
+def test_quantize_on_cuda_launches_the_kernel(monkeypatch):
+    """Every format's quantize of CUDA tokens is one launch of the activation kernel (nvfp4's
+    default global scale: torch's amax on the device, besides)."""
+    from moegemm import activation
+
+    launched = []
+    real_launch = activation.launch
+    monkeypatch.setattr(activation, "launch", lambda fn, *args: launched.append(fn.__name__) or real_launch(fn, *args))
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    a_offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    for fmt, layout in KERNEL_CASES:
+        launched.clear()
+        moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets)
+        assert launched == ["activation_quantize_kernel"], (fmt, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,layout", KERNEL_CASES)
+def test_quantize_on_cuda_is_the_reference_bit_for_bit(fmt, layout):
+    """4096 + 37 bf16 rows x 7168 (DeepSeek-V3's hidden size), slots leaving rows outside and one
+    empty: the compiled kernel's every field against the PyTorch quantizer on the same GPU."""
+    m, k = 4096 + 37, 7168
+    x = edge_rows(m, k, fmt, "cuda", torch.bfloat16)
+    a_offsets = torch.tensor([5, 1000, 1000, 3001, 4100], dtype=torch.int32, device="cuda")
+    got = moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets)
+    blocks = scale_blocks_bound(m, a_offsets) if layout == "swizzled" else None
+    want = moegemm.reference.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, num_scale_blocks=blocks)
+    assert_same_fields(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,layout", [("nvfp4", "swizzled"), ("mxfp8", "swizzled"), ("fp8_block", "plain"),
+                                        ("bf16", "plain")])
+def test_quantize_on_cuda_reads_no_device_value(fmt, layout):
+    """No synchronizing call (torch's sync debug mode raises on one), so that the call is captured
+    in a CUDA graph, whose replays quantize new values in place; torch.compile traces it whole."""
+    x = torch.randn(500, 512, device="cuda", dtype=torch.bfloat16)
+    a_offsets = torch.tensor([0, 200, 200, 450], dtype=torch.int32, device="cuda")
+
+    def call():
+        return moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets)
+
+    call()  # (compiles outside the checks)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    x.copy_(torch.randn_like(x) * 3)
+    graph.replay()
+    assert_same_fields(captured, call())
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    assert_same_fields(compiled(), call())
