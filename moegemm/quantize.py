@@ -145,6 +145,13 @@ def _nvfp4_global(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.where(amax > 0, amax / _NVFP4_GLOBAL_DIVISOR, torch.ones_like(amax))
 
 
+def _divided(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor correctly rounded on every device: torch's CUDA division by a Python number
+    multiplies by its reciprocal (1 ulp off the quotient, which moves e4m3 codes across ties),
+    not by a tensor of the same values."""
+    return t / torch.full_like(t, divisor)
+
+
 def _quantize_rows(x: torch.Tensor, operand: OperandFormat, global_scale: torch.Tensor | None):
     """Quantize [..., R, K] with one scale per (row, K block); returns (data, plain scales).
 
@@ -163,7 +170,7 @@ def _quantize_rows(x: torch.Tensor, operand: OperandFormat, global_scale: torch.
         denom = (codecs.decode_e4m3(stored_scales) * global_scale).unsqueeze(-1)
         scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
     else:  # fp8_block activations: fp32 amax / 448
-        scale = amax / maxf
+        scale = _divided(amax, maxf)
         denom = scale.unsqueeze(-1)
         scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
         stored_scales = scale
@@ -179,7 +186,7 @@ def _quantize_fp8_block_weights(w: torch.Tensor, operand: OperandFormat):
     pn, pk = _cdiv(n, bn) * bn - n, _cdiv(k, bk) * bk - k
     padded = torch.nn.functional.pad(w, (0, pk, 0, pn))
     tiles = padded.reshape(e, _cdiv(n, bn), bn, _cdiv(k, bk), bk)
-    scale = tiles.abs().amax(dim=(2, 4)) / operand.element.max_finite  # [E, nN, nK]
+    scale = _divided(tiles.abs().amax(dim=(2, 4)), operand.element.max_finite)  # [E, nN, nK]
     denom = scale[:, :, None, :, None]
     scaled = torch.where(denom > 0, tiles / denom, torch.zeros_like(tiles))
     scaled = scaled.reshape(e, padded.shape[1], padded.shape[2])[:, :n, :k]
