@@ -88,6 +88,18 @@ def _segment_sums(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return _grouped(rows.t(), ones, ends)[:, :, 0]
 
 
+def _expert_product(rows: torch.Tensor, kernel_weights: torch.Tensor | None, weights: torch.Tensor,
+                    transposed: bool, plan, backend: str) -> torch.Tensor:
+    """rows [M, K] (grouped by plan) times each group's expert weights: moegemm's bf16 product on
+    kernel_weights [E, N, K] where the forward runs bf16, else torch's grouped product on `weights`
+    as stored, in rows' dtype."""
+    if kernel_weights is not None:
+        out = torch.empty(rows.shape[0], kernel_weights.shape[1], dtype=rows.dtype, device=rows.device)
+        return grouped_matmul(rows, kernel_weights, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16",
+                              backend=backend, out=out)
+    return _grouped(rows, _in_out(weights, transposed).to(rows.dtype), plan.a_offsets[1:])
+
+
 class _Experts(torch.autograd.Function):
 
     @staticmethod
@@ -107,22 +119,12 @@ class _Experts(torch.autograd.Function):
         rows = plan.num_grouped_rows
         compute = torch.bfloat16 if kernel_gate_up is not None else torch.float32
         x_g = scatter_tokens(x.detach().to(compute), plan)
-        if kernel_gate_up is not None:
-            h = grouped_matmul(x_g, kernel_gate_up, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16",
-                               backend=backend, out=torch.empty(rows, kernel_gate_up.shape[1], dtype=compute,
-                                                                device=x.device))
-        else:
-            h = _grouped(x_g, _in_out(w_gate_up, transposed).to(compute), plan.a_offsets[1:])
+        h = _expert_product(x_g, kernel_gate_up, w_gate_up, transposed, plan, backend)
         expert_of_row = plan.expert_of_row
         bias = _row_bias(gate_up_bias, expert_of_row, rows)
         h = (h.float() + bias).to(compute) if bias is not None else h
         a = swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit).to(compute)
-        if kernel_down is not None:
-            y = grouped_matmul(a, kernel_down, None, None, plan.a_offsets, plan.expert_ids, fmt="bf16",
-                               backend=backend, out=torch.empty(rows, kernel_down.shape[1], dtype=compute,
-                                                                device=x.device))
-        else:
-            y = _grouped(a, _in_out(w_down, transposed).to(compute), plan.a_offsets[1:])
+        y = _expert_product(a, kernel_down, w_down, transposed, plan, backend)
         out = unpermute_tokens(y, plan, topk_weights.detach(), out_dtype=x.dtype,
                                expert_bias=None if down_bias is None else down_bias.detach().float())
         ctx.save_for_backward(x_g, h, y, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias,
