@@ -36,8 +36,8 @@ from . import layouts
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
 from .kernels import tl_source
 from .kernels.launch import launch
-from .quantize import (QuantizedTensor, allocate_a_operand, as_quantized, check_activations, quantized_from_op,
-                       reference_quantize)
+from .quantize import (QuantizedTensor, allocate_a_operand, as_quantized, check_activations, nvfp4_global_scale,
+                       quantized_from_op, reference_quantize)
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 
 __all__ = ["ACTIVATIONS", "QUANTIZE_BACKENDS", "quantize", "interleave_gate_up", "deinterleave_gate_up", "swiglu",
@@ -125,11 +125,6 @@ def _out_code(fmt_name: str, module) -> tuple[int, int, int]:
     if op.element is E2M1 and op.scale == "e8m0":
         return module.OUT_E2M1_E8M0.value, op.block_k, 4
     return module.OUT_E2M1_E4M3.value, op.block_k, 8
-
-
-def _nvfp4_global_of(values: torch.Tensor) -> torch.Tensor:
-    amax = values.float().abs().amax() if values.numel() else values.new_zeros((), dtype=torch.float32)
-    return torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax)).reshape(())
 
 
 def _check_rows_input(x: torch.Tensor, name: str):
@@ -324,7 +319,7 @@ def quantize(
     else:
         a_offsets = None  # (plain scales are by row: the reference ignores a_offsets there)
     if f.a.global_scale and global_scale is None:
-        global_scale = _nvfp4_global_of(x)
+        global_scale = nvfp4_global_scale(x)
     layout = "swizzled" if swizzled else "plain"
     if torch.compiler.is_compiling():  # (its torch.library op: library.py)
         a_scale_offsets = layouts.a_scale_offsets(a_offsets) if swizzled else None
@@ -399,7 +394,7 @@ def gather_quantize(
     if k % f.k_multiple:
         raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
     if f.a.global_scale and global_scale is None:
-        global_scale = _nvfp4_global_of(x)
+        global_scale = nvfp4_global_scale(x)
     rows = x.shape[0] if src_rows is None else src_rows.numel()
     if not _kernel_usable(x.device):
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
@@ -456,7 +451,7 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     if f.a.global_scale and global_scale is None:
-        global_scale = _nvfp4_global_of(x)  # (over x, as gather_quantize's)
+        global_scale = nvfp4_global_scale(x)  # (over x, as gather_quantize's)
     module = _kernels(x.device.type != "cuda")
     return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
                    concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
@@ -506,7 +501,7 @@ def swiglu_quantize(
         # amax over the rows of valid slots only: the others are unspecified (an unfilled h)
         y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         valid, _ = _slot_rows(a_offsets, expert_ids, h.shape[0], h.device)
-        global_scale = _nvfp4_global_of(torch.where(valid[:, None], y, torch.zeros_like(y)))
+        global_scale = nvfp4_global_scale(torch.where(valid[:, None], y, torch.zeros_like(y)))
     if not _kernel_usable(h.device):
         if y is None:
             y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from . import activation as act
 from . import routing
 from .formats import FORMATS, get_format
-from .quantize import QuantizedTensor
+from .quantize import QuantizedTensor, nvfp4_global_scale
 
 __all__ = ["EP_PATHS", "Dispatched", "check_agreement", "combine", "dispatch", "expert_range", "group_global_scale",
            "rank_and_size"]
@@ -95,7 +95,7 @@ def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
     the scale a single GPU running the whole batch takes. One all_reduce, no host read."""
     amax = _amax(x)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return act._nvfp4_global_of(amax)  # (the quantizers' rule, on the group's amax)
+    return nvfp4_global_scale(amax)  # (the quantizers' rule, on the group's amax)
 
 
 def _differences(what: str, gathered: list[dict]) -> str | None:
@@ -329,7 +329,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         before = sent_to.t().long().cumsum(dim=1) - 1
         source_rows = (before + (counts.cumsum(dim=0) - counts).unsqueeze(1)).t()
     if group_amax:  # (the rule of group_global_scale, on the amaxes already exchanged)
-        global_scale = (act._nvfp4_global_of(received[:, -1].contiguous().view(torch.float64).amax().float())
+        global_scale = (nvfp4_global_scale(received[:, -1].contiguous().view(torch.float64).amax().float())
                         if checked else group_global_scale(x, group))
     tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
     weights = topk_weights if topk_weights is not None else torch.ones(topk_ids.shape, device=device)

@@ -136,13 +136,19 @@ def _decode_elements(data: torch.Tensor, operand: OperandFormat) -> torch.Tensor
     return data.float()
 
 
-def _nvfp4_global(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """amax / (448 * 6) over `dims` (all dims when empty); 1 where the amax is 0 or nothing is there."""
+def nvfp4_global_scale(x: torch.Tensor, dims: tuple[int, ...] = ()) -> torch.Tensor:
+    """nvfp4's global scale: amax(|x|) over `dims` (all when empty) / (448 * 6), correctly rounded
+    on every device; 1 where the amax is 0 or NaN, or nothing is there. Over all dims it reads x
+    once in its own dtype (no |x| or fp32 copy: the abs and the max are exact in any float dtype)."""
     if x.numel() == 0:
         shape = [size for d, size in enumerate(x.shape) if dims and d not in dims]
         return torch.ones(shape, dtype=torch.float32, device=x.device)
-    amax = x.abs().amax(dim=dims) if dims else x.abs().amax()
-    return torch.where(amax > 0, amax / _NVFP4_GLOBAL_DIVISOR, torch.ones_like(amax))
+    if dims:
+        amax = x.abs().amax(dim=dims).float()
+    else:
+        low, high = torch.aminmax(x)
+        amax = torch.maximum(-low, high).float()
+    return torch.where(amax > 0, _divided(amax, _NVFP4_GLOBAL_DIVISOR), torch.ones_like(amax))
 
 
 def _divided(t: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -271,7 +277,7 @@ def reference_quantize(
         return QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, "a", scale_layout)
     gscale = None
     if operand.global_scale:
-        gscale = _nvfp4_global(x, ()) if given_global is None else given_global
+        gscale = nvfp4_global_scale(x) if given_global is None else given_global
     data, scales = _quantize_rows(x, operand, gscale)
     if scale_layout == "swizzled":
         scales = layouts.swizzle_a_scales(scales, a_offsets, num_scale_blocks)
@@ -302,7 +308,7 @@ def quantize_weights(
     gscale = None
     if operand.global_scale:
         e = w.shape[0]
-        gscale = _nvfp4_global(w, (1, 2)) if global_scale is None else _check_global_scale(global_scale, e, w.device)
+        gscale = nvfp4_global_scale(w, (1, 2)) if global_scale is None else _check_global_scale(global_scale, e, w.device)
     data, scales = _quantize_rows(w, operand, None if gscale is None else gscale.reshape(-1, 1, 1))
     if scale_layout == "swizzled":
         scales = layouts.swizzle_b_scales(scales)

@@ -12,6 +12,7 @@ import torch
 import moegemm
 from moegemm import codecs, layouts
 from moegemm.formats import FORMATS
+from moegemm.quantize import nvfp4_global_scale
 from moegemm.kernels.tl_source import interpreter_usable
 
 from test_codecs import E2M1_MAGNITUDES, e4m3_value, nearest_even, smallest_power_at_least
@@ -129,6 +130,30 @@ def test_nvfp4_global_scales():
     assert given.global_scale.tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="global_scale"):
         moegemm.quantize_weights(w, "nvfp4", global_scale=torch.ones(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_global_scale_of_every_float_dtype_and_edge(dtype):
+    """nvfp4's global scale, amax / 2688 correctly rounded, from rows of any float dtype (read in
+    their dtype: the amax of bf16 rows is exact), the largest magnitude negative or positive; 1 for
+    all zeros, for a NaN and for no rows."""
+    x = torch.randn(64, 96).to(dtype)
+    for peak in (-1000.0, 776.0):  # (both exact in bf16)
+        x[7, 3] = peak
+        assert float(nvfp4_global_scale(x)) == f32(abs(peak) / 2688.0)
+    for x_edge in (torch.zeros(4, 32, dtype=dtype), torch.full((2, 16), float("nan"), dtype=dtype),
+                   torch.empty(0, 32, dtype=dtype)):
+        assert float(nvfp4_global_scale(x_edge)) == 1.0
+
+
+@pytest.mark.gpu
+def test_nvfp4_global_scale_on_cuda_is_the_cpus():
+    """torch's CUDA division by a Python number multiplies by its reciprocal (1 ulp off): the
+    global scale (and so every nvfp4 code) divides by a tensor, the same on both devices."""
+    x = torch.randn(4133, 7168, dtype=torch.bfloat16) * torch.logspace(-3, 3, 4133)[:, None].to(torch.bfloat16)
+    got = [nvfp4_global_scale(rows).item() for rows in (x[:k] for k in range(1, 4133, 97))]
+    cuda = [nvfp4_global_scale(rows).item() for rows in (x.cuda()[:k] for k in range(1, 4133, 97))]
+    assert got == cuda
 
 
 # ||dequantize(quantize(x)) - x|| / ||x|| on Gaussian data: measured 0.0017 (bf16), 0.026 (e4m3
