@@ -14,7 +14,8 @@ import torch
 from . import __version__, benchmark, ops, reference
 from .activation import quantize
 from .formats import FORMATS
-from .moe import MoE, moe_forward
+from .layer_forward import moe_forward
+from .moe import MoE
 from .quantize import quantize_weights
 from .validation import validate_grouped_matmul
 

@@ -72,7 +72,8 @@ import torch
 from . import graphed, optimizer_steps
 from .activation import swiglu
 from .formats import get_format
-from .moe import MoE, moe_forward
+from .layer_forward import moe_forward
+from .moe import MoE
 from .ops import BACKENDS
 from .quantize import QuantizedTensor, dequantize_operand
 from .training import experts_with_grad

@@ -21,7 +21,7 @@ import torch
 
 from . import activation as act
 from .formats import get_format
-from .moe import _moe_forward
+from .layer_forward import _moe_forward
 from .ops import grouped_matmul, grouped_matmul_swiglu
 from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantized_to_op
 from .routing import RoutingPlan, route, unpermute_tokens

@@ -118,7 +118,7 @@ def test_an_optimizer_step_is_seen(path, optimizer, device):
 def test_a_step_makes_again_only_the_weights_it_held():
     """An optimizer holding one model's parameters leaves another model's converted weights
     as they were (kept, not made again)."""
-    (trained, trained_module), (other, other_module) = _experts_model("mxfp8"), _experts_model("mxfp8")
+    (trained, trained_module), (_, other_module) = _experts_model("mxfp8"), _experts_model("mxfp8")
     inputs = _inputs(trained_module)
     _run(trained_module, inputs)
     _run(other_module, inputs)
