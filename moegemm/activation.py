@@ -261,12 +261,12 @@ def _check_form(device, f, form: TokenForm, a_offsets):
                          + tl_source.interpreter_note(device))
 
 
-def _traced(fmt: str, scale_layout, a_offsets, op, *args) -> QuantizedTensor:
+def _traced(fmt: str, scale_layout, a_offsets, a_scale_offsets, op, *args) -> QuantizedTensor:
     """A quantizer under torch.compile: its torch.library op (library.py), outputs as a QuantizedTensor."""
     if isinstance(scale_layout, TokenForm):
         raise ValueError("scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
                          "there, writes them)")
-    return quantized_from_op(op(*args), fmt, scale_layout == "swizzled", a_offsets)
+    return quantized_from_op(op(*args), fmt, scale_layout == "swizzled", a_offsets, a_scale_offsets)
 
 
 QUANTIZE_BACKENDS = ("auto", "reference", "triton")
@@ -318,20 +318,8 @@ def quantize(
         num_scale_blocks = _checked_scale_blocks(num_scale_blocks, a_offsets, x.shape[0])
     else:
         a_offsets = None  # (plain scales are by row: the reference ignores a_offsets there)
-    if f.a.global_scale and global_scale is None:
-        global_scale = nvfp4_global_scale(x)
-    layout = "swizzled" if swizzled else "plain"
-    if torch.compiler.is_compiling():  # (its torch.library op: library.py)
-        a_scale_offsets = layouts.a_scale_offsets(a_offsets) if swizzled else None
-        q = quantized_from_op(torch.ops.moegemm.gather_quantize(x, f.name, None, a_offsets, a_scale_offsets, layout,
-                                                                num_scale_blocks, global_scale),
-                              f.name, swizzled, a_offsets, a_scale_offsets)
-    else:
-        module = _kernels(x.device.type != "cuda")
-        q = _launch(x, f.name, rows=x.shape[0], src_rows=None, act=module.ACT_NONE.value, concat=False,
-                    k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=None,
-                    scale_layout=layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=1.0,
-                    limit=0.0)
+    q = gather_quantize(x, f.name, a_offsets=a_offsets, scale_layout="swizzled" if swizzled else "plain",
+                        num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     if f.a.scale is None:  # (unscaled activations keep the layout asked for, as the reference's do)
         return QuantizedTensor(q.data, None, f.name, "a", scale_layout)
     return q
@@ -385,8 +373,10 @@ def gather_quantize(
     CUDA tensors, or the CPU through Triton's interpreter.
     """
     if torch.compiler.is_compiling():
-        return _traced(fmt, scale_layout, a_offsets, torch.ops.moegemm.gather_quantize, x, fmt, src_rows, a_offsets,
-                       a_scale_offsets, scale_layout, num_scale_blocks, global_scale)
+        if scale_layout == "swizzled" and a_scale_offsets is None and a_offsets is not None:
+            a_scale_offsets = layouts.a_scale_offsets(a_offsets)  # (as _launch derives them)
+        return _traced(fmt, scale_layout, a_offsets, a_scale_offsets, torch.ops.moegemm.gather_quantize, x, fmt,
+                       src_rows, a_offsets, a_scale_offsets, scale_layout, num_scale_blocks, global_scale)
     _check_rows_input(x, "x")
     f, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     _check_index(src_rows, "src_rows", x.device)
@@ -483,7 +473,8 @@ def swiglu_quantize(
     scale_layout a TokenForm: the result in that token form, as gather_quantize's.
     """
     if torch.compiler.is_compiling():
-        return _traced(fmt, scale_layout, a_offsets, torch.ops.moegemm.swiglu_quantize, h, fmt, activation,
+        return _traced(fmt, scale_layout, a_offsets, a_scale_offsets, torch.ops.moegemm.swiglu_quantize, h, fmt,
+                       activation,
                        gate_up_layout, bias, a_offsets, expert_ids, a_scale_offsets, scale_layout, num_scale_blocks,
                        global_scale, alpha, limit)
     _check_rows_input(h, "h")
