@@ -60,7 +60,7 @@ import torch.distributed as dist
 from . import activation as act
 from . import routing
 from .formats import FORMATS, get_format
-from .quantize import QuantizedTensor, nvfp4_global_scale
+from .quantize import QuantizedTensor, absolute_max, nvfp4_global_scale
 
 __all__ = ["EP_PATHS", "Dispatched", "check_agreement", "combine", "dispatch", "expert_range", "group_global_scale",
            "rank_and_size"]
@@ -84,16 +84,10 @@ def expert_range(num_experts: int, group) -> tuple[int, int]:
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """amax |x| in fp32 as a 1-element tensor (0 for no tokens), on x's device."""
-    amax = x.float().abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    return amax.reshape(1).clone()
-
-
 def group_global_scale(x: torch.Tensor, group) -> torch.Tensor:
     """nvfp4's token global scale over every rank's tokens, amax / (448 * 6) (1 where all are zero):
     the scale a single GPU running the whole batch takes. One all_reduce, no host read."""
-    amax = _amax(x)
+    amax = absolute_max(x).reshape(1)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return nvfp4_global_scale(amax)  # (the quantizers' rule, on the group's amax)
 
@@ -313,7 +307,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if checked:  # to rank r: the rows it gets from this rank, this rank's T, its header, nvfp4's amax
         header = _header_words(path, f.name, x.shape[1], top_k, num_experts, capacity,
                                f.a.global_scale and global_scale is not None)
-        amax = _amax(x).double() if group_amax else torch.zeros(1, dtype=torch.float64, device=device)
+        amax = absolute_max(x).reshape(1).double() if group_amax else torch.zeros(1, dtype=torch.float64, device=device)
         exchanged = torch.cat((counts.unsqueeze(1), torch.full_like(counts, num_tokens).unsqueeze(1),
                                torch.tensor(header, dtype=torch.int64, device=device).expand(world, -1),
                                amax.view(torch.int64).reshape(1, 1).expand(world, 1)), dim=1)

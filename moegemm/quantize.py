@@ -136,18 +136,22 @@ def _decode_elements(data: torch.Tensor, operand: OperandFormat) -> torch.Tensor
     return data.float()
 
 
+def absolute_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over all of x as a 0-d fp32 tensor (0 for an empty x; NaN where x holds one), read
+    once in x's own dtype: no |x| or fp32 copy (the abs and the max are exact in any float dtype)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high).float()
+
+
 def nvfp4_global_scale(x: torch.Tensor, dims: tuple[int, ...] = ()) -> torch.Tensor:
     """nvfp4's global scale: amax(|x|) over `dims` (all when empty) / (448 * 6), correctly rounded
-    on every device; 1 where the amax is 0 or NaN, or nothing is there. Over all dims it reads x
-    once in its own dtype (no |x| or fp32 copy: the abs and the max are exact in any float dtype)."""
+    on every device; 1 where the amax is 0 or NaN, or nothing is there (over all dims: absolute_max)."""
     if x.numel() == 0:
         shape = [size for d, size in enumerate(x.shape) if dims and d not in dims]
         return torch.ones(shape, dtype=torch.float32, device=x.device)
-    if dims:
-        amax = x.abs().amax(dim=dims).float()
-    else:
-        low, high = torch.aminmax(x)
-        amax = torch.maximum(-low, high).float()
+    amax = x.abs().amax(dim=dims).float() if dims else absolute_max(x)
     return torch.where(amax > 0, _divided(amax, _NVFP4_GLOBAL_DIVISOR), torch.ones_like(amax))
 
 
@@ -308,7 +312,8 @@ def quantize_weights(
     gscale = None
     if operand.global_scale:
         e = w.shape[0]
-        gscale = nvfp4_global_scale(w, (1, 2)) if global_scale is None else _check_global_scale(global_scale, e, w.device)
+        gscale = (nvfp4_global_scale(w, (1, 2)) if global_scale is None
+                  else _check_global_scale(global_scale, e, w.device))
     data, scales = _quantize_rows(w, operand, None if gscale is None else gscale.reshape(-1, 1, 1))
     if scale_layout == "swizzled":
         scales = layouts.swizzle_b_scales(scales)
