@@ -77,6 +77,7 @@ from .moe import MoE
 from .ops import BACKENDS
 from .quantize import QuantizedTensor, dequantize_operand
 from .training import experts_with_grad
+from .validation import readable_weights
 
 __all__ = ["from_transformers", "register", "prepare", "refresh", "experts_forward", "experts_modules", "NAME"]
 
@@ -269,14 +270,6 @@ def _float_weights(module, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
-def _readable(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """w as the kernels read it: itself where its strides are theirs (contiguous; bf16 also
-    N-major), else a contiguous copy (a parameter laid out otherwise in memory)."""
-    if w.is_contiguous() or (fmt == "bf16" and w.transpose(1, 2).is_contiguous()):
-        return w
-    return w.contiguous()
-
-
 def _bias(t) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
@@ -293,8 +286,8 @@ def _convert(module, spec: _Spec, fmt: str, sources: tuple) -> _Experts:
         gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
         if spec.transposed and not spec.fp8_block:
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        w_gate_up = QuantizedTensor(_readable(gate_up, fmt), scale("gate_up_proj_scale_inv"), fmt, "b")
-        w_down = QuantizedTensor(_readable(down, fmt), scale("down_proj_scale_inv"), fmt, "b")
+        w_gate_up = QuantizedTensor(readable_weights(gate_up, fmt), scale("gate_up_proj_scale_inv"), fmt, "b")
+        w_down = QuantizedTensor(readable_weights(down, fmt), scale("down_proj_scale_inv"), fmt, "b")
         return _Experts(fmt, sources, w_gate_up, w_down, spec.gate_up_layout, _bias(gate_up_bias), _bias(down_bias))
     gate_up, down = _float_weights(module, spec)
     num_experts, two_i, hidden = gate_up.shape

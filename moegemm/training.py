@@ -40,6 +40,7 @@ import torch
 from .activation import check_activation, swiglu
 from .ops import grouped_matmul
 from .routing import route, scatter_tokens, sum_rows, unpermute_tokens
+from .validation import readable_weights
 
 __all__ = ["experts_with_grad"]
 
@@ -64,8 +65,7 @@ def _expert_weights(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     """The [E, N, K] operand moegemm's grouped product reads: a view of w, transposed weights
     ([E, in, out]) read N-major (bf16 grouped_matmul takes either major order); a copy only
     where w is laid out otherwise in memory (no stride along N or K is 1)."""
-    w = w.detach().transpose(1, 2) if transposed else w.detach()
-    return w if w.is_contiguous() or w.transpose(1, 2).is_contiguous() else w.contiguous()
+    return readable_weights(w.detach().transpose(1, 2) if transposed else w.detach(), "bf16")
 
 
 def _row_bias(bias: torch.Tensor | None, expert_of_row: torch.Tensor, rows: int) -> torch.Tensor | None:

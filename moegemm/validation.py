@@ -262,13 +262,24 @@ def validate_grouped_matmul(
     return problem
 
 
+def _n_major(b: torch.Tensor, fmt_name: str) -> bool:
+    """b [E, N, K] is bf16's other order: the transpose(1, 2) of a contiguous [E, K, N] tensor."""
+    return fmt_name == "bf16" and not b.is_contiguous() and b.transpose(1, 2).is_contiguous()
+
+
+def readable_weights(w: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """Weights [E, N, K] of fmt as grouped_matmul takes them (_weight_order): w itself where its
+    strides are already taken (no copy), else a contiguous copy."""
+    return w if w.is_contiguous() or _n_major(w, fmt_name) else w.contiguous()
+
+
 def _weight_order(b: torch.Tensor, f: Format) -> bool:
     """Whether b [E, N, K] is read N-major. Every format takes contiguous weights (K-major); bf16
     also the transpose(1, 2) of a contiguous [E, K, N] tensor (unit stride along N: gpt-oss
     stores its experts [E, in, out]), read in place by every backend. Other strides raise."""
     if b.is_contiguous():
         return False
-    if f.name == "bf16" and b.transpose(1, 2).is_contiguous():
+    if _n_major(b, f.name):
         return True
     either = " or the transpose(1, 2) of a contiguous [E, K, N] tensor (bf16 only)" if f.name == "bf16" else ""
     raise ValueError(f"b: expected a contiguous tensor{either}, got shape {tuple(b.shape)} and strides "
