@@ -17,6 +17,8 @@ import moegemm
 transformers = pytest.importorskip("transformers")
 from transformers.integrations.moe import use_experts_implementation  # noqa: E402
 
+from test_hf_backend import _rel, registered  # noqa: E402, F401 (registered: the autouse fixture)
+
 # Families whose experts moegemm does not run (transformers 5.25): another activation (GELU, ReLU^2),
 # no gate, SwiGLU with its inputs clamped (DeepSeek-V4, GLM-5-Next, HY-V4) or soft-capped (Inkling2),
 # a post-expert norm (MuseSpark). Every other family's experts must run and match transformers' eager
@@ -74,17 +76,6 @@ def _tiny(cls: type, family: str):
 def _built(family: str) -> list:
     """_tiny of each experts class of `family` (kept: both tests below read them)."""
     return [_tiny(cls, family) for cls in _experts_classes(family)]
-
-
-def _rel(got, want) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
-@pytest.fixture(autouse=True)
-def registered():
-    moegemm.hf.register()
-    yield
-    moegemm.hf.register()
 
 
 def _route(tokens: int = 11, top_k: int = 2):

@@ -17,7 +17,7 @@ import moegemm
 from moegemm import optimizer_steps
 
 transformers = pytest.importorskip("transformers")
-from test_hf_backend import _eager_experts, _model, _rel  # noqa: E402
+from test_hf_backend import _eager_experts, _model, _rel, registered  # noqa: E402, F401 (registered: the autouse fixture)
 
 # kind, weights' dtype, register(fmt=...)
 PATHS = {"fp32_copy": ("gpt_oss", torch.float32, None), "mxfp8": ("qwen3_moe", torch.float32, "mxfp8"),
@@ -53,13 +53,6 @@ OPTIMIZERS = {
 _CPU_CASES = [(path, opt, "cpu") for path in PATHS for opt in OPTIMIZERS
               if (path, opt) != ("bf16_transposed", "sgd_fused")]
 _GPU_CASES = [pytest.param(path, "adamw_fused", "cuda", marks=pytest.mark.gpu) for path in PATHS]
-
-
-@pytest.fixture(autouse=True)
-def registered():
-    moegemm.hf.register()
-    yield
-    moegemm.hf.register()  # back to the defaults for the next test
 
 
 def _experts_model(path: str, device: str = "cpu"):
