@@ -109,6 +109,8 @@ def _row_bias(bias, a_offsets, expert_ids, rows: int) -> torch.Tensor:
 
 
 def reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit):
+    """swiglu_quantize's activation in fp32 PyTorch, before its quantization: [M, 2I] -> [M, I],
+    each row plus the bias [E, 2I] of its slot's expert (rows outside a valid slot: no bias)."""
     h = h.float()
     if bias is not None:
         h = h + _row_bias(bias, a_offsets, expert_ids, h.shape[0])
