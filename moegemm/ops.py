@@ -18,14 +18,15 @@ import torch
 
 from . import fused as fused_epilogue
 from . import reference
-from .activation import check_activation, swiglu_quantize
 from .config import MX_FORMATS
 from .formats import get_format
+from .gate_up import check_activation
 from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
 from .prepack import unpack_codes
-from .quantize import QuantizedTensor, quantized_from_op
+from .quantized_tensor import QuantizedTensor, quantized_from_op
 from .token_forms import KernelTokens, TokenForm
+from .token_quantizers import swiglu_quantize
 from .validation import (GroupedProblem, Operands, check_no_grad, operands_of, validate_grouped_matmul,
                          validate_values, values_checked)
 

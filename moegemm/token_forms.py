@@ -19,7 +19,7 @@ The sm90 kernels for mxfp8, mxfp4 and w4a8 do not read the format's A operand as
 
 Called on their own, the kernels build that form with a pre-pass over A. In the MoE layer the
 kernel that makes the tokens writes it directly: gather_quantize, scatter_quantize and
-swiglu_quantize (activation.py) take a TokenForm as their scale_layout and return a
+swiglu_quantize (token_quantizers.py) take a TokenForm as their scale_layout and return a
 QuantizedTensor in that layout, which grouped_matmul and grouped_matmul_swiglu take as `a` on
 the sm90 backend: one launch and one pass over the tokens less per product. The values are
 those of the format's operand, bit for bit (tests/test_token_forms.py).

@@ -20,7 +20,7 @@ import torch
 from . import layouts
 from .formats import SWIZZLE_FORMATS, Format, get_format
 from .prepack import check_prepackable
-from .quantize import QuantizedTensor
+from .quantized_tensor import QuantizedTensor
 from .token_forms import TokenForm, kb_major_columns, token_form
 
 __all__ = ["GroupedProblem", "Operands", "operands_of", "validate_grouped_matmul", "validate_values", "values_checked",
