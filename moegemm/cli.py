@@ -14,8 +14,7 @@ import torch
 from . import __version__, benchmark, ops, reference
 from .activation import quantize
 from .formats import FORMATS
-from .layer_forward import moe_forward
-from .moe import MoE
+from .moe import MoE, moe_forward
 from .quantize import quantize_weights
 from .validation import validate_grouped_matmul
 

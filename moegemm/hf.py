@@ -72,8 +72,7 @@ import torch
 from . import graphed, optimizer_steps
 from .activation import swiglu
 from .formats import get_format
-from .layer_forward import moe_forward
-from .moe import MoE
+from .moe import MoE, moe_forward, weights
 from .ops import BACKENDS
 from .quantize import QuantizedTensor, dequantize_operand
 from .training import experts_with_grad
@@ -291,12 +290,12 @@ def _convert(module, spec: _Spec, fmt: str, sources: tuple) -> _Experts:
         return _Experts(fmt, sources, w_gate_up, w_down, spec.gate_up_layout, _bias(gate_up_bias), _bias(down_bias))
     gate_up, down = _float_weights(module, spec)
     num_experts, two_i, hidden = gate_up.shape
-    layer = MoE(hidden, two_i // 2, num_experts, 1, fmt=fmt, activation=spec.activation, expert_bias=(
-        gate_up_bias is not None or down_bias is not None), device=gate_up.device)
-    layer.load_experts(gate_up=gate_up, gate_up_order=spec.gate_up_layout, down=down, gate_up_bias=gate_up_bias,
-                       down_bias=down_bias)
-    w_gate_up, w_down = layer.weights()
-    experts = _Experts(fmt, sources, w_gate_up, w_down, layer.gate_up_layout, layer.gate_up_bias, layer.down_bias)
+    weights.check_sizes(fmt, hidden, two_i // 2)
+    made = weights.from_float(gate_up=gate_up, gate_up_order=spec.gate_up_layout, down=down, gate_up_bias=gate_up_bias,
+                              down_bias=down_bias, sizes=(num_experts, two_i // 2, hidden),
+                              form=weights.WeightForm(fmt))
+    experts = _Experts(fmt, sources, made.w_gate_up, made.w_down, weights.gate_up_layout(fmt), made.gate_up_bias,
+                       made.down_bias)
     if _settings["free_source"]:
         _free_sources(module, experts)
     return experts

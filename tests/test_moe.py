@@ -422,10 +422,10 @@ def test_load_experts_quantizes_a_chunk_of_experts_at_a_time(fmt, prepack, monke
     gate, up, down = _layer_weights(e, i, h)
     whole = moegemm.MoE(h, i, e, 2, fmt=fmt, prepack=prepack).load_experts(gate=gate, up=up, down=down)
     calls = []
-    quantize = moegemm.moe.quantize_weights
-    monkeypatch.setattr(moegemm.moe, "quantize_weights", lambda w, *args, **kw: calls.append(w.shape[0]) or
+    quantize = moegemm.moe.weights.quantize_weights
+    monkeypatch.setattr(moegemm.moe.weights, "quantize_weights", lambda w, *args, **kw: calls.append(w.shape[0]) or
                         quantize(w, *args, **kw))
-    monkeypatch.setattr(moegemm.moe, "QUANTIZE_CHUNK", 3 * 2 * i * h)
+    monkeypatch.setattr(moegemm.moe.weights, "QUANTIZE_CHUNK", 3 * 2 * i * h)
     chunked = moegemm.MoE(h, i, e, 2, fmt=fmt, prepack=prepack).load_experts(gate=gate, up=up, down=down)
     assert calls == [3, 3, 2, 6, 2]
     for q, r in zip(chunked.weights(), whole.weights()):
