@@ -435,7 +435,7 @@ def test_the_gate_is_read_from_each_module_not_its_class():
     plain = _config("qwen3_moe", hidden=256, width=128)
     clamped = _config("qwen3_moe", hidden=256, width=128)
     clamped.swiglu_alpha, clamped.swiglu_limit = 1.702, 7.0
-    specs = [moegemm.hf._module_spec(cls(config, block_size=(128, 128))) for config in (plain, clamped, plain)]
+    specs = [moegemm.hf.spec.spec_of(cls(config, block_size=(128, 128))) for config in (plain, clamped, plain)]
     assert [s.activation for s in specs] == ["swiglu", "swiglu_oai", "swiglu"]
     assert (specs[1].alpha, specs[1].limit) == (1.702, 7.0)
 

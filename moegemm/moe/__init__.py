@@ -12,4 +12,4 @@ from ..routing import ROUTERS
 from .forward import moe_forward, moe_forward_received
 from .module import MoE
 
-__all__ = ["MoE", "moe_forward", "moe_forward_received", "ROUTERS"]
+__all__ = ["ROUTERS", "MoE", "moe_forward", "moe_forward_received"]

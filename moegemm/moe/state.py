@@ -20,7 +20,7 @@ from ..formats import FORMATS, get_format
 from ..prepack import check_prepackable, prepack_codes, unpack_codes
 from .weights import gate_up_layout, keeps_prepacked, weight_scale_layout
 
-__all__ = ["STATE_VERSION", "EXPERT_WEIGHTS", "StateChange", "state_change"]
+__all__ = ["EXPERT_WEIGHTS", "STATE_VERSION", "StateChange", "state_change"]
 
 
 # The version of the extra state below: what a state dict's "_extra_state" holds.

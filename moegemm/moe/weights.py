@@ -14,8 +14,9 @@ prepacked order is keeps_prepacked's choice.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
