@@ -279,6 +279,34 @@ def test_a_named_format_quantizes_the_experts_once():
     assert [m._moegemm_experts for m in moegemm.hf.experts_modules(model)] == first  # kept, not made again
 
 
+def test_a_named_format_converts_without_building_a_layer(monkeypatch):
+    """A conversion into a named format runs moegemm.moe.weights' functions, the ones MoE's
+    loaders run, and builds no moegemm.MoE: its weights and biases are, byte for byte, what
+    MoE.load_experts makes of the same parameters."""
+    model = _model("gpt_oss")
+    module = moegemm.hf.experts_modules(model)[0]
+    moegemm.hf.register(fmt="mxfp8")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a conversion built a moegemm.MoE")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(moegemm.MoE, "__init__", refuse)
+        moegemm.hf.prepare(model)
+    experts = module._moegemm_experts
+    e, h, two_i = module.gate_up_proj.shape
+    layer = moegemm.MoE(h, two_i // 2, e, 1, fmt="mxfp8", expert_bias=True).load_experts(
+        gate_up=module.gate_up_proj.transpose(1, 2), gate_up_order="interleaved",
+        down=module.down_proj.transpose(1, 2), gate_up_bias=module.gate_up_proj_bias,
+        down_bias=module.down_proj_bias)
+    assert experts.gate_up_layout == layer.gate_up_layout
+    for got, want in zip((experts.w_gate_up, experts.w_down), layer.weights()):
+        assert (got.fmt, got.scale_layout, got.prepacked) == (want.fmt, want.scale_layout, want.prepacked)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    assert torch.equal(experts.gate_up_bias, layer.gate_up_bias) and torch.equal(experts.down_bias, layer.down_bias)
+
+
 def test_gpt_oss_mxfp4_weights_round_trip_exactly():
     """bf16 weights holding MXFP4 values (a dequantized gpt-oss checkpoint) quantize back to the
     same codes: fmt="bf16_mxfp4" then computes what the bf16 experts compute."""

@@ -435,6 +435,25 @@ def test_load_experts_quantizes_a_chunk_of_experts_at_a_time(fmt, prepack, monke
         assert q.global_scale is None or torch.equal(q.global_scale, r.global_scale)
 
 
+def test_a_loader_that_raises_leaves_the_layer_as_it_was():
+    """Biases the layer was not built for (or none where it was) raise before any weight is
+    stored: the layer keeps the weights it had, whichever loader raised."""
+    e, i, h = 2, 128, 64
+    gate, up, down = _layer_weights(e, i, h)
+    plain = moegemm.MoE(h, i, e, 2, fmt="mxfp8").load_experts(gate=gate, up=up, down=down)
+    biased = moegemm.MoE(h, i, e, 2, fmt="mxfp8", expert_bias=True)
+    held = [w.data.clone() for w in plain.weights()]
+    fp8 = {name: w.to(torch.float8_e4m3fn) for name, w in (("gate", gate), ("up", up), ("down", down))}
+    scales = {f"{name}_scale_inv": torch.ones(e, -(-w.shape[1] // 128), -(-w.shape[2] // 128))
+              for name, w in fp8.items()}
+    with pytest.raises(ValueError, match="expert_bias=False"):
+        plain.load_experts(gate=gate * 2, up=up, down=down, down_bias=torch.zeros(e, h))
+    with pytest.raises(ValueError, match="expert_bias=True"):
+        biased.load_fp8_block(**fp8, **scales)  # (mxfp8: requantized, as load_experts would)
+    assert biased.gate_up_data is None and biased.down_data is None
+    assert all(torch.equal(t.view(torch.uint8), w.data.view(torch.uint8)) for t, w in zip(held, plain.weights()))
+
+
 def test_load_fp8_block_keeps_the_checkpoint_bytes():
     e, i, h = 2, 128, 256
     gate, up, down = _layer_weights(e, i, h)

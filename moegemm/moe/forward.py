@@ -187,6 +187,7 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     decides as one GPU would."""
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     given = isinstance(x, QuantizedTensor)
+    out_dtype = torch.float32 if given else x.dtype
     check_no_grad("moe_forward", x=x.data if given else x, topk_weights=topk_weights, gate_up_bias=gate_up_bias,
                   down_bias=down_bias, gate_up_scales=gate_up_scales, down_scales=down_scales, w_gate_up=w_gate_up.data,
                   w_down=w_down.data)
@@ -224,8 +225,7 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
         alpha=alpha, limit=limit, fused=plan.fused, backend=backend, gate_up_layout=gate_up_layout)
     grouped_matmul(mid, w_down, None, None, routing.a_offsets, routing.expert_ids, fmt=fmt, a_scale_offsets=aso,
                    expert_scales=down_scales, scale_layout=layout, backend=backend, out=c)
-    return unpermute_tokens(c, routing, topk_weights, out_dtype=torch.float32 if given else x.dtype,
-                            expert_bias=down_bias)
+    return unpermute_tokens(c, routing, topk_weights, out_dtype=out_dtype, expert_bias=down_bias)
 
 
 def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: str, a_scale_offsets, bound: int):

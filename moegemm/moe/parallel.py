@@ -39,6 +39,6 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 
 def group_tokens_per_expert(sent: distributed.Dispatched, num_local_experts: int) -> float:
     """The group's average choices an expert, which decides the layer's kernels on every rank as
-    it would on one GPU running the group's whole batch."""
-    _, world = distributed.rank_and_size(sent.group)
-    return sent.group_tokens * sent.topk_ids.shape[1] / (num_local_experts * world)
+    it would on one GPU running the group's whole batch (W ranks: sent.send_splits has one entry
+    a rank)."""
+    return sent.group_tokens * sent.topk_ids.shape[1] / (num_local_experts * len(sent.send_splits))
