@@ -32,8 +32,8 @@ from collections import OrderedDict
 
 import torch
 
-from .config import choice_context
 from .compile_boundary import compiling
+from .config import choice_context
 from .validation import debug_mode
 
 __all__ = ["GraphedCalls", "MAX_TOKENS", "usable"]

@@ -595,7 +595,7 @@ def test_free_source_prepares_a_bf16_model_layer_by_layer():
     """Four layers of Qwen3-30B-A3B's experts (128 experts, H = 2048, I = 768: 1.2 GB of bf16
     each) prepared as fp8_block with free_source=True. The peak stays under the model plus one
     layer's bf16 size: the first layer's conversion adds its fp8 copy (0.6 GB) and one chunk's
-    quantizer temporaries (moe.QUANTIZE_CHUNK weights in a few fp32 copies, ~0.2 GB), and each
+    quantizer temporaries (moe.weights.QUANTIZE_CHUNK weights in a few fp32 copies, ~0.2 GB), and each
     later one starts with a freed layer to spare. Afterwards the experts take their fp8 size alone
     (a bf16-loaded Qwen3-30B-A3B then runs fp8_block on an 80 GB card), and compute what the bf16
     experts computed, within fp8_block's error."""

@@ -27,10 +27,10 @@ from ..ops import available_backends
 from ..prepack import PREPACK_K, PREPACK_ROWS
 from ..quantize import QuantizedTensor, dequantize_operand, prepack_weights, quantize_weights
 
-__all__ = ["QUANTIZE_CHUNK", "ExpertWeights", "WeightForm", "check_sizes", "check_weight", "from_float",
-           "from_fp8_block", "from_mxfp4", "gate_up_layout", "keeps_prepacked", "weight_scale_layout"]
+__all__ = ["QUANTIZE_CHUNK", "ExpertWeights", "WeightForm", "check_sizes", "check_weight", "fp8_block_kept",
+           "from_float", "from_fp8_block", "from_mxfp4", "gate_up_layout", "keeps_prepacked", "weight_scale_layout"]
 
-# Weights a chunk of from_float's quantization holds (2^23: 32 MiB in fp32; quantize_experts).
+# Weights a chunk of from_float's quantization holds (2^23: 32 MiB in fp32; _quantize_experts).
 QUANTIZE_CHUNK = 1 << 23
 
 
@@ -132,7 +132,7 @@ def _bias(t) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()  # (a checkpoint's Parameter: no grad)
 
 
-def checked_biases(gate_up_bias, down_bias, sizes: tuple[int, int, int], hint: str = "") -> tuple:
+def _checked_biases(gate_up_bias, down_bias, sizes: tuple[int, int, int], hint: str = "") -> tuple:
     """(gate_up_bias [E, 2I], down_bias [E, H]) in fp32, checked against sizes (E, I, H)."""
     e, i, h = sizes
     if gate_up_bias is not None:
@@ -176,7 +176,7 @@ def from_float(*, down, sizes: tuple[int, int, int], form: WeightForm, gate=None
         gb = gate_bias if gate_bias is not None else zeros
         ub = up_bias if up_bias is not None else zeros
         bias = _arrange(gb.float().unsqueeze(-1), ub.float().unsqueeze(-1), form.fmt).squeeze(-1)
-    return ExpertWeights(w_gate_up, w_down, *checked_biases(bias, down_bias, sizes, hint))
+    return ExpertWeights(w_gate_up, w_down, *_checked_biases(bias, down_bias, sizes, hint))
 
 
 def fp8_block_kept(fmt: str, intermediate_size: int) -> bool:
@@ -232,7 +232,7 @@ def from_mxfp4(*, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate
         for data, scales in ((gu_data, gu_scales), (dn_data, dn_scales)):
             scales = layouts.swizzle_b_scales(scales) if layout == "swizzled" else scales
             kept.append(form.stored(QuantizedTensor(data, scales.view(torch.float8_e8m0fnu), form.fmt, "b", layout)))
-        return ExpertWeights(*kept, *checked_biases(gate_up_bias, down_bias, sizes, hint))
+        return ExpertWeights(*kept, *_checked_biases(gate_up_bias, down_bias, sizes, hint))
     gate_up = dequantize_operand(gu_data, gu_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
     down = dequantize_operand(dn_data, dn_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
     return from_float(gate_up=gate_up, gate_up_order="interleaved", down=down, gate_up_bias=gate_up_bias,
