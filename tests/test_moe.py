@@ -436,8 +436,9 @@ def test_load_experts_quantizes_a_chunk_of_experts_at_a_time(fmt, prepack, monke
 
 
 def test_a_loader_that_raises_leaves_the_layer_as_it_was():
-    """Biases the layer was not built for (or none where it was) raise before any weight is
-    stored: the layer keeps the weights it had, whichever loader raised."""
+    """Biases the layer was not built for (or none where it was), or weights of the wrong shape,
+    raise before anything is stored: the layer keeps the weights it had, and their format,
+    whichever loader raised."""
     e, i, h = 2, 128, 64
     gate, up, down = _layer_weights(e, i, h)
     plain = moegemm.MoE(h, i, e, 2, fmt="mxfp8").load_experts(gate=gate, up=up, down=down)
@@ -452,6 +453,19 @@ def test_a_loader_that_raises_leaves_the_layer_as_it_was():
         biased.load_fp8_block(**fp8, **scales)  # (mxfp8: requantized, as load_experts would)
     assert biased.gate_up_data is None and biased.down_data is None
     assert all(torch.equal(t.view(torch.uint8), w.data.view(torch.uint8)) for t, w in zip(held, plain.weights()))
+    # A layer built with fmt=None keeps its loaded bf16 weights, and their format, when load_mxfp4 raises.
+    layer = moegemm.MoE(h, i, e, 2).load_experts(gate=gate, up=up, down=down)
+    x = torch.randn(3, h, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = layer(x)
+    with pytest.raises(ValueError, match="gate_up_blocks"):
+        layer.load_mxfp4(gate_up_blocks=torch.zeros(e, 2 * i, h // 32, 8, dtype=torch.uint8),
+                         gate_up_scales=torch.zeros(e, 2 * i, h // 32, dtype=torch.uint8),
+                         down_blocks=torch.zeros(e, h, i // 32, 16, dtype=torch.uint8),
+                         down_scales=torch.zeros(e, h, i // 32, dtype=torch.uint8))
+    assert (layer.fmt, layer.gate_up_layout, layer.scale_layout) == ("bf16", "interleaved", "plain")
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
 
 
 def test_load_fp8_block_keeps_the_checkpoint_bytes():

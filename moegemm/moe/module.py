@@ -185,8 +185,9 @@ class MoE(torch.nn.Module):
         self.gate_up_layout = weights.gate_up_layout(fmt)
         self.scale_layout = weights.weight_scale_layout(fmt)
 
-    def _form(self) -> weights.WeightForm:
-        return weights.WeightForm(self.fmt, self.prepack, self.backend)
+    def _form(self, fmt: str | None = None) -> weights.WeightForm:
+        """What the loaders make weights into: this layer's format, or `fmt` (a loader's own)."""
+        return weights.WeightForm(fmt or self.fmt, self.prepack, self.backend)
 
     def _sizes(self) -> tuple[int, int, int]:
         """(E, I, H) of the weights this rank keeps."""
@@ -256,15 +257,17 @@ class MoE(torch.nn.Module):
         bytes too and quantizes the activations to MXFP4 as well (so does "w4a8", to MXFP8);
         other formats dequantize and requantize the weights. With expert parallelism, E may also
         be this rank's experts alone."""
-        if self.chosen_fmt is None:
-            self._use_format("bf16_mxfp4")
+        fmt = "bf16_mxfp4" if self.chosen_fmt is None else self.fmt
+        weights.check_sizes(fmt, self.hidden_size, self.intermediate_size)
         self._check_biases(gate_up_bias, down_bias)
         gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias = self._own(
             gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias)
-        return self._store(weights.from_mxfp4(
+        experts = weights.from_mxfp4(
             gate_up_blocks=gate_up_blocks, gate_up_scales=gate_up_scales, down_blocks=down_blocks,
             down_scales=down_scales, gate_up_bias=gate_up_bias, down_bias=down_bias, sizes=self._sizes(),
-            form=self._form(), hint=parallel.shape_hint(self.ep_group, self.num_experts)), "load_mxfp4")
+            form=self._form(fmt), hint=parallel.shape_hint(self.ep_group, self.num_experts))
+        self._use_format(fmt)  # (once the weights are made: a loader that raises changes nothing)
+        return self._store(experts, "load_mxfp4")
 
     @torch.no_grad()
     def load_router(self, weight, bias=None, correction_bias=None):
