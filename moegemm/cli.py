@@ -13,8 +13,7 @@ import torch
 
 from . import __version__, benchmark, ops, reference
 from .formats import FORMATS
-from .layer_forward import moe_forward
-from .moe import MoE
+from .moe import MoE, moe_forward
 from .quantize import quantize_weights
 from .token_quantizers import quantize
 from .validation import validate_grouped_matmul

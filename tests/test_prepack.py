@@ -229,7 +229,7 @@ def test_moe_loaders_prepack_and_answer_the_same(monkeypatch):
     assert asked.gate_up_prepacked and asked.weights()[0].prepacked and not kept.gate_up_prepacked
     with torch.no_grad():
         assert torch.equal(asked(x).view(torch.int16), kept(x).view(torch.int16))
-    monkeypatch.setattr(moegemm.moe, "available_backends", lambda device: ("sm90", "triton", "reference"))
+    monkeypatch.setattr(moegemm.moe.weights, "available_backends", lambda device: ("sm90", "triton", "reference"))
     assert not mxfp4_layer(None).gate_up_prepacked and _gpt_oss_like(None, backend="auto").gate_up_prepacked
 
 
