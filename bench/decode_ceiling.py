@@ -35,10 +35,11 @@ sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve(
 import torch
 
 from moegemm import QuantizedTensor, benchmark, grouped_matmul
-from moegemm.config import MX_FORMATS, DecodeConfig, Mxfp8Config, deepest_ring, override_config, sm90_mx_config
+from moegemm.config import override_config, sm90_mx_config
 from moegemm.formats import FORMATS, PREPACK_FORMATS
 from moegemm.kernels.sm90 import launcher
 from moegemm.prepack import prepack_codes
+from moegemm.sm90_configs import MX_FORMATS, DecodeConfig, Mxfp8Config, deepest_ring
 
 # the model-formats preset's shapes and regimes (moegemm/benchmark.py)
 SHAPES = {name: benchmark.MODEL_SHAPES[name] for name in benchmark.MODEL_FORMAT_SHAPES}
