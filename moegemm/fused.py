@@ -9,10 +9,11 @@ import math
 import torch
 
 from . import layouts
-from .config import MX_FORMATS, E2m1Config, Mxfp8Config, sm90_mx_config
+from .config import sm90_mx_config
 from .formats import E2M1, E4M3, get_format
 from .kernels import sm90
 from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
+from .sm90_configs import MX_FORMATS, E2m1Config, Mxfp8Config
 from .token_forms import TokenForm
 
 

@@ -18,13 +18,13 @@ import torch
 
 from . import fused as fused_epilogue
 from . import reference
-from .config import MX_FORMATS
 from .formats import get_format
 from .gate_up import check_activation
 from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
 from .prepack import unpack_codes
 from .quantized_tensor import QuantizedTensor, quantized_from_op
+from .sm90_configs import MX_FORMATS
 from .token_forms import KernelTokens, TokenForm
 from .token_quantizers import swiglu_quantize
 from .validation import (GroupedProblem, Operands, check_no_grad, operands_of, validate_grouped_matmul,

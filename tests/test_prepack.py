@@ -14,11 +14,12 @@ from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, pois
 
 import moegemm
 from moegemm import codecs
-from moegemm.config import DecodeConfig, override_config
+from moegemm.config import override_config
 from moegemm.formats import PREPACK_FORMATS
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.kernels.sm90.decode import _e2m1_to_bf16_ptx
 from moegemm.prepack import E2M1_WORD_TERMS, prepack_codes, unpack_codes
+from moegemm.sm90_configs import DecodeConfig
 
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
 

@@ -20,8 +20,8 @@ import torch
 from triton.experimental.gluon import language as gl
 
 from ... import layouts
-from ...config import (MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, choice_context, sm90_config,
-                       sm90_mx_config, weight_bytes)
+from ...config import choice_context, sm90_config, sm90_mx_config
+from ...sm90_configs import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, weight_bytes
 from ...token_forms import ACC_ORDER_BLOCK, KernelTokens, kb_major_columns, token_form
 from ...validation import GroupedProblem
 from .. import portable
