@@ -114,18 +114,23 @@ encode_e4m3 = _encode_e4m3_bits if tl_source.interpreted() else _encode_e4m3_cvt
 
 
 @triton.jit
+def e2m1_magnitude(mag):
+    """fp32 magnitude (>= 0) -> e2m1 code (int32 0..7): nearest, ties to the even code, saturating
+    at 6 (inf too; NaN gives 7). On the bits: from 1 up (codes 2..7, 2^E * (1 + m/2) is code
+    2E + 2 + m) the fp32 pattern rounded to one mantissa bit, nearest even, less 1.0's; below 1
+    (codes 0..2, multiples of 0.5) mag + 2^22, whose ulp is 0.5, rounds it to nearest even."""
+    bits = mag.to(tl.int32, bitcast=True)
+    # (bits + 0x1FFFFF + mantissa bit 22) >> 22 is the rounded pattern; 1.0 (0x3F800000) -> 2
+    normal = (bits + (0x1FFFFF - 0x3F000000) + ((bits >> 22) & 1)) >> 22
+    small = (mag + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
+    return tl.where(bits < 0x3F800000, small, tl.minimum(normal, 7))
+
+
+@triton.jit
 def encode_e2m1(x):
     """fp32 -> e2m1 code (int32 0..15): nearest, ties to the even code, saturating at 6 (infinities
-    too; NaN gives 7 or 15). On the bits: from 1 up (codes 2..7, 2^E * (1 + m/2) is code 2E + 2 + m)
-    the fp32 pattern rounded to one mantissa bit, nearest even, less 1.0's; below 1 (codes 0..2,
-    multiples of 0.5) |x| + 2^22, whose ulp is 0.5, rounds it to nearest even."""
-    bits = x.to(tl.int32, bitcast=True)
-    magnitude = bits & 0x7FFFFFFF
-    # (magnitude + 0x1FFFFF + mantissa bit 22) >> 22 is the rounded pattern; 1.0 (0x3F800000) -> 2
-    normal = (magnitude + (0x1FFFFF - 0x3F000000) + ((magnitude >> 22) & 1)) >> 22
-    small = (tl.abs(x) + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
-    code = tl.where(magnitude < 0x3F800000, small, tl.minimum(normal, 7))
-    return code | ((bits >> 28) & 8)
+    too; NaN gives 7 or 15), the sign from the sign bit."""
+    return e2m1_magnitude(tl.abs(x)) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
