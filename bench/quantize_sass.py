@@ -58,7 +58,7 @@ def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tupl
                 activation.launch = real
             (fn, args, consts), = captured
             # The CPU run took the interpreter's build and block; CUDA's are these (activation._launch).
-            consts["BLOCK_M"] = activation.CUDA_BLOCK_M if rows > 2048 else activation.CUDA_SMALL_BLOCK_M
+            consts["BLOCK_M"] = activation.cuda_block_m(rows, activated=False)
             consts["num_warps"] = activation.CUDA_WARPS
             cases.append((fmt, layout, getattr(activation._kernels(False), fn.__name__), args, consts))
     return cases
