@@ -56,11 +56,15 @@ def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tupl
                 moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, backend="triton")
             finally:
                 activation.launch = real
-            (fn, args, consts), = captured
-            # The CPU run took the interpreter's build and block; CUDA's are these (activation._launch).
-            consts["BLOCK_M"] = activation.cuda_block_m(rows, activated=False)
-            consts["num_warps"] = activation.CUDA_WARPS
-            cases.append((fmt, layout, getattr(activation._kernels(False), fn.__name__), args, consts))
+            for fn, args, consts in captured:  # (nvfp4: the default global scale's amax pass first)
+                if fn.__name__ == "activation_quantize_kernel":
+                    # The CPU run took the interpreter's build and block; CUDA's are these (activation._launch).
+                    consts["BLOCK_M"] = activation.cuda_block_m(rows, activated=False)
+                    consts["num_warps"] = activation.CUDA_WARPS
+                    label = layout
+                else:
+                    label = f"{layout} ({fn.__name__.split('_kernel')[0]})"
+                cases.append((fmt, label, getattr(activation._kernels(False), fn.__name__), args, consts))
     return cases
 
 
@@ -118,7 +122,9 @@ def table(rows: int, k: int, slots: int) -> list[dict]:
         text = compiled_sass(kernel, args, consts)
         counts = fast_path_counts(text)
         # (each of the program's threads runs the code once: elements a thread)
-        elements = consts["BLOCK_M"] * consts["NB"] * consts["VEC"] / (32 * consts["num_warps"])
+        tile = (consts["BLOCK_M"] * consts["NB"] * consts["VEC"] if "BLOCK_M" in consts
+                else consts["BLOCK_R"] * consts["BLOCK_K"])
+        elements = tile / (32 * consts["num_warps"])
         total = sum(counts.values())
         result.append(dict(fmt=fmt, layout=layout, instructions=total, elements=elements,
                            per_element=round(total / elements, 2),
@@ -137,10 +143,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = table(args.rows, args.k, args.slots)
     print(f"moegemm.quantize's kernel, {args.rows} x {args.k} bf16 tokens, sm_90 SASS")
-    print(f"{'format':<10} {'layout':<9} {'instr':>6} {'el/thr':>6} {'/elem':>6}  by class (/elem)")
+    print(f"{'format':<10} {'layout':<28} {'instr':>6} {'el/thr':>6} {'/elem':>6}  by class (/elem)")
     for r in rows:
         classes = " ".join(f"{c}={v}" for c, v in r["classes"].items())
-        print(f"{r['fmt']:<10} {r['layout']:<9} {r['instructions']:>6} {r['elements']:>6} {r['per_element']:>6}  "
+        print(f"{r['fmt']:<10} {r['layout']:<28} {r['instructions']:>6} {r['elements']:>6} {r['per_element']:>6}  "
               f"{classes}" + (f"  SPILLS {r['spills']}" if r["spills"] else ""))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

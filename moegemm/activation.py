@@ -56,6 +56,8 @@ CUDA_SMALL_BLOCK_M = 4
 # 28.6 -> 25.7 instructions an element, mxfp8 swizzled 16.7 -> 11.1).
 CUDA_GATHER_BLOCK_M = 32
 CUDA_WARPS = 4
+# Tile of absolute_max_bits_kernel (nvfp4's default global scale): rows x columns.
+AMAX_ROWS, AMAX_COLUMNS = 16, 1024
 # Tile of kb_major_scales_kernel (the scatter form's scale move): rows x scale blocks.
 SCALE_MOVE_ROWS = 64
 SCALE_MOVE_BLOCKS = 32
@@ -231,6 +233,20 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
     return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
 
 
+def tokens_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """nvfp4's default global scale of the tokens x [R, K] (quantize.nvfp4_global_scale(x)): where
+    the kernels run, its amax in one pass of absolute_max_bits_kernel, no copy of x."""
+    if not x.numel() or not _kernel_usable(x.device):
+        return nvfp4_global_scale(x)
+    module = _kernels(x.device.type != "cuda")
+    bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    rows, k = x.shape
+    grid = (math.ceil(rows / AMAX_ROWS), math.ceil(k / AMAX_COLUMNS))
+    launch(module.absolute_max_bits_kernel, ("amax", x.dtype, rows, k, x.stride(0)), grid,
+           (x, bits, rows, k, x.stride(0)), dict(BLOCK_R=AMAX_ROWS, BLOCK_K=AMAX_COLUMNS, num_warps=4))
+    return nvfp4_global_scale(bits.view(torch.float32).reshape(()))  # (the rule, on the amax)
+
+
 def cuda_block_m(rows: int, activated: bool) -> int:
     """BLOCK_M of the activation kernel on CUDA for `rows` output rows, with an activation or not."""
     if rows <= 2048:
@@ -395,7 +411,7 @@ def gather_quantize(
     if k % f.k_multiple:
         raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
     if f.a.global_scale and global_scale is None:
-        global_scale = nvfp4_global_scale(x)
+        global_scale = tokens_global_scale(x)
     rows = x.shape[0] if src_rows is None else src_rows.numel()
     if not _kernel_usable(x.device):
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
@@ -452,7 +468,7 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     if f.a.global_scale and global_scale is None:
-        global_scale = nvfp4_global_scale(x)  # (over x, as gather_quantize's)
+        global_scale = tokens_global_scale(x)  # (over x, as gather_quantize's)
     module = _kernels(x.device.type != "cuda")
     return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
                    concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
