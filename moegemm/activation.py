@@ -189,9 +189,13 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
             form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups, form.column_block)
             data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
             scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)
-    # Interleaved bf16 gate/up pairs are read as one int32 word each (the kernel's PAIR_WORDS).
-    pair_words = (act != module.ACT_NONE.value and not concat and x.dtype == torch.bfloat16 and x.is_contiguous()
-                  and x.storage_offset() % 2 == 0)
+    # bf16 pairs are read as one int32 word each (the kernel's PAIR_WORDS): interleaved gate/up
+    # pairs; and the gather's pairs of elements into bf16 or e2m1 operands, where that takes fewer
+    # instructions (sm_90 SASS, bench/quantize_sass.py: nvfp4 25.7 -> 22.5 an element; e4m3 outputs
+    # take more, their blocks spread over more threads).
+    gather_words = act == module.ACT_NONE.value and form is None and op.element is not E4M3
+    pair_words = ((gather_words or (act != module.ACT_NONE.value and not concat)) and x.dtype == torch.bfloat16
+                  and x.is_contiguous() and x.storage_offset() % 2 == 0)
     if pair_words:
         x = x.view(torch.int32)
     # The scatter form stores its scales as bytes by grouped row, then moves them (module docstring

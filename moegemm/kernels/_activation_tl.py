@@ -243,9 +243,18 @@ def activation_quantize_kernel(
     cols3 = pid_c * (NB * VEC) + blk[None, :, None] * VEC + vec[None, None, :]  # [1, NB, VEC]
     col_mask3 = cols3 < K_OUT
     rows3 = rows[:, None, None]
-    y = _load_activated(x_ptr, src[:, None, None], row_mask[:, None, None], cols3, col_mask3, X_STRIDE, K_OUT,
-                        bias_ptr, row_expert[:, None, None], bias_rows[:, None, None], alpha, limit, ACT, CONCAT,
-                        HAS_BIAS, PAIR_WORDS)
+    if ACT == ACT_NONE and PAIR_WORDS:
+        # bf16 x as int32 words, elements 2j and 2j+1 in the low and high half of word j: one shift
+        # or mask an element to fp32 (the bf16 cast moves the high half down first)
+        words3 = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
+        words = tl.load(x_ptr + src[:, None, None] * X_STRIDE + words3,
+                        mask=row_mask[:, None, None] & (words3 < K_OUT // 2), other=0)
+        y = tl.reshape(tl.join(codecs.f32_from_bits(words << 16), codecs.f32_from_bits(words & -65536)),
+                       [BLOCK_M, NB, VEC])
+    else:
+        y = _load_activated(x_ptr, src[:, None, None], row_mask[:, None, None], cols3, col_mask3, X_STRIDE, K_OUT,
+                            bias_ptr, row_expert[:, None, None], bias_rows[:, None, None], alpha, limit, ACT, CONCAT,
+                            HAS_BIAS, PAIR_WORDS)
     out_mask3 = (rows3 < M) & col_mask3
     if OUT == OUT_BF16:
         codes = codecs.to_bf16_rne(y)
@@ -259,7 +268,7 @@ def activation_quantize_kernel(
         elif OUT == OUT_E2M1_E4M3:
             g = tl.load(global_ptr)
             stored = codecs.encode_e4m3(tl.math.div_rn(amax, g * 6.0))
-            denom = codecs.decode_e4m3(stored, False) * g
+            denom = codecs.decode_e4m3_nan(stored) * g  # (a NaN scale, 0x7F, only for a NaN amax)
             codes = codecs.e2m1_magnitude(magnitudes(y, denom)) | _sign_where(y, denom, 3)
         else:
             e = codecs.e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)

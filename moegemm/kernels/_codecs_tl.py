@@ -114,6 +114,21 @@ encode_e4m3 = _encode_e4m3_bits if tl_source.interpreted() else _encode_e4m3_cvt
 
 
 @triton.jit
+def _decode_e4m3_cvt(code):
+    """decode_e4m3(code, True) by the hardware (sm_90's e4m3x2 -> f16x2 conversion, exact)."""
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_e4m3_bits(code):
+    return decode_e4m3(code, True)
+
+
+# e4m3fn bits (int32, 0..255) -> fp32, 0x7F and 0xFF NaN: two values an instruction compiled.
+decode_e4m3_nan = _decode_e4m3_bits if tl_source.interpreted() else _decode_e4m3_cvt
+
+
+@triton.jit
 def e2m1_magnitude(mag):
     """fp32 magnitude (>= 0) -> e2m1 code (int32 0..7): nearest, ties to the even code, saturating
     at 6 (inf too; NaN gives 7). On the bits: from 1 up (codes 2..7, 2^E * (1 + m/2) is code
