@@ -1,6 +1,7 @@
 """SASS instructions per element of moegemm.quantize's kernel, per format and scale layout, on the CPU.
 
     python bench/quantize_sass.py [--rows 32768 --k 7168 --slots 8] [--json FILE]
+    MOEGEMM_TREE=<a worktree of another revision> python bench/quantize_sass.py    (that revision's)
 
 Each case is the launch moegemm.quantize makes on CUDA tokens of that size (bf16, `slots` equal
 slots; activation.py's _launch, intercepted before it runs): the same kernel, constexprs, launch
@@ -19,12 +20,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# the library of another tree (e.g. a worktree of the base revision) when MOEGEMM_TREE names it
+sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(ROOT))
 
 _CLASSES = (("M", ("LDG", "STG", "LDS", "STS", "LDC", "ULDC", "LDL", "STL")),
             ("C", ("F2I", "I2F", "F2F", "F2FP", "I2FP", "F2IP")),
@@ -32,6 +35,13 @@ _CLASSES = (("M", ("LDG", "STG", "LDS", "STS", "LDC", "ULDC", "LDL", "STL")),
             ("P", ("SEL", "ISETP", "PLOP3", "P2R", "R2P", "PRMT")),
             ("I", ("IADD3", "IMAD", "LOP3", "SHF", "LEA", "IMNMX", "IABS", "FLO", "POPC", "BMSK", "SGXT",
                    "IADD", "SHL", "SHR", "IMUL", "UIADD3", "UIMAD", "ULOP3", "USHF", "ULEA", "UMOV", "MOV")))
+
+
+def _gather_block_m(activation, rows: int) -> int:
+    """The gather's BLOCK_M on CUDA (a revision before activation.cuda_block_m: its rule then)."""
+    if hasattr(activation, "cuda_block_m"):
+        return activation.cuda_block_m(rows, activated=False)
+    return activation.CUDA_BLOCK_M if rows > 2048 else activation.CUDA_SMALL_BLOCK_M
 
 
 def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tuple, dict]]:
@@ -59,7 +69,7 @@ def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tupl
             for fn, args, consts in captured:  # (nvfp4: the default global scale's amax pass first)
                 if fn.__name__ == "activation_quantize_kernel":
                     # The CPU run took the interpreter's build and block; CUDA's are these (activation._launch).
-                    consts["BLOCK_M"] = activation.cuda_block_m(rows, activated=False)
+                    consts["BLOCK_M"] = _gather_block_m(activation, rows)
                     consts["num_warps"] = activation.CUDA_WARPS
                     label = layout
                 else:
@@ -70,6 +80,29 @@ def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tupl
 
 def compiled_sass(kernel, args: tuple, consts: dict) -> str:
     """The sm_90 SASS of kernel specialized for args as Triton's launcher specializes them."""
+    from moegemm.kernels import offline
+
+    return offline.sass(compiled(kernel, args, consts))
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the cubin's kernel holds (cuobjdump's resource usage)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def compiled(kernel, args: tuple, consts: dict):
+    """kernel compiled for sm_90, specialized for args as Triton's launcher specializes them."""
     import triton
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -80,9 +113,8 @@ def compiled_sass(kernel, args: tuple, consts: dict) -> str:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **consts)
     options, signature, constexprs, attrs = kernel._pack_args(backend, consts, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=offline.SM90,
-                              options=options.__dict__)
-    return offline.sass(compiled)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=offline.SM90,
+                          options=options.__dict__)
 
 
 def fast_path_counts(sass_text: str) -> collections.Counter:
@@ -117,10 +149,12 @@ def classify(counts: collections.Counter) -> dict:
 
 
 def table(rows: int, k: int, slots: int) -> list[dict]:
+    from moegemm.kernels import offline
+
     result = []
     for fmt, layout, kernel, args, consts in launches(rows, k, slots):
-        text = compiled_sass(kernel, args, consts)
-        counts = fast_path_counts(text)
+        binary = compiled(kernel, args, consts)
+        counts = fast_path_counts(offline.sass(binary))
         # (each of the program's threads runs the code once: elements a thread)
         tile = (consts["BLOCK_M"] * consts["NB"] * consts["VEC"] if "BLOCK_M" in consts
                 else consts["BLOCK_R"] * consts["BLOCK_K"])
@@ -129,7 +163,7 @@ def table(rows: int, k: int, slots: int) -> list[dict]:
         result.append(dict(fmt=fmt, layout=layout, instructions=total, elements=elements,
                            per_element=round(total / elements, 2),
                            classes={c: round(n / elements, 2) for c, n in sorted(classify(counts).items())},
-                           spills=counts["LDL"] + counts["STL"],
+                           spills=counts["LDL"] + counts["STL"], registers=registers(binary.asm["cubin"]),
                            top=dict(collections.Counter({op: n for op, n in counts.items()}).most_common(8))))
     return result
 
@@ -143,10 +177,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = table(args.rows, args.k, args.slots)
     print(f"moegemm.quantize's kernel, {args.rows} x {args.k} bf16 tokens, sm_90 SASS")
-    print(f"{'format':<10} {'layout':<28} {'instr':>6} {'el/thr':>6} {'/elem':>6}  by class (/elem)")
+    print(f"{'format':<10} {'layout':<28} {'instr':>6} {'el/thr':>6} {'regs':>4} {'/elem':>6}  by class (/elem)")
     for r in rows:
         classes = " ".join(f"{c}={v}" for c, v in r["classes"].items())
-        print(f"{r['fmt']:<10} {r['layout']:<28} {r['instructions']:>6} {r['elements']:>6} {r['per_element']:>6}  "
+        print(f"{r['fmt']:<10} {r['layout']:<28} {r['instructions']:>6} {r['elements']:>6} {r['registers']:>4} "
+              f"{r['per_element']:>6}  "
               f"{classes}" + (f"  SPILLS {r['spills']}" if r["spills"] else ""))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

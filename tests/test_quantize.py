@@ -391,14 +391,14 @@ def scale_blocks_bound(rows: int, a_offsets: torch.Tensor) -> int:
 
 
 def rounding_edge_rows(fmt: str, exponent: int) -> torch.Tensor:
-    """Rows of K = 256 whose block-scaled values (the block scale 2^exponent exactly: each block
-    leads with max_finite * 2^exponent; nvfp4's global scale given as 2^exponent, or 2^(exponent
-    - 3) for block scales 8) are every code of the element type, every midpoint between two codes (a tie, rounding to the even code) and the
-    fp32 numbers either side of it, of both signs, and -0; then random values spanning 2^+-40
-    around the scale, which the divisions (fp8_block, nvfp4) round at arbitrary places. The
-    fast paths of the compiled quantizer (hardware e4m3 rounding, one reciprocal a block, e2m1 on
-    the bits) must round all of them as the reference does; an exponent far below 0 makes
-    fp8_block's and nvfp4's divisions rescale (scale < 2^-64) and the elements subnormal."""
+    """Rows of K = 256 whose block-scaled values are every code of the element type, every
+    midpoint between two codes (a tie, rounding to the even code) and the fp32 numbers either side
+    of it, of both signs, and -0; then random values spanning 2^+-40 around the scale, which the
+    divisions (fp8_block, nvfp4) round at arbitrary places. Each block leads with max_finite *
+    2^exponent, so its scale is 2^exponent exactly (nvfp4's: with the global scale 2^exponent
+    given). The fast paths of the compiled quantizer (hardware e4m3 rounding, one reciprocal a
+    block, e2m1 on the bits) must round all of them as the reference does; an exponent far below
+    0 makes fp8_block's and nvfp4's divisions rescale (scale < 2^-64) and elements subnormal."""
     op = FORMATS[fmt].a
     e4m3 = op.element.name == "e4m3"
     if e4m3:
