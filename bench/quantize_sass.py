@@ -44,8 +44,9 @@ def _gather_block_m(activation, rows: int) -> int:
     return activation.CUDA_BLOCK_M if rows > 2048 else activation.CUDA_SMALL_BLOCK_M
 
 
-def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tuple, dict]]:
-    """(format, layout, kernel, args, constexprs and options) of each moegemm.quantize case."""
+def launches(rows: int, k: int, slots: int, only=None) -> list[tuple[str, str, object, tuple, dict]]:
+    """(format, layout, kernel, args, constexprs and options) of each moegemm.quantize case (those
+    (format, layout) in `only` where given)."""
     import torch
 
     import moegemm
@@ -59,6 +60,8 @@ def launches(rows: int, k: int, slots: int) -> list[tuple[str, str, object, tupl
         if fmt.startswith("bf16_"):
             continue  # (bf16's kernel: unscaled activations)
         for layout in ("plain", "swizzled") if f.a_scaled and f.swizzle_capable else ("plain", ):
+            if only is not None and (fmt, layout) not in only:
+                continue
             captured = []
             real = activation.launch
             activation.launch = lambda fn, key, grid, args, consts: captured.append((fn, args, dict(consts)))
@@ -148,11 +151,11 @@ def classify(counts: collections.Counter) -> dict:
     return dict(out)
 
 
-def table(rows: int, k: int, slots: int) -> list[dict]:
+def table(rows: int, k: int, slots: int, only=None) -> list[dict]:
     from moegemm.kernels import offline
 
     result = []
-    for fmt, layout, kernel, args, consts in launches(rows, k, slots):
+    for fmt, layout, kernel, args, consts in launches(rows, k, slots, only):
         binary = compiled(kernel, args, consts)
         counts = fast_path_counts(offline.sass(binary))
         # (each of the program's threads runs the code once: elements a thread)

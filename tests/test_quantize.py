@@ -3,7 +3,9 @@ element encoding), plus the properties users rely on."""
 
 import math
 import struct
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -437,6 +439,28 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
     blocks = scale_blocks_bound(37, a_offsets) if layout == "swizzled" else None
     want = moegemm.reference.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, num_scale_blocks=blocks)
     assert_same_fields(got, want)
+
+
+# Instructions an element moegemm.quantize's kernel may issue on its fast path (sm_90 SASS): an
+# H100 issues ~25e12 a second at best, so 28 keep 0.9e12 elements a second, the e2m1 formats'
+# 70% of the copy bandwidth (2.5 bytes an element); the kernels were 25-57 before it was set.
+QUANTIZE_SASS_BUDGET = 28
+
+
+def test_quantize_kernels_fit_their_instruction_budget():
+    """The heaviest cases of moegemm.quantize's kernel, as launched on CUDA tokens (4096 x 7168
+    bf16, 8 slots) and compiled for sm_90 offline (bench/quantize_sass.py): no register spills and
+    at most QUANTIZE_SASS_BUDGET instructions an element (nvfp4's amax pass too)."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import quantize_sass
+
+    heaviest = {("nvfp4", "swizzled"), ("mxfp4", "swizzled"), ("mxfp8", "swizzled"), ("fp8_block", "plain")}
+    rows = quantize_sass.table(4096, 7168, 8, only=heaviest)
+    assert {(r["fmt"], r["layout"].split(" (")[0]) for r in rows} == heaviest and len(rows) == 5
+    for r in rows:
+        assert r["spills"] == 0 and r["per_element"] <= QUANTIZE_SASS_BUDGET, r
 
 
 @needs_interpreter
