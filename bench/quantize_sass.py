@@ -40,7 +40,7 @@ _CLASSES = (("M", ("LDG", "STG", "LDS", "STS", "LDC", "ULDC", "LDL", "STL")),
 def _gather_block_m(activation, rows: int) -> int:
     """The gather's BLOCK_M on CUDA (a revision before activation.cuda_block_m: its rule then)."""
     if hasattr(activation, "cuda_block_m"):
-        return activation.cuda_block_m(rows, activated=False)
+        return activation.cuda_block_m(rows, gather=True)
     return activation.CUDA_BLOCK_M if rows > 2048 else activation.CUDA_SMALL_BLOCK_M
 
 

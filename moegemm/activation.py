@@ -51,9 +51,10 @@ _SOURCE = Path(__file__).parent / "kernels" / "_activation_tl.py"
 # 8.4 us; 4 rows 3.6 -> 2.8 us; H100).
 CUDA_BLOCK_M = 16
 CUDA_SMALL_BLOCK_M = 4
-# The gather (no activation) above 2048 rows: 32 rows, 32 elements a thread, which halves the
-# program's and the blocks' fixed work an element (sm_90 SASS, bench/quantize_sass.py: nvfp4
-# 28.6 -> 25.7 instructions an element, mxfp8 swizzled 16.7 -> 11.1).
+# The gather (no activation, a program a row tile) above 2048 rows: 32 rows, 32 elements a
+# thread, which halves the program's and the blocks' fixed work an element (sm_90 SASS,
+# bench/quantize_sass.py: nvfp4 28.6 -> 25.7 instructions an element, mxfp8 swizzled 16.7 ->
+# 11.1). Not the scatter form, latency-bound, whose programs take tokens (k rows each).
 CUDA_GATHER_BLOCK_M = 32
 CUDA_WARPS = 4
 # Tile of absolute_max_bits_kernel (nvfp4's default global scale): rows x columns.
@@ -205,7 +206,7 @@ def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets,
         scale_bytes = torch.empty(rows, nkb, dtype=torch.uint8, device=device)
     if rows and k_out:
         dummy = data
-        block_m = cuda_block_m(rows, act != module.ACT_NONE.value) if device.type == "cuda" else 32
+        block_m = cuda_block_m(rows, act == module.ACT_NONE.value and not topk) if device.type == "cuda" else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
         grid = (math.ceil((x.shape[0] if topk else rows) / block_m), math.ceil(k_out / (nb * vec)))
         sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
@@ -251,11 +252,12 @@ def tokens_global_scale(x: torch.Tensor) -> torch.Tensor:
     return nvfp4_global_scale(bits.view(torch.float32).reshape(()))  # (the rule, on the amax)
 
 
-def cuda_block_m(rows: int, activated: bool) -> int:
-    """BLOCK_M of the activation kernel on CUDA for `rows` output rows, with an activation or not."""
+def cuda_block_m(rows: int, gather: bool) -> int:
+    """BLOCK_M of the activation kernel on CUDA for `rows` output rows: of the gather (no
+    activation, not the scatter form) or another step."""
     if rows <= 2048:
         return CUDA_SMALL_BLOCK_M
-    return CUDA_BLOCK_M if activated else CUDA_GATHER_BLOCK_M
+    return CUDA_GATHER_BLOCK_M if gather else CUDA_BLOCK_M
 
 
 def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
