@@ -10,9 +10,12 @@ One kernel serves three steps of an MoE layer:
 Like _portable_tl.py this file is executed twice (compiled and interpreted), so it calls no
 @triton.jit function of Triton's standard library (tl.max, tl.sigmoid, ...), only builtins,
 the helpers below and those of the files it loads beside it for the same mode: the codecs of
-_codecs_tl.py, which work on integer bits, so that the interpreter and the GPU produce the
-same bytes as moegemm.quantize (docs/contract.md section 3; the tests check them bit for bit), and
-_portable_tl.py's kb_major_column.
+_codecs_tl.py, which produce the bytes of moegemm.quantize in either mode (docs/contract.md
+section 3; the tests check them bit for bit), and _portable_tl.py's kb_major_column. Where the
+hardware gives the same result in fewer instructions the compiled build takes it and the
+interpreter keeps the arithmetic that defines it (tl_source.interpreted): e4m3 conversions, and
+the divisions of fp8_block and nvfp4 (`magnitudes`: div.rn's fast path, its reciprocal once a
+block; the kernels are instruction-bound, bench/quantize_sass.py counts them).
 
 Program (i, j) takes rows [i*BLOCK_M, (i+1)*BLOCK_M) and output columns
 [j*CHUNK, (j+1)*CHUNK), CHUNK = NB scale blocks of VEC columns.

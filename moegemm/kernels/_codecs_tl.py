@@ -1,11 +1,14 @@
 """Element and scale codecs of the portable Triton (tl) kernels: e2m1, e4m3 and e8m0 from and to
-fp32, and fp32 -> bf16, all on integer bits.
+fp32, and fp32 -> bf16, on integer bits.
 
 _portable_tl.py and _activation_tl.py call these. A @triton.jit function calls only functions
 built for its own mode (compiled or interpreted), so they load this file with
 tl_source.load_beside, which builds it for the mode they are being built for; and like them it
 calls no @triton.jit function of Triton's standard library, only builtins. Integer bits give the
 interpreter and the GPU the same results, the bytes of moegemm.codecs (docs/contract.md section 3).
+encode_e4m3 and decode_e4m3_nan are sm_90's conversions in the compiled build (the same results,
+one instruction for two values) and the integer codecs in the interpreted one, whose fp8 casts
+round differently.
 """
 
 import triton
