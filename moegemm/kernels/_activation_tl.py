@@ -350,10 +350,13 @@ def _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, c
         kb_mask = row_ok[:, None] & (kb < NUM_KB)
         if SWIZZLED:
             start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
-            block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + start // 128
-            srow = (128 * block0 + rows - start).to(tl.int64)[:, None]
-            offset = ((srow // 128) * KB4 + kb // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb % 4
-            kb_mask = kb_mask & in_slot[:, None] & (srow >= 0) & (srow < NUM_SCALE_ROWS)
+            block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + (start >> 7)
+            # (shifts and masks of the int32 row: the same as floor division and modulo where the
+            # row is kept, srow >= 0, with fewer instructions than int64 division's signed rounding)
+            srow = 128 * block0 + rows - start
+            within = ((srow & 31) * 16 + ((srow >> 5) & 3) * 4)[:, None] + (kb & 3)
+            offset = ((srow >> 7).to(tl.int64)[:, None] * KB4 + (kb >> 2)) * 512 + within
+            kb_mask = kb_mask & (in_slot & (srow >= 0) & (srow < NUM_SCALE_ROWS))[:, None]
         else:
             offset = rows.to(tl.int64)[:, None] * NUM_KB + kb
         if OUT == OUT_FP8_BLOCK:
