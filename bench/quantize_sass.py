@@ -64,7 +64,8 @@ def launches(rows: int, k: int, slots: int, only=None) -> list[tuple[str, str, o
                 continue
             captured = []
             real = activation.launch
-            activation.launch = lambda fn, key, grid, args, consts: captured.append((fn, args, dict(consts)))
+            activation.launch = (lambda fn, key, grid, args, consts, into=captured:
+                                 into.append((fn, args, dict(consts))))
             try:
                 moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, backend="triton")
             finally:
@@ -163,11 +164,11 @@ def table(rows: int, k: int, slots: int, only=None) -> list[dict]:
                 else consts["BLOCK_R"] * consts["BLOCK_K"])
         elements = tile / (32 * consts["num_warps"])
         total = sum(counts.values())
-        result.append(dict(fmt=fmt, layout=layout, instructions=total, elements=elements,
-                           per_element=round(total / elements, 2),
-                           classes={c: round(n / elements, 2) for c, n in sorted(classify(counts).items())},
-                           spills=counts["LDL"] + counts["STL"], registers=registers(binary.asm["cubin"]),
-                           top=dict(collections.Counter({op: n for op, n in counts.items()}).most_common(8))))
+        result.append({"fmt": fmt, "layout": layout, "instructions": total, "elements": elements,
+                       "per_element": round(total / elements, 2),
+                       "classes": {c: round(n / elements, 2) for c, n in sorted(classify(counts).items())},
+                       "spills": counts["LDL"] + counts["STL"], "registers": registers(binary.asm["cubin"]),
+                       "top": dict(counts.most_common(8))})
     return result
 
 

@@ -248,7 +248,7 @@ def tokens_global_scale(x: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     grid = (math.ceil(rows / AMAX_ROWS), math.ceil(k / AMAX_COLUMNS))
     launch(module.absolute_max_bits_kernel, ("amax", x.dtype, rows, k, x.stride(0)), grid,
-           (x, bits, rows, k, x.stride(0)), dict(BLOCK_R=AMAX_ROWS, BLOCK_K=AMAX_COLUMNS, num_warps=4))
+           (x, bits, rows, k, x.stride(0)), {"BLOCK_R": AMAX_ROWS, "BLOCK_K": AMAX_COLUMNS, "num_warps": 4})
     return nvfp4_global_scale(bits.view(torch.float32).reshape(()))  # (the rule, on the amax)
 
 
