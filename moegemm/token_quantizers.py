@@ -37,6 +37,15 @@ from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 __all__ = ["QUANTIZE_BACKENDS", "gather_quantize", "quantize", "scatter_quantize", "swiglu_quantize"]
 
 
+def tokens_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """nvfp4's default global scale of the tokens x [R, K] (quantize.nvfp4_global_scale(x)): where
+    the kernels run, its amax in one pass of a kernel, no copy of x."""
+    if not x.numel() or not kernels.kernel_usable(x.device):
+        return nvfp4_global_scale(x)
+    bits = kernels.tokens_amax_bits(x)
+    return nvfp4_global_scale(bits.view(torch.float32).reshape(()))  # (the rule, on the amax)
+
+
 def _check_rows_input(x: torch.Tensor, name: str):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -205,7 +214,7 @@ def gather_quantize(
     if k % f.k_multiple:
         raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
     if f.a.global_scale and global_scale is None:
-        global_scale = nvfp4_global_scale(x)
+        global_scale = tokens_global_scale(x)
     rows = x.shape[0] if src_rows is None else src_rows.numel()
     if not kernels.kernel_usable(x.device):
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
@@ -262,7 +271,7 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     if f.a.global_scale and global_scale is None:
-        global_scale = nvfp4_global_scale(x)  # (over x, as gather_quantize's)
+        global_scale = tokens_global_scale(x)  # (over x, as gather_quantize's)
     module = kernels.kernel_module(x.device.type != "cuda")
     return kernels.quantize_rows(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(),
                                  act=module.ACT_NONE.value, concat=False, k_out=x.shape[1], bias=None,

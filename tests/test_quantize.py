@@ -3,7 +3,9 @@ element encoding), plus the properties users rely on."""
 
 import math
 import struct
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,6 +392,38 @@ def scale_blocks_bound(rows: int, a_offsets: torch.Tensor) -> int:
     return math.ceil(rows / layouts.ROWS_PER_BLOCK) + a_offsets.numel() - 1
 
 
+def rounding_edge_rows(fmt: str, exponent: int) -> torch.Tensor:
+    """Rows of K = 256 whose block-scaled values are every code of the element type, every
+    midpoint between two codes (a tie, rounding to the even code) and the fp32 numbers either side
+    of it, of both signs, and -0; then random values spanning 2^+-40 around the scale, which the
+    divisions (fp8_block, nvfp4) round at arbitrary places. Each block leads with max_finite *
+    2^exponent, so its scale is 2^exponent exactly (nvfp4's: with the global scale 2^exponent
+    given). The fast paths of the compiled quantizer (hardware e4m3 rounding, one reciprocal a
+    block, e2m1 on the bits) must round all of them as the reference does; an exponent far below
+    0 makes fp8_block's and nvfp4's divisions rescale (scale < 2^-64) and elements subnormal."""
+    op = FORMATS[fmt].a
+    e4m3 = op.element.name == "e4m3"
+    if e4m3:
+        codes = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    else:
+        codes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    ties = (codes[:-1] + codes[1:]) / 2
+    values = torch.cat([codes, ties, torch.nextafter(ties, torch.zeros_like(ties)),
+                        torch.nextafter(ties, torch.full_like(ties, 1e30))])
+    values = torch.cat([values, -values, torch.tensor([-0.0])])
+    values = torch.cat([values, torch.randn(1024) * torch.exp2(torch.randint(-40, 3, (1024, )).float())])
+    maxf = 448.0 if e4m3 else 6.0
+    block = op.block_k
+    per_block = block - 1
+    blocks = -(-values.numel() // per_block)
+    padded = torch.zeros(blocks * per_block)
+    padded[:values.numel()] = values.clamp(-maxf, maxf)
+    rows = torch.cat([torch.full((blocks, 1), maxf), padded.reshape(blocks, per_block)], dim=1)
+    rows = rows.reshape(-1, 256) if rows.numel() % 256 == 0 else torch.cat(
+        [rows.reshape(-1), torch.zeros(256 - rows.numel() % 256)]).reshape(-1, 256)
+    return rows * 2.0 ** exponent
+
+
 @needs_interpreter
 @IEEE_EDGES
 @pytest.mark.parametrize("fmt,layout", KERNEL_CASES)
@@ -405,6 +439,59 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
     blocks = scale_blocks_bound(37, a_offsets) if layout == "swizzled" else None
     want = moegemm.reference.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, num_scale_blocks=blocks)
     assert_same_fields(got, want)
+
+
+# Instructions an element moegemm.quantize's kernel may issue on its fast path (sm_90 SASS): an
+# H100 issues ~25e12 a second at best, so 28 keep 0.9e12 elements a second, the e2m1 formats'
+# 70% of the copy bandwidth (2.5 bytes an element); the kernels were 25-57 before it was set.
+QUANTIZE_SASS_BUDGET = 28
+
+
+def test_quantize_kernels_fit_their_instruction_budget():
+    """The heaviest cases of moegemm.quantize's kernel, as launched on CUDA tokens (4096 x 7168
+    bf16, 8 slots) and compiled for sm_90 offline (bench/quantize_sass.py): no register spills and
+    at most QUANTIZE_SASS_BUDGET instructions an element (nvfp4's amax pass too)."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import quantize_sass
+
+    heaviest = {("nvfp4", "swizzled"), ("mxfp4", "swizzled"), ("mxfp8", "swizzled"), ("fp8_block", "plain")}
+    rows = quantize_sass.table(4096, 7168, 8, only=heaviest)
+    assert {(r["fmt"], r["layout"].split(" (")[0]) for r in rows} == heaviest and len(rows) == 5
+    for r in rows:
+        assert r["spills"] == 0 and r["per_element"] <= QUANTIZE_SASS_BUDGET, r
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "mxfp4", "nvfp4"])
+def test_quantize_kernel_rounds_ties_as_the_reference(fmt):
+    """rounding_edge_rows through the kernel (Triton's interpreter here; the GPU test below runs
+    the compiled fast paths) against the PyTorch quantizer, bit for bit."""
+    for exponent in (0, -100):
+        x = rounding_edge_rows(fmt, exponent)
+        given = 2.0 ** exponent if FORMATS[fmt].a.global_scale else None
+        got = moegemm.quantize(x, fmt, global_scale=given, backend="triton")
+        assert_same_fields(got, moegemm.reference.quantize(x, fmt, global_scale=given))
+
+
+@needs_interpreter
+@IEEE_EDGES
+def test_tokens_global_scale_is_nvfp4_global_scale():
+    """nvfp4's default global scale from the amax kernel (Triton's interpreter here) is
+    quantize.nvfp4_global_scale's, bit for bit: rows of a strided view, fp16 and fp32 tokens,
+    a NaN (global 1), an infinity (global inf), all zeros (global 1), fp32's largest value."""
+    from moegemm import token_quantizers
+
+    base = edge_rows(37, 96, "mxfp8")  # (with fp32's near-largest value 3e38)
+    wide = torch.randn(37, 200)
+    nan, inf = base.clone(), base.clone()
+    nan[7, 9] = float("nan")
+    inf[30, 90] = -float("inf")
+    for x in (base, wide[:, 50:146], base.half().clamp(-6e4, 6e4), nan, inf, torch.zeros(5, 32), base[:, :0]):
+        got = token_quantizers.tokens_global_scale(x)
+        want = nvfp4_global_scale(x)
+        assert got.shape == want.shape and torch.equal(bits(got), bits(want)), x.dtype
 
 
 @needs_interpreter
@@ -496,7 +583,7 @@ def test_quantize_backends(monkeypatch):
 @pytest.mark.gpu
 def test_quantize_on_cuda_launches_the_kernel(monkeypatch):
     """Every format's quantize of CUDA tokens is one launch of the activation kernel (nvfp4's
-    default global scale: torch's amax on the device, besides)."""
+    default global scale: one pass of the amax kernel before it)."""
     from moegemm.kernels import quantize_kernels
 
     launched = []
@@ -508,7 +595,8 @@ def test_quantize_on_cuda_launches_the_kernel(monkeypatch):
     for fmt, layout in KERNEL_CASES:
         launched.clear()
         moegemm.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets)
-        assert launched == ["activation_quantize_kernel"], (fmt, layout)
+        amax = ["absolute_max_bits_kernel"] if FORMATS[fmt].a.global_scale else []
+        assert launched == amax + ["activation_quantize_kernel"], (fmt, layout)
 
 
 @pytest.mark.gpu
@@ -523,6 +611,39 @@ def test_quantize_on_cuda_is_the_reference_bit_for_bit(fmt, layout):
     blocks = scale_blocks_bound(m, a_offsets) if layout == "swizzled" else None
     want = moegemm.reference.quantize(x, fmt, scale_layout=layout, a_offsets=a_offsets, num_scale_blocks=blocks)
     assert_same_fields(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8"])
+def test_quantize_on_cuda_rounds_ties_as_the_reference(fmt):
+    """The compiled kernel's fast paths (sm_90's e4m3 conversion, fp8_block's and nvfp4's one
+    reciprocal a block, e2m1 on the bits) on rounding_edge_rows at block scales 2^0, 2^-100 (the
+    divisions rescale) and 2^100, in fp32 and as bf16 tokens (which round the midpoints'
+    neighbours away: a second set of values), against the PyTorch quantizer on the same GPU; nvfp4
+    under global scales 2^exponent times 1, 2^-3 (block scales 8), 2^-10 (they saturate at 448)
+    and 2^20 (they vanish: zero blocks)."""
+    for exponent in (0, -100, 100):
+        x = rounding_edge_rows(fmt, exponent).cuda()
+        globals_ = (tuple(2.0 ** (exponent + shift) for shift in (0, -3, -10, 20)) if FORMATS[fmt].a.global_scale
+                    else (None, ))
+        for rows in (x, x.bfloat16()):
+            for given in globals_:
+                got = moegemm.quantize(rows, fmt, global_scale=given)
+                assert_same_fields(got, moegemm.reference.quantize(rows, fmt, global_scale=given))
+
+
+@pytest.mark.gpu
+def test_tokens_global_scale_on_cuda_is_nvfp4_global_scale():
+    """The amax kernel on CUDA tokens (bf16 with subnormals, fp32 with a NaN, a row-strided view,
+    DeepSeek-V3's width) gives quantize.nvfp4_global_scale's bits."""
+    from moegemm import token_quantizers
+
+    x = edge_rows(4096 + 37, 7168, "mxfp8", "cuda")
+    with_nan = x.clone()
+    with_nan[4000, 7000] = float("nan")
+    for rows in (x.bfloat16(), x, with_nan, x[:, 1000:5000], -x.abs()):
+        got, want = token_quantizers.tokens_global_scale(rows), nvfp4_global_scale(rows)
+        assert torch.equal(bits(got), bits(want)), rows.dtype
 
 
 @pytest.mark.gpu

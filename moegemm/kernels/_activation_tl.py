@@ -10,9 +10,12 @@ One kernel serves three steps of an MoE layer:
 Like _portable_tl.py this file is executed twice (compiled and interpreted), so it calls no
 @triton.jit function of Triton's standard library (tl.max, tl.sigmoid, ...), only builtins,
 the helpers below and those of the files it loads beside it for the same mode: the codecs of
-_codecs_tl.py, which work on integer bits, so that the interpreter and the GPU produce the
-same bytes as moegemm.quantize (docs/contract.md section 3; the tests check them bit for bit), and
-_portable_tl.py's kb_major_column.
+_codecs_tl.py, which produce the bytes of moegemm.quantize in either mode (docs/contract.md
+section 3; the tests check them bit for bit), and _portable_tl.py's kb_major_column. Where the
+hardware gives the same result in fewer instructions the compiled build takes it and the
+interpreter keeps the arithmetic that defines it (tl_source.interpreted): e4m3 conversions, and
+the divisions of fp8_block and nvfp4 (`magnitudes`: div.rn's fast path, its reciprocal once a
+block; the kernels are instruction-bound, bench/quantize_sass.py counts them).
 
 Program (i, j) takes rows [i*BLOCK_M, (i+1)*BLOCK_M) and output columns
 [j*CHUNK, (j+1)*CHUNK), CHUNK = NB scale blocks of VEC columns.
@@ -62,6 +65,57 @@ def _silu(gate, alpha):
     t = -alpha * gate
     overflowed = tl.where(t < float("inf"), -0.0, float("nan"))
     return tl.where(t > 88.72, overflowed, gate / (1.0 + tl.exp(tl.minimum(t, 88.72))))
+
+
+@triton.jit
+def _magnitudes_divided(y, denom):
+    """RN(|y| / denom) of y [BM, NB, VEC] by its block's denom [BM, NB] where denom > 0, else +0
+    (the reference quantizer's torch.where(denom > 0, blocks / denom, 0), less the sign): a
+    division an element."""
+    d = denom[:, :, None]
+    return tl.where(d > 0, tl.math.div_rn(tl.abs(y), tl.where(d > 0, d, 1.0)), 0.0)
+
+
+@triton.jit
+def _reciprocal_approx(d):
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _magnitudes_fast(y, denom):
+    """_magnitudes_divided with the division's reciprocal once a block. ptxas's div.rn.f32 is
+    r = rcp(d) refined by one Newton step, q0 = a * r, then q = q0 + r * (a - d * q0) (two FMAs),
+    and a slow path for operands FCHK finds out of that sequence's range; here r is computed once
+    per block and the three per-element steps run on (|y| * f, d * f), f a power of two that
+    brings a tiny denom (< 2^-64: a subnormal one's reciprocal overflows) up, which leaves the
+    quotient as it is. Every quotient the encoders can tell from zero (>= 2^-11: e4m3's smallest
+    nonzero is 2^-9, e2m1's 0.5) then has operands in the fast path's range (scaled by a power of
+    two if FCHK is stricter than the arithmetic: no step overflows or underflows there, so the
+    steps round as they do on the scaled operands), so it is RN(|y| / d) bit for bit; smaller
+    ones stay below 2^-10."""
+    f = tl.where(denom < 5.421010862427522e-20, 18446744073709551616.0, 1.0)  # (2^-64, 2^64)
+    d = denom * f
+    r0 = _reciprocal_approx(d)
+    r = tl.where(denom > 0, tl.fma(r0, tl.fma(-d, r0, 1.0), r0), 0.0)[:, :, None]  # (0: +0 quotients)
+    a = tl.abs(y) * f[:, :, None]
+    q0 = a * r
+    return tl.fma(r, tl.fma(-d[:, :, None], q0, a), q0)
+
+
+# The interpreter has neither the hardware reciprocal nor fused multiply-adds: it divides.
+magnitudes = _magnitudes_divided if tl_source.interpreted() else _magnitudes_fast
+
+
+@triton.jit
+def _sign_where(y, denom, SIGN: tl.constexpr):
+    """y's sign bit moved to bit SIGN (31 or 3) where its block's denom > 0, else 0 (the
+    reference's +0 for a block of zero denom), as int32 ([BM, NB, VEC] from y and [BM, NB])."""
+    bits = y.to(tl.int32, bitcast=True)
+    mask = tl.where(denom > 0, 1 << SIGN, 0)[:, :, None]
+    if SIGN == 31:
+        return bits & mask
+    return (bits >> (31 - SIGN)) & mask
 
 
 @triton.jit
@@ -192,31 +246,43 @@ def activation_quantize_kernel(
     cols3 = pid_c * (NB * VEC) + blk[None, :, None] * VEC + vec[None, None, :]  # [1, NB, VEC]
     col_mask3 = cols3 < K_OUT
     rows3 = rows[:, None, None]
-    y = _load_activated(x_ptr, src[:, None, None], row_mask[:, None, None], cols3, col_mask3, X_STRIDE, K_OUT,
-                        bias_ptr, row_expert[:, None, None], bias_rows[:, None, None], alpha, limit, ACT, CONCAT,
-                        HAS_BIAS, PAIR_WORDS)
+    if ACT == ACT_NONE and PAIR_WORDS:
+        # bf16 x as int32 words, elements 2j and 2j+1 in the low and high half of word j: one shift
+        # or mask an element to fp32 (the bf16 cast moves the high half down first)
+        words3 = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
+        words = tl.load(x_ptr + src[:, None, None] * X_STRIDE + words3,
+                        mask=row_mask[:, None, None] & (words3 < K_OUT // 2), other=0)
+        y = tl.reshape(tl.join(codecs.f32_from_bits(words << 16), codecs.f32_from_bits(words & -65536)),
+                       [BLOCK_M, NB, VEC])
+    else:
+        y = _load_activated(x_ptr, src[:, None, None], row_mask[:, None, None], cols3, col_mask3, X_STRIDE, K_OUT,
+                            bias_ptr, row_expert[:, None, None], bias_rows[:, None, None], alpha, limit, ACT, CONCAT,
+                            HAS_BIAS, PAIR_WORDS)
     out_mask3 = (rows3 < M) & col_mask3
     if OUT == OUT_BF16:
-        scaled = y
+        codes = codecs.to_bf16_rne(y)
         stored = y  # (no scales)
     else:
         amax = tl.reduce(tl.abs(y), 2, _max_abs)  # [BLOCK_M, NB]
         if OUT == OUT_FP8_BLOCK:
-            scale = tl.math.div_rn(amax, 448.0)
-            denom = scale[:, :, None]
-            scaled = tl.where(denom > 0, tl.math.div_rn(y, tl.where(denom > 0, denom, 1.0)), 0.0)
-            stored = scale
+            stored = tl.math.div_rn(amax, 448.0)
+            quotient = magnitudes(y, stored).to(tl.int32, bitcast=True) | _sign_where(y, stored, 31)
+            codes = codecs.encode_e4m3(codecs.f32_from_bits(quotient))
         elif OUT == OUT_E2M1_E4M3:
             g = tl.load(global_ptr)
             stored = codecs.encode_e4m3(tl.math.div_rn(amax, g * 6.0))
-            denom = (codecs.decode_e4m3(stored, False) * g)[:, :, None]
-            scaled = tl.where(denom > 0, tl.math.div_rn(y, tl.where(denom > 0, denom, 1.0)), 0.0)
+            denom = codecs.decode_e4m3_nan(stored) * g  # (a NaN scale, 0x7F, only for a NaN amax)
+            codes = codecs.e2m1_magnitude(magnitudes(y, denom)) | _sign_where(y, denom, 3)
         else:
             e = codecs.e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y * codecs.pow2(-e)[:, :, None]
             stored = tl.where(amax < float("inf"), e + 127, 255)  # inf or NaN amax -> the NaN scale
-        if FORM != FORM_OPERAND:
-            values, scale = _kernel_token_values(scaled, stored, OUT, FORM, EXP)
+            if FORM != FORM_OPERAND:
+                values, scale = _kernel_token_values(scaled, stored, OUT, FORM, EXP)
+            elif OUT == OUT_E4M3_E8M0:
+                codes = codecs.encode_e4m3(scaled)
+            else:
+                codes = codecs.encode_e2m1(scaled)
     if TOPK > 0:
         # Every choice's row and slot first (a choice's slot is the expert of its row, one slot
         # an expert: routing.route), in three rounds of loads for all of them; rows of dropped
@@ -236,7 +302,7 @@ def activation_quantize_kernel(
             dest = tl.maximum(dest, 0)
             if FORM == FORM_OPERAND:
                 dest_slot = tl.reduce(tl.where(choice == j, slots, 0), 1, _add)
-                _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, scaled, stored, dest,
+                _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, codes, stored, dest,
                                dest_in_slot, dest_slot, dest_in_slot, pid_c, blk, cols3, col_mask3, K_OUT, NUM_KB,
                                KB4, NUM_SCALE_ROWS, OUT, SWIZZLED, NB, VEC)
             else:
@@ -254,29 +320,28 @@ def activation_quantize_kernel(
                              else rows, in_slot if FORM == FORM_E4M3 else row_mask, pid_c, blk, cols3, out_mask3,
                              M, K_OUT, NUM_KB, M_PAD, FORM, EVEN_ODD, NB, COLUMN_BLOCK)
     else:
-        _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, scaled, stored, rows, rows < M,
+        _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, codes, stored, rows, rows < M,
                        slot, in_slot, pid_c, blk, cols3, col_mask3, K_OUT, NUM_KB, KB4, NUM_SCALE_ROWS, OUT, SWIZZLED,
                        NB, VEC)
 
 
 @triton.jit
-def _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, scaled, stored, rows, row_ok, slot,
+def _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, codes, stored, rows, row_ok, slot,
                    in_slot, pid_c, blk, cols3, col_mask3, K_OUT, NUM_KB, KB4, NUM_SCALE_ROWS, OUT: tl.constexpr,
                    SWIZZLED: tl.constexpr, NB: tl.constexpr, VEC: tl.constexpr):
-    """The format's A operand of `rows` where row_ok: the block-scaled values `scaled` (y itself
-    for bf16) encoded, and their scales `stored` (none for bf16) row-major, or in the swizzled
-    layout by each row's slot (rows outside every slot, in_slot False, get no scales there)."""
+    """The format's A operand of `rows` where row_ok: the element codes `codes` (int32 e4m3 or
+    e2m1 codes of the block-scaled values; bf16 values for bf16) and their scales `stored` (none
+    for bf16) row-major, or in the swizzled layout by each row's slot (rows outside every slot,
+    in_slot False, get no scales there)."""
     rows3 = rows[:, None, None]
     out_mask3 = row_ok[:, None, None] & col_mask3
     if OUT == OUT_BF16:
-        tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, codecs.to_bf16_rne(scaled), mask=out_mask3)
+        tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, codes, mask=out_mask3)
     else:
         if OUT == OUT_FP8_BLOCK or OUT == OUT_E4M3_E8M0:
-            tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, codecs.encode_e4m3(scaled).to(tl.uint8),
-                     mask=out_mask3)
+            tl.store(out_ptr + rows3.to(tl.int64) * K_OUT + cols3, codes.to(tl.uint8), mask=out_mask3)
         else:
-            codes = tl.reshape(codecs.encode_e2m1(scaled), [scaled.shape[0], NB, VEC // 2, 2])
-            low, high = tl.split(codes)
+            low, high = tl.split(tl.reshape(codes, [codes.shape[0], NB, VEC // 2, 2]))
             packed = (low | (high << 4)).to(tl.uint8)
             half = pid_c * (NB * VEC // 2) + blk[None, :, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, None, :]
             tl.store(out_ptr + rows3.to(tl.int64) * (K_OUT // 2) + half, packed,
@@ -285,10 +350,13 @@ def _store_operand(out_ptr, out_scale_ptr, a_offsets_ptr, a_scale_offsets_ptr, s
         kb_mask = row_ok[:, None] & (kb < NUM_KB)
         if SWIZZLED:
             start = tl.load(a_offsets_ptr + slot, mask=in_slot, other=0)
-            block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + start // 128
-            srow = (128 * block0 + rows - start).to(tl.int64)[:, None]
-            offset = ((srow // 128) * KB4 + kb // 4) * 512 + (srow % 32) * 16 + ((srow % 128) // 32) * 4 + kb % 4
-            kb_mask = kb_mask & in_slot[:, None] & (srow >= 0) & (srow < NUM_SCALE_ROWS)
+            block0 = tl.load(a_scale_offsets_ptr + slot, mask=in_slot, other=0) + (start >> 7)
+            # (shifts and masks of the int32 row: the same as floor division and modulo where the
+            # row is kept, srow >= 0, with fewer instructions than int64 division's signed rounding)
+            srow = 128 * block0 + rows - start
+            within = ((srow & 31) * 16 + ((srow >> 5) & 3) * 4)[:, None] + (kb & 3)
+            offset = ((srow >> 7).to(tl.int64)[:, None] * KB4 + (kb >> 2)) * 512 + within
+            kb_mask = kb_mask & (in_slot & (srow >= 0) & (srow < NUM_SCALE_ROWS))[:, None]
         else:
             offset = rows.to(tl.int64)[:, None] * NUM_KB + kb
         if OUT == OUT_FP8_BLOCK:
@@ -372,3 +440,17 @@ def kb_major_scales_kernel(scale_bytes_ptr, row_slot_ptr, a_offsets_ptr, out_sca
     scale = codecs.decode_e8m0(tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :],
                                        mask=mask, other=0))
     tl.store(out_scale_ptr + kb.to(tl.int64)[None, :] * M_PAD + column[:, None], scale, mask=mask)
+
+
+@triton.jit
+def absolute_max_bits_kernel(x_ptr, out_ptr, ROWS, K, X_STRIDE, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 bits of max |x| over x [ROWS, K] (row stride X_STRIDE), into out[0] (int32, zero
+    before) by one atomic max a program. Integer maxima of the magnitudes' bits order them as the
+    values (and put a NaN above inf, where the GPU's float maximum would drop it). Program (i, j):
+    rows [i*BLOCK_R, (i+1)*BLOCK_R), columns [j*BLOCK_K, (j+1)*BLOCK_K)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < ROWS)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * X_STRIDE + cols[None, :], mask=mask, other=0.0)
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(out_ptr, tl.reduce(tl.reduce(bits, 1, _max_abs), 0, _max_abs))

@@ -1,15 +1,20 @@
 """Element and scale codecs of the portable Triton (tl) kernels: e2m1, e4m3 and e8m0 from and to
-fp32, and fp32 -> bf16, all on integer bits.
+fp32, and fp32 -> bf16, on integer bits.
 
 _portable_tl.py and _activation_tl.py call these. A @triton.jit function calls only functions
 built for its own mode (compiled or interpreted), so they load this file with
 tl_source.load_beside, which builds it for the mode they are being built for; and like them it
 calls no @triton.jit function of Triton's standard library, only builtins. Integer bits give the
 interpreter and the GPU the same results, the bytes of moegemm.codecs (docs/contract.md section 3).
+encode_e4m3 and decode_e4m3_nan are sm_90's conversions in the compiled build (the same results,
+one instruction for two values) and the integer codecs in the interpreted one, whose fp8 casts
+round differently.
 """
 
 import triton
 import triton.language as tl
+
+from moegemm.kernels import tl_source
 
 
 @triton.jit
@@ -80,8 +85,8 @@ def decode_e8m0(byte):
 
 
 @triton.jit
-def encode_e4m3(x):
-    """fp32 -> e4m3fn bits (int32): round to nearest even, saturating to +-448, NaN -> 0x7F."""
+def _encode_e4m3_bits(x):
+    """encode_e4m3 in integer and fp32 arithmetic (the interpreter's: its fp8 cast rounds ties away)."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = tl.abs(x)
@@ -98,13 +103,52 @@ def encode_e4m3(x):
 
 
 @triton.jit
+def _encode_e4m3_cvt(x):
+    """encode_e4m3 by the hardware: sm_90's cvt.rn.satfinite.e4m3x2.f32 (Triton's fp32 -> fp8e4nv
+    cast, two values an instruction), the same rounding and saturation (+-inf -> +-448); NaN ->
+    0x7F or 0xFF."""
+    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+# fp32 -> e4m3fn bits (int32): round to nearest even, saturating to +-448 (infinities too), NaN ->
+# 0x7F with the sign bit of the NaN's (either, compiled). One instruction a pair compiled; ~13 an
+# element in software.
+encode_e4m3 = _encode_e4m3_bits if tl_source.interpreted() else _encode_e4m3_cvt
+
+
+@triton.jit
+def _decode_e4m3_cvt(code):
+    """decode_e4m3(code, True) by the hardware (sm_90's e4m3x2 -> f16x2 conversion, exact)."""
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_e4m3_bits(code):
+    return decode_e4m3(code, True)
+
+
+# e4m3fn bits (int32, 0..255) -> fp32, 0x7F and 0xFF NaN: two values an instruction compiled.
+decode_e4m3_nan = _decode_e4m3_bits if tl_source.interpreted() else _decode_e4m3_cvt
+
+
+@triton.jit
+def e2m1_magnitude(mag):
+    """fp32 magnitude (>= 0) -> e2m1 code (int32 0..7): nearest, ties to the even code, saturating
+    at 6 (inf too; NaN gives 7). On the bits: from 1 up (codes 2..7, 2^E * (1 + m/2) is code
+    2E + 2 + m) the fp32 pattern rounded to one mantissa bit, nearest even, less 1.0's; below 1
+    (codes 0..2, multiples of 0.5) mag + 2^22, whose ulp is 0.5, rounds it to nearest even."""
+    bits = mag.to(tl.int32, bitcast=True)
+    # (bits + 0x1FFFFF + mantissa bit 22) >> 22 is the rounded pattern; 1.0 (0x3F800000) -> 2
+    normal = (bits + (0x1FFFFF - 0x3F000000) + ((bits >> 22) & 1)) >> 22
+    small = (mag + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
+    return tl.where(bits < 0x3F800000, small, tl.minimum(normal, 7))
+
+
+@triton.jit
 def encode_e2m1(x):
-    """fp32 -> e2m1 code (int32 0..15): nearest, ties to the even code, saturating at 6."""
-    mag = tl.abs(x)
-    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-            + (mag > 5.0).to(tl.int32))
-    return code | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+    """fp32 -> e2m1 code (int32 0..15): nearest, ties to the even code, saturating at 6 (infinities
+    too; NaN gives 7 or 15), the sign from the sign bit."""
+    return e2m1_magnitude(tl.abs(x)) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit

@@ -31,7 +31,14 @@ _SOURCE = Path(__file__).with_name("_activation_tl.py")
 # 8.4 us; 4 rows 3.6 -> 2.8 us; H100).
 CUDA_BLOCK_M = 16
 CUDA_SMALL_BLOCK_M = 4
+# The gather (no activation, a program a row tile) above 2048 rows: 32 rows, 32 elements a
+# thread, which halves the program's and the blocks' fixed work an element (sm_90 SASS,
+# bench/quantize_sass.py: nvfp4 28.6 -> 25.7 instructions an element, mxfp8 swizzled 16.7 ->
+# 11.1). Not the scatter form, latency-bound, whose programs take tokens (k rows each).
+CUDA_GATHER_BLOCK_M = 32
 CUDA_WARPS = 4
+# Tile of absolute_max_bits_kernel (nvfp4's default global scale): rows x columns.
+AMAX_ROWS, AMAX_COLUMNS = 16, 1024
 # Tile of kb_major_scales_kernel (the scatter form's scale move): rows x scale blocks.
 SCALE_MOVE_ROWS = 64
 SCALE_MOVE_BLOCKS = 32
@@ -95,9 +102,13 @@ def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_of
             form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups, form.column_block)
             data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
             scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)
-    # Interleaved bf16 gate/up pairs are read as one int32 word each (the kernel's PAIR_WORDS).
-    pair_words = (act != module.ACT_NONE.value and not concat and x.dtype == torch.bfloat16 and x.is_contiguous()
-                  and x.storage_offset() % 2 == 0)
+    # bf16 pairs are read as one int32 word each (the kernel's PAIR_WORDS): interleaved gate/up
+    # pairs; and the gather's pairs of elements into bf16 or e2m1 operands, where that takes fewer
+    # instructions (sm_90 SASS, bench/quantize_sass.py: nvfp4 25.7 -> 22.5 an element; e4m3 outputs
+    # take more, their blocks spread over more threads).
+    gather_words = act == module.ACT_NONE.value and form is None and op.element is not E4M3
+    pair_words = ((gather_words or (act != module.ACT_NONE.value and not concat)) and x.dtype == torch.bfloat16
+                  and x.is_contiguous() and x.storage_offset() % 2 == 0)
     if pair_words:
         x = x.view(torch.int32)
     # The scatter form stores its scales as bytes by grouped row, then moves them (module docstring
@@ -107,7 +118,7 @@ def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_of
         scale_bytes = torch.empty(rows, nkb, dtype=torch.uint8, device=device)
     if rows and k_out:
         dummy = data
-        block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
+        block_m = cuda_block_m(rows, act == module.ACT_NONE.value and not topk) if device.type == "cuda" else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
         grid = (math.ceil((x.shape[0] if topk else rows) / block_m), math.ceil(k_out / (nb * vec)))
         sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
@@ -138,3 +149,22 @@ def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_of
         return QuantizedTensor(data, scales, f.name, "a", form, None, a_offsets)
     return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
 
+
+def tokens_amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """amax(|x|) of the tokens x [R, K] as fp32 bits (int32 [1]; a NaN wins): one pass of
+    absolute_max_bits_kernel, no copy of x."""
+    module = kernel_module(x.device.type != "cuda")
+    bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    rows, k = x.shape
+    grid = (math.ceil(rows / AMAX_ROWS), math.ceil(k / AMAX_COLUMNS))
+    launch(module.absolute_max_bits_kernel, ("amax", x.dtype, rows, k, x.stride(0)), grid,
+           (x, bits, rows, k, x.stride(0)), {"BLOCK_R": AMAX_ROWS, "BLOCK_K": AMAX_COLUMNS, "num_warps": 4})
+    return bits
+
+
+def cuda_block_m(rows: int, gather: bool) -> int:
+    """BLOCK_M of the activation kernel on CUDA for `rows` output rows: of the gather (no
+    activation, not the scatter form) or another step."""
+    if rows <= 2048:
+        return CUDA_SMALL_BLOCK_M
+    return CUDA_GATHER_BLOCK_M if gather else CUDA_BLOCK_M
