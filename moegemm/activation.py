@@ -35,7 +35,7 @@ import torch
 from . import layouts
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
 from .kernels import tl_source
-from .kernels.launch import launch
+from .kernels.compiled_launch import launch
 from .quantize import (QuantizedTensor, allocate_a_operand, as_quantized, check_activations, nvfp4_global_scale,
                        quantized_from_op, reference_quantize)
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns

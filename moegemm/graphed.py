@@ -33,7 +33,7 @@ from collections import OrderedDict
 import torch
 
 from .config import choice_context
-from .validation import debug_mode
+from .debug import debug_mode
 
 __all__ = ["GraphedCalls", "MAX_TOKENS", "usable"]
 

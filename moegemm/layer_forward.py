@@ -37,10 +37,11 @@ from . import config, distributed, layouts
 from .formats import get_format
 from .fused import fused_pays, fused_supports
 from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
+from .problem import GroupedProblem
 from .quantize import QuantizedTensor
 from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
 from .token_forms import TokenForm, token_form
-from .validation import GroupedProblem, check_no_grad
+from .validation import check_no_grad
 
 __all__ = ["moe_forward", "moe_forward_received"]
 

@@ -25,9 +25,10 @@ from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
 from .prepack import unpack_codes
 from .quantize import QuantizedTensor, quantized_from_op
+from .debug import values_checked
+from .problem import GroupedProblem, Operands, operands_of
 from .token_forms import KernelTokens, TokenForm
-from .validation import (GroupedProblem, Operands, check_no_grad, operands_of, validate_grouped_matmul,
-                         validate_values, values_checked)
+from .validation import check_no_grad, validate_grouped_matmul, validate_values
 
 __all__ = ["grouped_matmul", "grouped_matmul_swiglu", "BACKENDS", "available_backends", "interpreter_usable",
            "resolve_backend"]

@@ -10,7 +10,7 @@ import torch
 from moegemm.config import portable_config
 from moegemm.formats import FORMATS
 from moegemm.kernels import offline, portable
-from moegemm.validation import GroupedProblem
+from moegemm.problem import GroupedProblem
 
 from cases import FORMAT_LAYOUTS
 

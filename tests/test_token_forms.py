@@ -13,7 +13,7 @@ from moegemm.formats import get_format
 from moegemm.kernels import portable
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.token_forms import TokenForm, kb_major_column, kb_major_columns, token_form
-from moegemm.validation import GroupedProblem
+from moegemm.problem import GroupedProblem
 
 FORMS = [
     ("mxfp8", TokenForm("e4m3")),

@@ -15,9 +15,9 @@ from .. import layouts
 from ..config import portable_config
 from ..formats import E2M1, E4M3
 from ..token_forms import kb_major_columns
-from ..validation import GroupedProblem
+from ..problem import GroupedProblem
 from . import tl_source
-from .launch import launch
+from .compiled_launch import launch
 
 _SOURCE = Path(__file__).with_name("_portable_tl.py")
 

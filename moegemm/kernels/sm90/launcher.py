@@ -23,9 +23,9 @@ from ... import layouts
 from ...config import (MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, choice_context, sm90_config,
                        sm90_mx_config, weight_bytes)
 from ...token_forms import ACC_ORDER_BLOCK, KernelTokens, kb_major_columns, token_form
-from ...validation import GroupedProblem
+from ...problem import GroupedProblem
 from .. import portable
-from ..launch import Tma, launch as launch_kernel
+from ..compiled_launch import Tma, launch as launch_kernel
 from .decode import decode_kernel
 from .dense import dense_kernel
 from .e2m1 import E2M1_WEIGHT_EXP, e2m1_kernel
@@ -58,7 +58,7 @@ class EpilogueSpec:
     dequant: bool = False
 
     def launch_key(self) -> tuple:
-        """What of this epilogue the compiled kernel depends on (kernels/launch.py): every field but
+        """What of this epilogue the compiled kernel depends on (kernels/compiled_launch.py): every field but
         the tensors' addresses and the two floats."""
         return (self.num_scale_rows, self.num_out_kb, self.out_kb4, self.act, self.out_code, self.out_swizzled,
                 self.vec, self.dequant, self.bias is None, self.global_scale is None, self.a_scale_offsets is None)
@@ -207,7 +207,7 @@ def _epilogue_args(args: LaunchArgs) -> tuple[tuple, tuple]:
 
 
 def _launch_key(args: LaunchArgs, cfg, *extra) -> tuple:
-    """The launch key of a kernel of this family (kernels/launch.py): the problem's sizes, the
+    """The launch key of a kernel of this family (kernels/compiled_launch.py): the problem's sizes, the
     config, the epilogue and which optional tensors are given determine every int and constexpr."""
     epilogue = None if args.epilogue is None else args.epilogue.launch_key()
     return (args.problem.key, cfg, epilogue, args.expert_scales is None, args.row_scales is None, args.tokens is None,
