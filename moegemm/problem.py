@@ -56,21 +56,25 @@ class Operands:
     expert_scales: torch.Tensor | None
     quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
     a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
-    a_scale_offsets: torch.Tensor | None = None  # those of a's swizzled scales, where a QuantizedTensor has them
+    a_scale_offsets: torch.Tensor | None = None  # the call's, else those of a QuantizedTensor's swizzled scales
     b_prepacked: bool = False  # b's codes in moegemm.prepack's order (a QuantizedTensor of prepack_weights)
 
 
-def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -> Operands:
+def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, expert_scales,
+                a_scale_offsets=None) -> Operands:
     """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
     scales are used, so a_scales / b_scales must then be None; their format and scale layout must
     be the call's (scale_layout None: theirs, else "plain"); nvfp4's global scales are folded into
     expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged.
     An A operand in a token form (its scale_layout a TokenForm) keeps its form: the call's
-    scale_layout is then that of b (and of a swiglu output)."""
+    scale_layout is then that of b (and of a swiglu output). a_scale_offsets: the call's, else
+    those an A QuantizedTensor made with its swizzled scales (for as many slots as a_offsets has:
+    other offsets are named by validation, as placed elsewhere)."""
     if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
-        return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None)
+        return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None,
+                        a_scale_offsets=a_scale_offsets)
     layouts_seen = {}
-    a_form = a_scale_offsets = None
+    a_form = placed_scale_offsets = None
     global_scale = None
     quantized_a_offsets = None
     for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
@@ -92,7 +96,7 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
         if q.global_scale is not None:
             global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
         if operand == "a" and q.scale_layout == "swizzled":
-            quantized_a_offsets, a_scale_offsets = q.a_offsets, q.a_scale_offsets
+            quantized_a_offsets, placed_scale_offsets = q.a_offsets, q.a_scale_offsets
     for name, layout in layouts_seen.items():
         if layout is not None and scale_layout is not None and layout != scale_layout:
             raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
@@ -109,5 +113,8 @@ def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -
             expert_scales = torch.ones(experts, dtype=torch.float32, device=b.device) * global_scale
         elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
             expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
+    if (a_scale_offsets is None and placed_scale_offsets is not None and isinstance(a_offsets, torch.Tensor)
+            and a_offsets.shape == (placed_scale_offsets.shape[0] + 1,)):
+        a_scale_offsets = placed_scale_offsets
     return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
                     a_scale_offsets, b_prepacked)
