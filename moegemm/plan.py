@@ -168,7 +168,7 @@ def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt,
             if len(_PLANS) >= _PLANS_MAX:
                 _PLANS.clear()
             _PLANS[key] = plan
-    elif values_checked(operands.a.device):
+    if values_checked(operands.a.device):
         validate_values(plan.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
                         operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
     return plan
@@ -176,7 +176,8 @@ def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt,
 
 def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
                swiglu: SwigluOutput | None = None) -> Plan:
-    """A call's plan from scratch: the arguments validated, the backend resolved, the launch planned."""
+    """A call's plan from scratch: the arguments' shapes validated (their values are plan_for's to
+    check), the backend resolved, the launch planned."""
     problem = validate_grouped_matmul(
         operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=fmt,
         a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,

@@ -15,7 +15,6 @@ import math
 import torch
 
 from . import layouts
-from .debug import values_checked
 from .formats import SWIZZLE_FORMATS, Format, get_format
 from .prepack import check_prepackable
 from .problem import GroupedProblem
@@ -78,15 +77,14 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 
 def validate_grouped_matmul(
     a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
-    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, values=True,
-    b_prepacked=False,
+    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, b_prepacked=False,
 ) -> GroupedProblem:
     """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
     quantized_a_offsets: the a_offsets swizzled A scales (or a token form) were made for (a
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
-    reads. values=False leaves out the checks that read tensor values (validate_values).
-    b_prepacked: b holds its codes in moegemm.prepack's order."""
+    reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
+    tensor values are validate_values' (plan.plan_for runs them where debug.values_checked says)."""
     f = get_format(fmt)
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -147,9 +145,6 @@ def validate_grouped_matmul(
     if quantized_a_offsets is not None:
         _check(quantized_a_offsets, "a_offsets", (torch.int32,), device, (g + 1,),
                "the group offsets a's swizzled scales were quantized for have another length")
-    if values and values_checked(device):
-        validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets, quantized_a_offsets,
-                        a_form)
     return problem
 
 
