@@ -143,6 +143,7 @@ def grouped_matmul_swiglu(
     out_form = out_scale_layout if isinstance(out_scale_layout, TokenForm) else None
     plan = plan_for(operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16, backend=backend,
                     swiglu=SwigluOutput(get_format(out_fmt).name, out_form, gate_up_layout, bool(fused)))
+    plan.check_values(operands, a_offsets, expert_ids)
     check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
                   b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
     if plan.fused:

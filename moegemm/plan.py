@@ -4,10 +4,11 @@ A call's key is everything its checks and its kernels' choices depend on, never 
 value: the arguments' shapes, dtypes, devices and strides, the formats and layouts, the backend,
 the SwiGLU output of grouped_matmul_swiglu, and the context of the config choice
 (config.choice_context: the planned tokens a slot; a forced config is never cached). `plan_for`
-returns the call's Plan: the cached one for a key seen before (the value checks still run
-wherever debug.values_checked says), else `build_plan`'s, which validates the arguments
-(validation.py), resolves the backend and plans its launch (the portable kernel's, or the sm90
-family's with its config, grid and token pre-pass). `Plan.run` allocates the output and launches.
+returns the call's Plan: the cached one for a key seen before, else `build_plan`'s, which
+validates the arguments' shapes (validation.py), resolves the backend and plans its launch (the
+portable kernel's, or the sm90 family's with its config, grid and token pre-pass). `Plan.run`
+does a call's own work: the value checks wherever debug.values_checked says, the output, the
+launches.
 
 Backends:
     reference  the fp32 oracle (moegemm.reference), any device; reads offsets on the host
@@ -99,8 +100,17 @@ class Plan:
     kernel: object | None
     fused: bool = False  # (grouped_matmul_swiglu) its product runs with the fused SwiGLU epilogue
 
+    def check_values(self, operands: Operands, a_offsets, expert_ids):
+        """The checks that read the call's tensor values, where debug.values_checked says: on the
+        CPU, and on the GPU under MOEGEMM_DEBUG=1 (they synchronize)."""
+        if values_checked(operands.a.device):
+            validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                            operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+
     def run(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
-        """grouped_matmul of these operands into `out` (a fresh zeroed one where None)."""
+        """grouped_matmul of these operands into `out` (a fresh zeroed one where None): the
+        values checked, then the launch."""
+        self.check_values(operands, a_offsets, expert_ids)
         if self.backend != "reference":  # (the reference is torch: autograd runs through it)
             check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
                           b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
@@ -157,8 +167,8 @@ def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dt
 
 def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
              swiglu: SwigluOutput | None = None) -> Plan:
-    """The call's plan: built once per key (module docstring), the values checked on every call
-    that checks them."""
+    """The call's plan: built once per key (module docstring). Its tensors' values are checked by
+    the plan's run (check_values)."""
     key = _key(operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend, swiglu)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
@@ -168,16 +178,13 @@ def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt,
             if len(_PLANS) >= _PLANS_MAX:
                 _PLANS.clear()
             _PLANS[key] = plan
-    if values_checked(operands.a.device):
-        validate_values(plan.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
-                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
     return plan
 
 
 def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
                swiglu: SwigluOutput | None = None) -> Plan:
-    """A call's plan from scratch: the arguments' shapes validated (their values are plan_for's to
-    check), the backend resolved, the launch planned."""
+    """A call's plan from scratch: the arguments' shapes validated (their values are checked by
+    every run), the backend resolved, the launch planned."""
     problem = validate_grouped_matmul(
         operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=fmt,
         a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,

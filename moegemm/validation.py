@@ -84,7 +84,7 @@ def validate_grouped_matmul(
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
     reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
-    tensor values are validate_values' (plan.plan_for runs them where debug.values_checked says)."""
+    tensor values are validate_values' (a plan's run calls them where debug.values_checked says)."""
     f = get_format(fmt)
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -126,11 +126,7 @@ def validate_grouped_matmul(
     g = a_offsets.numel() - 1
     _check(expert_ids, "expert_ids", (torch.int32,), device, (g,), "G = len(a_offsets) - 1")
 
-    if b_prepacked:
-        check_prepackable(f.name, b.shape, "b")
     problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype, b_prepacked, b_n_major)
-    if a_form is not None:
-        _validate_form(problem, a_form, a_scales, device)
     _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device, a_form is not None)
 
     if expert_scales is not None:
@@ -145,6 +141,11 @@ def validate_grouped_matmul(
     if quantized_a_offsets is not None:
         _check(quantized_a_offsets, "a_offsets", (torch.int32,), device, (g + 1,),
                "the group offsets a's swizzled scales were quantized for have another length")
+    # (the checks that other modules' rules make)
+    if a_form is not None:
+        _validate_form(problem, a_form, a_scales, device)
+    if b_prepacked:
+        check_prepackable(f.name, b.shape, "b")
     return problem
 
 
