@@ -155,14 +155,12 @@ def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dt
     tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids,
                operands.a_scale_offsets, operands.expert_scales, row_scales, out, operands.quantized_a_offsets)
     try:
-        key = (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend, swiglu, context,
-               # (b's strides: its major order, which bf16 weights may have either way, decides the kernels)
-               operands.b.stride(),
-               *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
-        hash(key)
+        return (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend, swiglu, context,
+                # (b's strides: its major order, which bf16 weights may have either way, decides the kernels)
+                operands.b.stride(),
+                *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
     except (AttributeError, TypeError):
         return None
-    return key
 
 
 def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
@@ -170,7 +168,10 @@ def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt,
     """The call's plan: built once per key (module docstring). Its tensors' values are checked by
     the plan's run (check_values)."""
     key = _key(operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend, swiglu)
-    plan = _PLANS.get(key) if key is not None else None
+    try:
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:  # (an argument that cannot be hashed: validation names it)
+        key = plan = None
     if plan is None:
         plan = build_plan(operands, a_offsets, expert_ids, row_scales, out, fmt=fmt, out_dtype=out_dtype,
                           backend=backend, swiglu=swiglu)

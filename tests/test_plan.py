@@ -8,7 +8,10 @@ import moegemm
 from moegemm import config
 from moegemm import plan as plan_module
 from moegemm.kernels import portable
+from moegemm.kernels.sm90 import launcher
 from moegemm.kernels.tl_source import interpreter_usable
+
+from cases import FORMAT_LAYOUTS, TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, tolerance
 
 
 def _bf16_call(m: int, backend: str):
@@ -74,3 +77,44 @@ def test_the_kernel_config_is_chosen_once_per_key(counted):
     first = call()
     assert torch.equal(call(), first)
     assert counted["configs"] == 1, f"the config was chosen {counted['configs']} times for one key"
+
+
+DECODE = TokenPattern("decode", (1,) * 8, why="8 slots of one token: the host-time shape")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", [DECODE, TOKEN_PATTERNS[1]], ids=["decode", "ragged"])
+@pytest.mark.parametrize(("fmt", "layout"), FORMAT_LAYOUTS, ids=[f"{f}-{lay}" for f, lay in FORMAT_LAYOUTS])
+def test_sm90_second_call_plans_nothing_and_gives_the_same_bits(fmt, layout, pattern, monkeypatch):
+    """On sm90 the config, grid and token pre-pass are planned with the call's plan: a second call
+    of the key builds neither, and its product is the first's, bit for bit, and correct."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backend needs a Hopper GPU")
+    builds = {"plans": 0, "token passes": 0}
+    build, plan_tokens = plan_module.build_plan, launcher.plan_tokens
+
+    def counting_build(*args, **kwargs):
+        builds["plans"] += 1
+        return build(*args, **kwargs)
+
+    def counting_tokens(*args, **kwargs):
+        builds["token passes"] += 1
+        return plan_tokens(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "build_plan", counting_build)
+    monkeypatch.setattr(launcher, "plan_tokens", counting_tokens)
+    monkeypatch.setattr(plan_module, "_PLANS", {})
+    p = make_problem(fmt, layout, pattern, 512, 1024, "cuda")
+    first = moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90")
+    assert builds["plans"] == 1
+    poisoned = poison_like(p.m, p.n, torch.bfloat16, "cuda")
+    out = poisoned.clone()
+    moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")  # (a key of its own: out given)
+    assert builds["plans"] == 2
+    seen = dict(builds)
+    second = moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90")
+    assert builds == seen, f"a seen key planned again: {seen} then {builds}"
+    assert torch.equal(first.view(torch.int16), second.view(torch.int16))
+    check_output(p, out, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().cuda()
+    assert torch.equal(out[valid].view(torch.int16), first[valid].view(torch.int16))
