@@ -138,11 +138,12 @@ def grouped_matmul_swiglu(
     check_activation(activation, gate_up_layout)
     operands = operands_of(a, b, a_scales, b_scales, a_offsets, fmt=fmt, scale_layout=scale_layout,
                            expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
+    out_format = get_format(out_fmt)
     if out_scale_layout is None:
-        out_scale_layout = "swizzled" if get_format(out_fmt).swizzle_capable else "plain"
+        out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
     out_form = out_scale_layout if isinstance(out_scale_layout, TokenForm) else None
     plan = plan_for(operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16, backend=backend,
-                    swiglu=SwigluOutput(get_format(out_fmt).name, out_form, gate_up_layout, bool(fused)))
+                    swiglu=SwigluOutput(out_format.name, out_form, gate_up_layout, bool(fused)))
     plan.check_values(operands, a_offsets, expert_ids)
     check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
                   b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
