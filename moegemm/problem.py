@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,9 +45,9 @@ class GroupedProblem:
                 self.out_dtype, self.prepacked, self.b_n_major)
 
 
-@dataclass(frozen=True)
-class Operands:
-    """A call's operands as tensors: what operands_of made of QuantizedTensor arguments."""
+class Operands(NamedTuple):
+    """A call's operands as tensors: what operands_of made of QuantizedTensor arguments. (A
+    NamedTuple: made on every call, and a frozen dataclass costs several times as much to make.)"""
 
     a: torch.Tensor
     b: torch.Tensor

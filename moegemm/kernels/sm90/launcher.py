@@ -18,6 +18,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -84,12 +85,12 @@ def plain_epilogue_args(dummy: torch.Tensor) -> tuple[tuple, tuple]:
     return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), plain_epilogue_consts()
 
 
-@dataclass(frozen=True)
-class LaunchArgs:
+class LaunchArgs(NamedTuple):
     """The tensors of one grouped matmul on the sm90 family, into `out` ([M, N], or the fused
     epilogue's output when `epilogue` is given). `tokens`: A already in the form the kernel reads
     (token_forms.py, written by the layer's gather or activation kernel): no pre-pass, and a /
-    a_scales are not read. Scales and offsets as the contract names them (docs/contract.md)."""
+    a_scales are not read. Scales and offsets as the contract names them (docs/contract.md). (A
+    NamedTuple: made on every launch, and a frozen dataclass costs several times as much to make.)"""
 
     a: torch.Tensor | None
     b: torch.Tensor
