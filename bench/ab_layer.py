@@ -49,10 +49,10 @@ class Patch:
 
 def _gathered(original):
     """scatter_quantize's result by the gather (each token read and quantized once per choice)."""
-    import moegemm.activation as A
+    import moegemm.token_quantizers as tq
 
-    return lambda x, fmt, grouped_row, row_slot, **kwargs: A.gather_quantize(x, fmt, A.token_of_row(grouped_row),
-                                                                             **kwargs)
+    return lambda x, fmt, grouped_row, row_slot, **kwargs: tq.gather_quantize(x, fmt, tq.token_of_row(grouped_row),
+                                                                              **kwargs)
 
 
 def _operand_out(launch_fused):
@@ -72,8 +72,8 @@ LAYER_PLANS = {
                           {"short-tails": _short_tails(True), "tails-32": _short_tails(False)}),
     "layer-scatter": ("the layer's token step in scatter form or gathered k times", 4096,
                       ((0, "DeepSeek-V3", "fp8_block"), (1, "gpt-oss-120b", "bf16")),
-                      {"scatter": Patch("moegemm.activation", "scatter_quantize"),
-                       "gather": Patch("moegemm.activation", "scatter_quantize", _gathered)}),
+                      {"scatter": Patch("moegemm.token_quantizers", "scatter_quantize"),
+                       "gather": Patch("moegemm.token_quantizers", "scatter_quantize", _gathered)}),
     "layer-fused-form": ("the fused epilogue writing the down product's bf16 token form or its operand", 4096,
                          ((1, "gpt-oss-120b", "mxfp4"), ),
                          {"bf16-form": Patch("moegemm.fused", "launch_fused"),

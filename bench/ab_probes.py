@@ -155,10 +155,10 @@ def run_scatter_check(plan: str, args) -> dict:
     import torch
 
     import moegemm
-    from moegemm import activation as act
     from moegemm import benchmark
     from moegemm.routing import row_experts
     from moegemm.token_forms import kb_major_column, token_form
+    from moegemm.token_quantizers import gather_quantize, scatter_quantize
 
     rows = []
     for t, k, e, hidden, n in ((4096, 8, 256, 7168, 4096), (512, 8, 256, 7168, 4096), (4096, 4, 128, 2880, 5760)):
@@ -175,11 +175,11 @@ def run_scatter_check(plan: str, args) -> dict:
             slots = row_experts(route)
 
             def scatter(x=x, fmt=fmt, route=route, slots=slots, form=form):
-                return act.scatter_quantize(x, fmt, route.grouped_row, slots, a_offsets=route.a_offsets,
-                                            scale_layout=form)
+                return scatter_quantize(x, fmt, route.grouped_row, slots, a_offsets=route.a_offsets,
+                                        scale_layout=form)
 
             def gather(x=x, fmt=fmt, route=route, form=form):
-                return act.gather_quantize(x, fmt, route.token_index, a_offsets=route.a_offsets, scale_layout=form)
+                return gather_quantize(x, fmt, route.token_index, a_offsets=route.a_offsets, scale_layout=form)
             sc, ga = scatter(), gather()
             torch.cuda.synchronize()
             valid = int(route.valid.sum())
@@ -210,9 +210,10 @@ def run_activation_sweep(plan: str, args) -> dict:
     from timing import Timer, capture
 
     import moegemm
-    from moegemm import activation as act
+    from moegemm.kernels import quantize_kernels
     from moegemm.routing import row_experts
     from moegemm.token_forms import TokenForm
+    from moegemm.token_quantizers import gather_quantize, scatter_quantize, swiglu_quantize
 
     dev = torch.device("cuda")
     timer = Timer(dev, warmup=10, rep=60)
@@ -231,18 +232,18 @@ def run_activation_sweep(plan: str, args) -> dict:
     tokens = torch.randn(32768, 7168, device=dev).bfloat16()
     token_slots = torch.arange(0, 32769, 4096, dtype=torch.int32, device=dev)
     cases = {
-        "dsv3-scatter-mxfp8-e4m3form": (lambda: act.scatter_quantize(
+        "dsv3-scatter-mxfp8-e4m3form": (lambda: scatter_quantize(
             x, "mxfp8", route.grouped_row, row_experts(route), a_offsets=route.a_offsets,
             scale_layout=TokenForm("e4m3")), gather_bytes),
-        "dsv3-scatter-fp8block": (lambda: act.scatter_quantize(
+        "dsv3-scatter-fp8block": (lambda: scatter_quantize(
             x, "fp8_block", route.grouped_row, row_experts(route), a_offsets=route.a_offsets), gather_bytes),
-        "dsv3-swiglu-mxfp8-e4m3form": (lambda: act.swiglu_quantize(
+        "dsv3-swiglu-mxfp8-e4m3form": (lambda: swiglu_quantize(
             h, "mxfp8", activation="swiglu", gate_up_layout="interleaved", bias=None, a_offsets=route.a_offsets,
             expert_ids=route.expert_ids, scale_layout=TokenForm("e4m3"), alpha=1.702, limit=7.0),
             h.numel() * 2 + h.numel() // 2),
-        "dsv3-swiglu-fp8block-concat": (lambda: act.swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),
+        "dsv3-swiglu-fp8block-concat": (lambda: swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),
                                         h.numel() * 2 + h.numel() // 2),
-        "gptoss-gather-mxfp4-bf16form": (lambda: act.gather_quantize(
+        "gptoss-gather-mxfp4-bf16form": (lambda: gather_quantize(
             xg, "mxfp4", route_g.token_index, a_offsets=route_g.a_offsets, scale_layout=TokenForm("bf16")),
             xg.numel() * 2 + idsg.numel() * 2880 * 2),
         "quantize-fp8block-32k": (lambda: moegemm.quantize(tokens, "fp8_block"),
@@ -251,16 +252,16 @@ def run_activation_sweep(plan: str, args) -> dict:
                                                                  a_offsets=token_slots),
                                         tokens.numel() * 3 + tokens.numel() // 32),
     }
-    original = (act.CUDA_BLOCK_M, act.CUDA_WARPS, act._out_code)
+    original = (quantize_kernels.CUDA_BLOCK_M, quantize_kernels.CUDA_WARPS, quantize_kernels.output_code)
     rows = []
     try:
         for name, (fn, nbytes) in cases.items():
             for block_m in (8, 16, 32):
                 for factor in (1, 2, 4):
                     for warps in (4, 8):
-                        act.CUDA_BLOCK_M, act.CUDA_WARPS = block_m, warps
-                        act._out_code = lambda f, m, _o=original[2], _k=factor: (lambda r: (r[0], r[1], r[2] * _k))(
-                            _o(f, m))
+                        quantize_kernels.CUDA_BLOCK_M, quantize_kernels.CUDA_WARPS = block_m, warps
+                        quantize_kernels.output_code = lambda f, m, _o=original[2], _k=factor: (
+                            lambda r: (r[0], r[1], r[2] * _k))(_o(f, m))
                         try:
                             us = timed(fn)
                         except Exception as exc:  # noqa: BLE001 (a shape the kernel refuses)
@@ -270,7 +271,7 @@ def run_activation_sweep(plan: str, args) -> dict:
                                          nb_factor=factor, warps=warps, us=us, tbps=nbytes / us / 1e6))
                         print(rows[-1], flush=True)
     finally:
-        act.CUDA_BLOCK_M, act.CUDA_WARPS, act._out_code = original
+        quantize_kernels.CUDA_BLOCK_M, quantize_kernels.CUDA_WARPS, quantize_kernels.output_code = original
     return dict(env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          defaults=dict(block_m=original[0], warps=original[1])), rows=rows)
 

@@ -82,9 +82,9 @@ def _two_paths(timer, fmt: str, shape: str, groups: int, nominal: int) -> dict:
     import torch
 
     import moegemm
-    from moegemm import activation as act
     from moegemm import benchmark, layouts
     from moegemm.token_forms import token_form
+    from moegemm.token_quantizers import gather_quantize
 
     device = timer.device
     n, k = benchmark.MODEL_SHAPES[shape]
@@ -107,8 +107,8 @@ def _two_paths(timer, fmt: str, shape: str, groups: int, nominal: int) -> dict:
         return moegemm.quantize(grouped, fmt, scale_layout=layout, a_offsets=inp.a_offsets)
 
     def gather():
-        return act.gather_quantize(x, fmt, perm, a_offsets=inp.a_offsets, a_scale_offsets=aso,
-                                   scale_layout=form or layout, num_scale_blocks=bound)
+        return gather_quantize(x, fmt, perm, a_offsets=inp.a_offsets, a_scale_offsets=aso,
+                               scale_layout=form or layout, num_scale_blocks=bound)
 
     def product(a, out, a_scale_offsets=None):
         return moegemm.grouped_matmul(a, w, None, None, inp.a_offsets, inp.expert_ids, fmt=fmt,

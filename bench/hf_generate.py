@@ -13,7 +13,9 @@ Random-init models at their real per-layer dimensions (bf16, transformers' own i
 
 Each model runs with experts_implementation "grouped_mm" and "batched_mm" (transformers'),
 then "moegemm" in each of its formats (moegemm.hf.register(fmt=...): bf16 reads the weights in
-place, the others quantize them once), on the same weights in one process:
+place, the others quantize them once), on the same weights in one process, and last
+"no_experts": experts that compute nothing (a zero fill), the time of everything else in the
+model: best backend's time / its time is the most any experts backend can gain (the ceiling):
 
     prefill    one forward of 1 x --prefill tokens, no cache: ms (the first token's latency of a
                prompt that long) and tokens/s; batched_mm is not run here (it gathers a weight
@@ -51,6 +53,9 @@ import moegemm  # noqa: E402
 from moegemm.benchmark import provenance  # noqa: E402
 
 BASELINES = ("grouped_mm", "batched_mm")
+# An experts implementation that computes nothing (one zero fill): generate() with it takes the
+# time of everything but the experts, so best / its time bounds what any backend can gain.
+CEILING = "no_experts"
 BF16_TOL = 2e-2
 
 
@@ -135,6 +140,13 @@ def _generate(model, prompt, new_tokens: int, static: bool):
         return model.generate(prompt, **kwargs)
 
 
+def _register_ceiling():
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(CEILING, lambda self, hidden_states, top_k_index, top_k_weights:
+                              torch.zeros_like(hidden_states))
+
+
 def run_model(name, config, formats, args, device, deadline, log) -> list[dict]:
     import transformers
 
@@ -146,7 +158,7 @@ def run_model(name, config, formats, args, device, deadline, log) -> list[dict]:
     log(f"{name}: built ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
         f"{time.perf_counter() - start:.1f} s)")
     prefill_ids = torch.randint(0, config.vocab_size, (1, args.prefill), device=device)
-    impls = [(b, None) for b in BASELINES] + [("moegemm", f) for f in formats]
+    impls = [(b, None) for b in BASELINES] + [("moegemm", f) for f in formats] + [(CEILING, None)]
     for impl, fmt in impls:
         label = impl if fmt is None else f"moegemm:{fmt}"
         row = dict(model=name, layers=config.num_hidden_layers, impl=label)
@@ -214,6 +226,7 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - begin:7.1f} s] {message}", flush=True)
 
     moegemm.hf.register()
+    _register_ceiling()
     configs = _configs(args.cpu_smoke)
     names = args.models.split(",") if args.models else list(configs)
     rows = []

@@ -256,7 +256,7 @@ def workload_routing():
     import torch
 
     import moegemm
-    from moegemm import activation as act
+    from moegemm import token_quantizers
 
     torch.manual_seed(0)
     h, i, e, top_k, t = 256, 128, 16, 4, 300
@@ -265,14 +265,15 @@ def workload_routing():
     plan = moegemm.route(ids, e, torch.rand(t, top_k, device="cuda"))
     for fmt in ("bf16", "fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8"):
         layout = "swizzled" if fmt not in ("bf16", "fp8_block", "w4a8") else "plain"
-        act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), a_offsets=plan.a_offsets,
-                             scale_layout=layout, num_scale_blocks=plan.scale_blocks_bound)
-        act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=layout,
-                            num_scale_blocks=plan.scale_blocks_bound)
+        token_quantizers.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan),
+                                          a_offsets=plan.a_offsets, scale_layout=layout,
+                                          num_scale_blocks=plan.scale_blocks_bound)
+        token_quantizers.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=layout,
+                                         num_scale_blocks=plan.scale_blocks_bound)
         h2 = torch.randn(plan.num_grouped_rows, 2 * i, device="cuda")
-        act.swiglu_quantize(h2, fmt, gate_up_layout="concat" if fmt == "fp8_block" else "interleaved",
-                            a_offsets=plan.a_offsets, expert_ids=plan.expert_ids, scale_layout=layout,
-                            num_scale_blocks=plan.scale_blocks_bound)
+        token_quantizers.swiglu_quantize(h2, fmt, gate_up_layout="concat" if fmt == "fp8_block" else "interleaved",
+                                         a_offsets=plan.a_offsets, expert_ids=plan.expert_ids, scale_layout=layout,
+                                         num_scale_blocks=plan.scale_blocks_bound)
     moegemm.unpermute_tokens(torch.randn(plan.num_grouped_rows, h, device="cuda"), plan)
     for fmt in ("mxfp8", "fp8_block", "mxfp4"):
         layer = moegemm.MoE(h, i, e, top_k, fmt=fmt, device="cuda").load_experts(

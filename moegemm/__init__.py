@@ -9,20 +9,21 @@ from . import (
                        reference,
                        routing,
 )
-from .activation import gather_quantize, interleave_gate_up, quantize, swiglu_quantize
 from .formats import FORMATS, Format, get_format
+from .gate_up import interleave_gate_up
 from .layer_forward import moe_forward
 from .moe import MoE
 from .ops import BACKENDS, available_backends, grouped_matmul, grouped_matmul_swiglu
 from .quantize import (
-                       QuantizedTensor,
                        dequantize,
                        dequantize_operand,
                        prepack_weights,
                        quantize_weights,
                        unpack_weights,
 )
+from .quantized_tensor import QuantizedTensor
 from .routing import RoutingPlan, permute_tokens, route, select_experts, unpermute_tokens
+from .token_quantizers import gather_quantize, quantize, swiglu_quantize
 
 __version__ = "0.1.0"
 

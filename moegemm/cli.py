@@ -12,11 +12,11 @@ import time
 import torch
 
 from . import __version__, benchmark, ops, reference
-from .activation import quantize
 from .formats import FORMATS
 from .layer_forward import moe_forward
 from .moe import MoE
 from .quantize import quantize_weights
+from .token_quantizers import quantize
 from .validation import validate_grouped_matmul
 
 # A DeepSeek-V3-like up projection (N=4096, K=7168) over a few experts with ragged, unaligned

@@ -57,10 +57,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import activation as act
 from . import routing
 from .formats import FORMATS, get_format
-from .quantize import QuantizedTensor, absolute_max, nvfp4_global_scale
+from .quantize import absolute_max, nvfp4_global_scale
+from .quantized_tensor import QuantizedTensor
+from .token_quantizers import gather_quantize
 
 __all__ = ["EP_PATHS", "Dispatched", "check_agreement", "combine", "dispatch", "expert_range", "group_global_scale",
            "rank_and_size"]
@@ -325,7 +326,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if group_amax:  # (the rule of group_global_scale, on the amaxes already exchanged)
         global_scale = (nvfp4_global_scale(received[:, -1].contiguous().view(torch.float64).amax().float())
                         if checked else group_global_scale(x, group))
-    tokens = act.gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
+    tokens = gather_quantize(x, f.name, global_scale=global_scale)  # plain layout, one pass over x
     weights = topk_weights if topk_weights is not None else torch.ones(topk_ids.shape, device=device)
     layout = _row_layout(tokens, top_k)
     packed = _pack(tokens, layout, topk_ids, weights)

@@ -12,7 +12,7 @@ from . import layouts
 from .config import MX_FORMATS, E2m1Config, Mxfp8Config, sm90_mx_config
 from .formats import E2M1, E4M3, get_format
 from .kernels import sm90
-from .quantize import QuantizedTensor, allocate_a_operand, as_quantized
+from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
 from .token_forms import TokenForm
 
 

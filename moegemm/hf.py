@@ -70,12 +70,13 @@ from dataclasses import dataclass, field
 import torch
 
 from . import graphed, optimizer_steps
-from .activation import swiglu
 from .formats import get_format
+from .gate_up import swiglu
 from .layer_forward import moe_forward
 from .moe import MoE
 from .ops import BACKENDS
-from .quantize import QuantizedTensor, dequantize_operand
+from .quantize import dequantize_operand
+from .quantized_tensor import QuantizedTensor
 from .training import experts_with_grad
 from .validation import readable_weights
 

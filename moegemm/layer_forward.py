@@ -32,13 +32,13 @@ from typing import NamedTuple
 
 import torch
 
-from . import activation as act
-from . import config, distributed, layouts
+from . import config, distributed, layouts, token_quantizers
 from .formats import get_format
 from .fused import fused_pays, fused_supports
+from .gate_up import check_activation
 from .ops import grouped_matmul, grouped_matmul_swiglu, resolve_backend
 from .problem import GroupedProblem
-from .quantize import QuantizedTensor
+from .quantized_tensor import QuantizedTensor
 from .routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
 from .token_forms import TokenForm, token_form
 from .validation import check_no_grad
@@ -218,7 +218,7 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
                   down_bias=down_bias, gate_up_scales=gate_up_scales, down_scales=down_scales, w_gate_up=w_gate_up.data,
                   w_down=w_down.data)
     fmt = w_gate_up.fmt
-    act.check_activation(activation, gate_up_layout)
+    check_activation(activation, gate_up_layout)
     if w_gate_up.scales is not None and (w_gate_up.scale_layout != w_down.scale_layout):
         raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
     layout = w_gate_up.scale_layout if w_gate_up.scales is not None else "plain"  # the tokens follow the weights
@@ -241,9 +241,9 @@ def _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, *, activation, ga
     if given:
         a = _place_tokens(x, plan, layout, aso, bound)
     else:
-        a = act.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
-                                 a_scale_offsets=aso, scale_layout=steps.up_form or layout, num_scale_blocks=bound,
-                                 global_scale=input_global_scale)
+        a = token_quantizers.scatter_quantize(x, fmt, plan.grouped_row, row_experts(plan), a_offsets=plan.a_offsets,
+                                              a_scale_offsets=aso, scale_layout=steps.up_form or layout,
+                                              num_scale_blocks=bound, global_scale=input_global_scale)
     mid = grouped_matmul_swiglu(
         a, w_gate_up, None, None, plan.a_offsets, plan.expert_ids, fmt=fmt, out_fmt=fmt, activation=activation,
         a_scale_offsets=aso, expert_scales=gate_up_scales, bias=gate_up_bias, scale_layout=layout,

@@ -9,9 +9,9 @@
     torch.ops.moegemm.moe_forward             -> [T, H]
 
 The public Python functions call these ops when torch.compile traces them (dynamo cannot
-trace a Triton/Gluon launch); eager calls go straight to the implementation. The grouped
-matmuls' traced calls are registered here (compile_boundary.register_traced), and their ops'
-bodies run the implementations (`grouped_matmul.eager`), never the public functions. A missing scale
+trace a Triton/Gluon launch); eager calls go straight to the implementation. For the ops
+declared with compile_boundary.traced_as, this module registers what a traced call runs
+(register_traced), and the op's body runs the implementation (`public.eager`). A missing scale
 or global scale travels as an empty tensor, since an op cannot return None. Fakes compute
 every output shape from the input shapes alone, as the kernels' host code does: no device
 value is read (the sizes are bounds of T*k and E). The layer is inference-only: no autograd.
@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from . import activation as act
+from . import layouts
 from .compile_boundary import register_traced
 from .formats import get_format
+from .gate_up import check_activation
 from .layer_forward import _moe_forward
 from .ops import grouped_matmul, grouped_matmul_swiglu
 from .problem import Operands, operands_of
-from .quantize import QuantizedTensor, allocate_a_operand, as_quantized, quantized_from_op, quantized_to_op
+from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized, quantized_from_op, quantized_to_op
 from .routing import RoutingPlan, route, unpermute_tokens
 from .token_forms import TokenForm
+from .token_quantizers import gather_quantize, swiglu_quantize
 
 __all__: list[str] = []
 
@@ -124,7 +126,7 @@ def _traced_grouped_matmul_swiglu(a, b, a_scales, b_scales, a_offsets, expert_id
                                   bias=None, scale_layout=None, out_scale_layout=None, num_scale_blocks=None,
                                   out_global_scale=None, alpha=1.702, limit=7.0, fused=True, backend="auto"):
     """grouped_matmul_swiglu as torch.compile traces it: one grouped_matmul_swiglu op."""
-    act.check_activation(activation, gate_up_layout)
+    check_activation(activation, gate_up_layout)
     operands = operands_of(a, b, a_scales, b_scales, a_offsets, fmt=fmt, scale_layout=scale_layout,
                            expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
     if out_scale_layout is None:
@@ -150,8 +152,8 @@ register_traced("grouped_matmul_swiglu", _traced_grouped_matmul_swiglu)
 def gather_quantize_op(x: torch.Tensor, fmt: str, src_rows: torch.Tensor | None, a_offsets: torch.Tensor | None,
                        a_scale_offsets: torch.Tensor | None, scale_layout: str, num_scale_blocks: int | None,
                        global_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = act.gather_quantize(x, fmt, src_rows, a_offsets=a_offsets, a_scale_offsets=a_scale_offsets,
-                            scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale)
+    q = gather_quantize.eager(x, fmt, src_rows, a_offsets=a_offsets, a_scale_offsets=a_scale_offsets,
+                              scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     data, scales, g = quantized_to_op(q, x)
     return (data.clone() if data is x else data), scales, g
 
@@ -163,16 +165,39 @@ def _(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout, num_scale_bloc
     return _fake_a_operand(fmt, rows, x.shape[1], scale_layout == "swizzled", num_scale_blocks, groups, x)
 
 
+def _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets):
+    """The a_scale_offsets a traced quantizer passes its op and returns: as the eager call derives
+    them for swizzled scales. The ops write plain or swizzled scales only, not token forms."""
+    if isinstance(scale_layout, TokenForm):
+        raise ValueError("scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
+                         "there, writes them)")
+    if scale_layout == "swizzled" and a_scale_offsets is None and a_offsets is not None:
+        return layouts.a_scale_offsets(a_offsets)
+    return a_scale_offsets
+
+
+def _traced_gather_quantize(x, fmt, src_rows=None, *, a_offsets=None, a_scale_offsets=None, scale_layout="plain",
+                            num_scale_blocks=None, global_scale=None) -> QuantizedTensor:
+    """A traced gather_quantize: its op, the outputs as the QuantizedTensor of the eager call."""
+    a_scale_offsets = _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets)
+    outputs = torch.ops.moegemm.gather_quantize(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout,
+                                                num_scale_blocks, global_scale)
+    return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets, a_scale_offsets)
+
+
+register_traced("gather_quantize", _traced_gather_quantize)
+
+
 @torch.library.custom_op("moegemm::swiglu_quantize", mutates_args=())
 def swiglu_quantize_op(h: torch.Tensor, fmt: str, activation: str, gate_up_layout: str, bias: torch.Tensor | None,
                        a_offsets: torch.Tensor | None, expert_ids: torch.Tensor | None,
                        a_scale_offsets: torch.Tensor | None, scale_layout: str, num_scale_blocks: int | None,
                        global_scale: torch.Tensor | None, alpha: float,
                        limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = act.swiglu_quantize(h, fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
-                            a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets,
-                            scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale,
-                            alpha=alpha, limit=limit)
+    q = swiglu_quantize.eager(h, fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
+                              a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets,
+                              scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
+                              global_scale=global_scale, alpha=alpha, limit=limit)
     return quantized_to_op(q, h)
 
 
@@ -183,12 +208,26 @@ def _(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids, a_scale_o
     return _fake_a_operand(fmt, h.shape[0], h.shape[1] // 2, scale_layout == "swizzled", num_scale_blocks, groups, h)
 
 
+def _traced_swiglu_quantize(h, fmt, *, gate_up_layout, activation="swiglu", bias=None, a_offsets=None,
+                            expert_ids=None, a_scale_offsets=None, scale_layout="plain", num_scale_blocks=None,
+                            global_scale=None, alpha=1.702, limit=7.0) -> QuantizedTensor:
+    """A traced swiglu_quantize: its op, the outputs as the QuantizedTensor of the eager call."""
+    a_scale_offsets = _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets)
+    outputs = torch.ops.moegemm.swiglu_quantize(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids,
+                                                a_scale_offsets, scale_layout, num_scale_blocks, global_scale,
+                                                alpha, limit)
+    return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets, a_scale_offsets)
+
+
+register_traced("swiglu_quantize", _traced_swiglu_quantize)
+
+
 # ---- routing -----------------------------------------------------------------------------
 
 @torch.library.custom_op("moegemm::route", mutates_args=())
 def route_op(topk_ids: torch.Tensor, num_experts: int, backend: str) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = route(topk_ids, num_experts, None, backend=backend)
+    plan = route.eager(topk_ids, num_experts, None, backend=backend)
     expert_of_row = plan.expert_of_row
     if expert_of_row is None:
         expert_of_row = topk_ids.new_empty(plan.num_grouped_rows, dtype=torch.int32)
@@ -206,19 +245,40 @@ def _(topk_ids, num_experts, backend):
             new(t * k, dtype=torch.int32))
 
 
+def _traced_route(topk_ids, num_experts, topk_weights=None, *, backend="auto") -> RoutingPlan:
+    """A traced route: its op, the outputs as the RoutingPlan of the eager call."""
+    tensors = torch.ops.moegemm.route(topk_ids, num_experts, backend)
+    return RoutingPlan(*tensors[:6], topk_weights, tensors[6])
+
+
+register_traced("route", _traced_route)
+
+
 @torch.library.custom_op("moegemm::unpermute_tokens", mutates_args=())
 def unpermute_tokens_op(y: torch.Tensor, token_index: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor,
                         a_offsets: torch.Tensor, expert_ids: torch.Tensor, a_scale_offsets: torch.Tensor,
                         expert_of_row: torch.Tensor | None, topk_weights: torch.Tensor | None,
                         expert_bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
     plan = RoutingPlan(token_index, grouped_row, valid, a_offsets, expert_ids, a_scale_offsets, None, expert_of_row)
-    return unpermute_tokens(y, plan, topk_weights, out_dtype, expert_bias=expert_bias, backend=backend)
+    return unpermute_tokens.eager(y, plan, topk_weights, out_dtype, expert_bias=expert_bias, backend=backend)
 
 
 @unpermute_tokens_op.register_fake
 def _(y, token_index, grouped_row, valid, a_offsets, expert_ids, a_scale_offsets, expert_of_row, topk_weights,
       expert_bias, out_dtype, backend):
     return y.new_empty(grouped_row.shape[0], y.shape[1], dtype=out_dtype)
+
+
+def _traced_unpermute_tokens(y, plan, topk_weights=None, out_dtype=None, *, expert_bias=None,
+                             backend="auto") -> torch.Tensor:
+    """A traced unpermute_tokens: its op on the plan's tensors."""
+    return torch.ops.moegemm.unpermute_tokens(
+        y, plan.token_index, plan.grouped_row, plan.valid, plan.a_offsets, plan.expert_ids, plan.a_scale_offsets,
+        plan.expert_of_row, topk_weights if topk_weights is not None else plan.topk_weights, expert_bias,
+        out_dtype or y.dtype, backend)
+
+
+register_traced("unpermute_tokens", _traced_unpermute_tokens)
 
 
 # ---- the layer -------------------------------------------------------------------------

@@ -23,14 +23,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from . import activation as act
 from . import distributed, graphed, layer_state, layouts
 from .formats import PREPACK_BY_DEFAULT, PREPACK_FORMATS, get_format
+from .gate_up import check_activation, deinterleave_gate_up, interleave_gate_up
 from .layer_forward import moe_forward, moe_forward_received
 from .layer_state import gate_up_layout, weight_scale_layout
 from .ops import available_backends
 from .prepack import PREPACK_K, PREPACK_ROWS
-from .quantize import QuantizedTensor, dequantize_operand, prepack_weights, quantize_weights
+from .quantize import dequantize_operand, prepack_weights, quantize_weights
+from .quantized_tensor import QuantizedTensor
 from .routing import ROUTERS, select_experts
 
 __all__ = ["MoE", "moe_forward", "moe_forward_received", "ROUTERS"]
@@ -102,7 +103,7 @@ class MoE(torch.nn.Module):
                  prepack: bool | None = None, device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        act.check_activation(activation)
+        check_activation(activation)
         if router not in ROUTERS:
             raise ValueError(f"router: expected one of {list(ROUTERS)}, got {router!r}")
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
@@ -266,7 +267,7 @@ class MoE(torch.nn.Module):
             self._check_weight("gate_up", gate_up, (e, 2 * i, h))
             if gate_up_order not in ("concat", "interleaved"):
                 raise ValueError(f"gate_up_order: expected 'concat' or 'interleaved', got {gate_up_order!r}")
-            gate, up = gate_up.chunk(2, dim=1) if gate_up_order == "concat" else act.deinterleave_gate_up(gate_up)
+            gate, up = gate_up.chunk(2, dim=1) if gate_up_order == "concat" else deinterleave_gate_up(gate_up)
         self._check_weight("down", down, (e, h, i))
         if gate_up_bias is not None and gate_up_order == "interleaved":
             gate_bias, up_bias = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
@@ -313,7 +314,7 @@ class MoE(torch.nn.Module):
         """gate, up [E, I, X] -> the [E, 2I, X] row order of this format."""
         if self.gate_up_layout == "concat":
             return torch.cat((gate, up), dim=1)
-        return act.interleave_gate_up(gate.contiguous(), up.contiguous())
+        return interleave_gate_up(gate.contiguous(), up.contiguous())
 
     @torch.no_grad()
     def load_fp8_block(self, *, gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv):

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .activation import check_activation, swiglu_quantize
 from .compile_boundary import traced_as
 from .formats import get_format
 from .fused import launch_fused
+from .gate_up import check_activation
 from .kernels.tl_source import interpreter_usable
 from .plan import BACKENDS, SwigluOutput, available_backends, plan_for, resolve_backend
 from .problem import GroupedProblem, operands_of
-from .quantize import QuantizedTensor
+from .quantized_tensor import QuantizedTensor
 from .token_forms import KernelTokens, TokenForm
+from .token_quantizers import swiglu_quantize
 from .validation import check_no_grad
 
 __all__ = ["grouped_matmul", "grouped_matmul_swiglu", "BACKENDS", "available_backends", "interpreter_usable",

@@ -1,15 +1,13 @@
 """Block quantizers and dequantizers for every format (pure PyTorch, any device).
 
 reference_quantize(x, fmt) activations [M, K]   -> A operand + A scales (the reference of
-                                                   moegemm.quantize, activation.py, which runs
-                                                   one kernel pass on CUDA with these bytes)
+                                                   moegemm.quantize, token_quantizers.py, which
+                                                   runs one kernel pass on CUDA with these bytes)
 quantize_weights(w, fmt)  weights     [E, N, K] -> B operand + B scales
 dequantize(q)             either one            -> fp32 values (global scale included)
 prepack_weights(w)        B operand             -> its codes in the sm90 decoding kernel's order
 
-Beside them, the storage of an A operand as the kernels write it (allocate_a_operand,
-as_quantized) and a QuantizedTensor as a torch.library op returns it (quantized_to_op,
-quantized_from_op).
+Each returns or takes a QuantizedTensor (quantized_tensor.py).
 
 Encodings per docs/contract.md section 3 (codecs.py holds the element rules):
 - fp8_block: scale = amax / 448 in fp32 per 1x128 (A) or 128x128 (B) block (partial edge
@@ -25,87 +23,26 @@ Encodings per docs/contract.md section 3 (codecs.py holds the element rules):
 
 from __future__ import annotations
 
-import math
-import operator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from . import codecs, layouts, prepack
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, Format, OperandFormat, get_format
+from .quantized_tensor import QuantizedTensor
 from .token_forms import TokenForm, dequantize_tokens
 
-__all__ = ["QuantizedTensor", "check_activations", "reference_quantize", "quantize_weights", "prepack_weights",
-           "unpack_weights", "dequantize", "dequantize_operand",
-           "allocate_a_operand", "as_quantized", "quantized_to_op", "quantized_from_op"]
+__all__ = [
+    "check_activations",
+    "dequantize",
+    "dequantize_operand",
+    "prepack_weights",
+    "quantize_weights",
+    "reference_quantize",
+    "unpack_weights",
+]
 
 _NVFP4_GLOBAL_DIVISOR = 448.0 * 6.0  # e4m3 max times e2m1 max
-
-
-@dataclass(frozen=True)
-class QuantizedTensor:
-    """A quantized operand exactly as `grouped_matmul` consumes it.
-
-    data:          A [M, K] / packed [M, K/2];  B [E, N, K] / packed [E, N, K/2]
-    scales:        None for bf16 (and a weight-only format's A); otherwise in `scale_layout`
-    scale_layout:  "plain" or "swizzled" (docs/contract.md section 5); for A also a TokenForm,
-                   the form an sm90 kernel reads (token_forms.py): data e4m3 or bf16 [M, K],
-                   scales fp32 K-block-major or None, placed by a_offsets
-    global_scale:  nvfp4 only (bf16_nvfp4: B only): fp32 scalar (A) or [E] (B); fold into expert_scales
-    a_offsets:     swizzled A and token forms: the group offsets the rows were placed by
-    a_scale_offsets: swizzled A: where each slot's scale tiles start (layouts.a_scale_offsets of
-                   a_offsets), so that the products need not derive them again
-    prepacked:     B only: data in moegemm.prepack's order (prepack_weights), the shape and dtype
-                   of the plain order; the scales keep their layout
-    """
-
-    data: torch.Tensor
-    scales: torch.Tensor | None
-    fmt: str
-    operand: str  # "a" or "b"
-    scale_layout: str | TokenForm = "plain"
-    global_scale: torch.Tensor | None = None
-    a_offsets: torch.Tensor | None = None
-    a_scale_offsets: torch.Tensor | None = None
-    prepacked: bool = False
-
-    @property
-    def k(self) -> int:
-        if isinstance(self.scale_layout, TokenForm):
-            return self.data.shape[-1]
-        operand = get_format(self.fmt).a if self.operand == "a" else get_format(self.fmt).b
-        return operand.logical_k(self.data.shape[-1])
-
-    def experts(self, first: int, last: int) -> QuantizedTensor:
-        """Weights only: experts [first, last) with every field kept (codes, scales in their
-        layout, per-expert global scales, prepacked order), views of this tensor's storage. The
-        way to cut a rank's share (expert parallelism): a QuantizedTensor rebuilt by hand from
-        its tensors loses what its fields record (e.g. that prepacked codes are prepacked, which
-        no kernel could tell from the bytes). first and last: ints, numpy integers or 0-d integer
-        tensors, as torch's indexing takes them."""
-        if self.operand != "b":
-            raise ValueError(f"experts: only weights (operand 'b') have experts, this is operand {self.operand!r}")
-        first, last = _expert_index(first, "first"), _expert_index(last, "last")
-        count = self.data.shape[0]
-        if not 0 <= first <= last <= count:
-            raise ValueError(f"first, last: expected 0 <= first <= last <= {count} (the experts), got {first!r}, "
-                             f"{last!r}")
-        return replace(self, data=self.data[first:last],
-                       scales=None if self.scales is None else self.scales[first:last],
-                       global_scale=None if self.global_scale is None or self.global_scale.dim() == 0
-                       else self.global_scale[first:last])
-
-
-def _expert_index(value, name: str) -> int:
-    """An expert bound as an int: anything operator.index takes (int, numpy integer, 0-d integer
-    tensor) but the bools it takes too (Python's and torch's) and tensors of more dimensions."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() or value.dtype == torch.bool)):
-        raise TypeError(f"{name}: expected an integer (int, numpy integer or 0-d integer tensor), got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer (int, numpy integer or 0-d integer tensor), got "
-                        f"{value!r}") from None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -417,67 +354,3 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         global_scale=q.global_scale,
         dtype=dtype,
     )
-
-
-# ---- the A operand as the kernels write it, and as the torch.library ops return it ----------
-
-def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
-                       num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
-    fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
-    number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
-    op = get_format(fmt_name).a
-    if op.element is E2M1:
-        data = torch.empty(rows, k // 2, dtype=torch.uint8, device=device)
-    elif op.element is E4M3:
-        data = torch.empty(rows, k, dtype=torch.uint8, device=device)
-    else:
-        data = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
-    if op.scale is None:
-        return data, None, 0
-    nkb = math.ceil(k / op.block_k)
-    if swizzled:
-        if num_scale_blocks is None:
-            num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
-        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
-        return data, scales, num_scale_blocks * layouts.ROWS_PER_BLOCK
-    dtype = torch.float32 if op.scale == "fp32" else torch.uint8
-    return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
-
-
-def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets,
-                 a_scale_offsets=None) -> QuantizedTensor:
-    """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor (swizzled
-    scales placed by a_offsets, their slots' tiles starting at a_scale_offsets)."""
-    f = get_format(fmt_name)
-    op = f.a
-    if op.element is E4M3:
-        data = data.view(torch.float8_e4m3fn)
-    if scales is not None and op.scale == "e8m0":
-        scales = scales.view(torch.float8_e8m0fnu)
-    elif scales is not None and op.scale == "e4m3":
-        scales = scales.view(torch.float8_e4m3fn)
-    layout = "swizzled" if swizzled else "plain"
-    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.a.global_scale else None,
-                           a_offsets if swizzled else None, a_scale_offsets if swizzled else None)
-
-
-def quantized_to_op(q: QuantizedTensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A QuantizedTensor as the torch.library ops return it: (data, scales or empty, global scale
-    or empty), since an op cannot return None."""
-    # Outputs must not alias an input (the global scale may be the caller's) nor one another.
-    return (q.data, q.scales if q.scales is not None else like.new_empty(0, dtype=torch.float32),
-            q.global_scale.reshape(()).clone() if q.global_scale is not None else like.new_empty(0, dtype=torch.float32))
-
-
-def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets, a_scale_offsets=None) -> QuantizedTensor:
-    """Inverse of quantized_to_op for an A operand of `fmt` (swizzled scales placed by a_offsets,
-    their slots' tiles starting at a_scale_offsets where given)."""
-    data, scales, global_scale = outputs
-    f = get_format(fmt)
-    scales = scales if f.a.scale is not None else None
-    global_scale = global_scale if f.a.global_scale else None
-    layout = "swizzled" if swizzled and scales is not None else "plain"
-    placed = layout == "swizzled"
-    return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if placed else None,
-                           a_scale_offsets if placed else None)

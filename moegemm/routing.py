@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from . import layouts
-from .kernels import routing as kernels
+from .compile_boundary import traced_as
+from .kernels import routing_kernels as kernels
 from .kernels import tl_source
 
 __all__ = [
@@ -127,6 +128,7 @@ def _use_triton(backend: str, device: torch.device) -> bool:
                      + tl_source.interpreter_note(device))
 
 
+@traced_as("route")
 def route(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -135,9 +137,6 @@ def route(
     backend: str = "auto",
 ) -> RoutingPlan:
     """Sort the T*k router choices by expert (stable: token order within an expert)."""
-    if torch.compiler.is_compiling():  # traced as one opaque op (moegemm/library.py)
-        tensors = torch.ops.moegemm.route(topk_ids, num_experts, backend)
-        return RoutingPlan(*tensors[:6], topk_weights, tensors[6])
     _check_route_args(topk_ids, num_experts, topk_weights)
     if not _use_triton(backend, topk_ids.device):
         return _route_torch(topk_ids, num_experts, topk_weights)
@@ -271,6 +270,7 @@ def _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias):
     return weights
 
 
+@traced_as("unpermute_tokens")
 def unpermute_tokens(
     y: torch.Tensor,
     plan: RoutingPlan,
@@ -286,11 +286,6 @@ def unpermute_tokens(
     e.g. gpt-oss's down_proj bias) is added to each choice's row before its weight. Dropped
     choices add nothing, even when their rows of y hold garbage.
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.moegemm.unpermute_tokens(
-            y, plan.token_index, plan.grouped_row, plan.valid, plan.a_offsets, plan.expert_ids, plan.a_scale_offsets,
-            plan.expert_of_row, topk_weights if topk_weights is not None else plan.topk_weights, expert_bias,
-            out_dtype or y.dtype, backend)
     weights = _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias)
     if not _use_triton(backend, y.device):
         return _unpermute_torch(y, plan, weights, out_dtype, expert_bias)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .activation import check_activation, swiglu
+from .gate_up import check_activation, swiglu
 from .ops import grouped_matmul
 from .routing import route, scatter_tokens, sum_rows, unpermute_tokens
 from .validation import readable_weights

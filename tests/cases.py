@@ -265,5 +265,5 @@ def dequantized_experts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if layer.gate_up_layout == "concat":
         gate, up = gate_up.chunk(2, dim=1)
     else:
-        gate, up = moegemm.activation.deinterleave_gate_up(gate_up)
+        gate, up = moegemm.gate_up.deinterleave_gate_up(gate_up)
     return gate, up, down

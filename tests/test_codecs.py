@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moegemm import activation, codecs
-from moegemm.kernels import portable, tl_source
+from moegemm import codecs
+from moegemm.kernels import portable, quantize_kernels, tl_source
 
 
 def f32(x: float) -> float:
@@ -257,7 +257,8 @@ def test_each_kernel_file_calls_the_codecs_of_its_mode():
     compiled, interpreted = (tl_source.load(TL_CODECS, mode) for mode in (False, True))
     assert compiled is not interpreted
     assert portable.kernel_module(False).codecs is compiled and portable.kernel_module(True).codecs is interpreted
-    assert activation._kernels(False).codecs is compiled and activation._kernels(True).codecs is interpreted
-    assert activation._kernels(True)._portable is portable.kernel_module(True)
+    assert quantize_kernels.kernel_module(False).codecs is compiled
+    assert quantize_kernels.kernel_module(True).codecs is interpreted
+    assert quantize_kernels.kernel_module(True)._portable is portable.kernel_module(True)
     with pytest.raises(RuntimeError, match="tl_source.load"):
         tl_source.interpreted()  # (a mode belongs to a file being loaded)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moegemm
-from moegemm import activation as act
+from moegemm.gate_up import reference_activation
 
 FUSED_OUT = ("bf16", "mxfp8", "nvfp4", "mxfp4")
 
@@ -107,7 +107,7 @@ def test_fused_swiglu_epilogue_matches_unfused(fmt, out_fmt, case):
     h32 = moegemm.grouped_matmul(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fmt=fmt,
                                  expert_scales=kw["expert_scales"], scale_layout=layout, out_dtype=torch.float32,
                                  backend="sm90")
-    y32 = act._reference_activation(h32, activation, "interleaved", bias, offsets, expert_ids, 1.702, 7.0)
+    y32 = reference_activation(h32, activation, "interleaved", bias, offsets, expert_ids, 1.702, 7.0)
     valid = torch.zeros(m, dtype=torch.bool, device="cuda")
     for g, x in enumerate(ids):
         if x >= 0:

@@ -107,3 +107,48 @@ def test_quantize_kernel_compiles_fullgraph(fmt, layout):
         if b is not None:
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                                                       b.view(torch.uint8) if b.element_size() == 1 else b), name
+
+
+def test_traced_public_ops_run_their_op_once(monkeypatch):
+    """While torch.compile traces, route, unpermute_tokens, gather_quantize and swiglu_quantize
+    each call their op (compile_boundary.traced_as), whose body runs the implementation and not
+    the public function again: one op a call, and the eager call's every field."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "moegemm":
+                self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    fmt = "mxfp8"
+    x, ids, _ = _routed(fmt)
+    weights, bias = torch.rand(9, 2), torch.randn(4, 128)
+    y, h = torch.randn(18, 16), torch.randn(18, 128)
+
+    def calls():
+        plan = moegemm.route(ids, 4, weights)
+        a = moegemm.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout="swizzled")
+        mid = moegemm.swiglu_quantize(h, fmt, gate_up_layout="interleaved", activation="swiglu_oai", bias=bias,
+                                      a_offsets=plan.a_offsets, expert_ids=plan.expert_ids, scale_layout="swizzled",
+                                      num_scale_blocks=plan.scale_blocks_bound)
+        return plan, a, mid, moegemm.unpermute_tokens(y, plan, out_dtype=torch.float32)
+
+    want = calls()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with OpNames() as ops:
+        got = calls()
+    assert ops.names == ["route", "gather_quantize", "swiglu_quantize", "unpermute_tokens"]
+    for name in ("token_index", "grouped_row", "valid", "a_offsets", "expert_ids", "a_scale_offsets", "topk_weights",
+                 "expert_of_row"):
+        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
+    for g, w in zip(got[1:3], want[1:3]):
+        assert (g.fmt, g.scale_layout) == (w.fmt, w.scale_layout)
+        for name in ("data", "scales", "a_offsets", "a_scale_offsets"):
+            assert torch.equal(getattr(g, name).view(torch.uint8) if name != "a_offsets" else getattr(g, name),
+                               getattr(w, name).view(torch.uint8) if name != "a_offsets" else getattr(w, name)), name
+    assert torch.equal(got[3], want[3])

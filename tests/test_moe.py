@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import moegemm
-from moegemm import activation as act
+from moegemm.gate_up import ACTIVATIONS, GATE_UP_LAYOUTS, deinterleave_gate_up, swiglu
+from moegemm.kernels import quantize_kernels
 from moegemm.kernels.tl_source import interpreter_usable
+from moegemm.token_quantizers import gather_quantize, scatter_quantize, swiglu_quantize, token_of_row
 
 from cases import dequantized_experts
 
@@ -38,7 +40,7 @@ def test_interleave_gate_up_round_trip():
     both = moegemm.interleave_gate_up(gate, up)
     assert both.shape == (3, 10, 8)
     assert torch.equal(both[:, 0::2], gate) and torch.equal(both[:, 1::2], up)
-    g, u = act.deinterleave_gate_up(both)
+    g, u = deinterleave_gate_up(both)
     assert torch.equal(g, gate) and torch.equal(u, up)
     with pytest.raises(ValueError, match="up"):
         moegemm.interleave_gate_up(gate, up[:, :4])
@@ -56,10 +58,10 @@ def _rows(m, k, device="cpu"):
 @pytest.mark.parametrize("fmt", LAYER_FORMATS)
 def test_gather_quantize_is_bitwise_quantize(fmt):
     x = _rows(29, 160)
-    q = act.gather_quantize(x, fmt)
+    q = gather_quantize(x, fmt)
     assert_same_quantized(q, moegemm.reference.quantize(x, fmt, global_scale=q.global_scale))
     src = torch.randint(0, 29, (41,))
-    q = act.gather_quantize(x, fmt, src)
+    q = gather_quantize(x, fmt, src)
     assert_same_quantized(q, moegemm.reference.quantize(x[src], fmt, global_scale=q.global_scale))
 
 
@@ -69,19 +71,19 @@ def test_gather_quantize_swizzled_places_each_group(fmt):
     x = _rows(37, 96)
     offsets = torch.tensor([0, 5, 5, 30, 37], dtype=torch.int32)  # an empty group, rows past 30 in one
     src = torch.randint(0, 37, (37,))
-    q = act.gather_quantize(x, fmt, src, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7)
+    q = gather_quantize(x, fmt, src, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7)
     r = moegemm.reference.quantize(x[src], fmt, a_offsets=offsets, scale_layout="swizzled", num_scale_blocks=7,
                                    global_scale=q.global_scale)
     assert_same_quantized(q, r)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("activation", act.ACTIVATIONS)
-@pytest.mark.parametrize("layout", act.GATE_UP_LAYOUTS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", GATE_UP_LAYOUTS)
 def test_swiglu_quantize_bf16_matches_torch(activation, layout):
     h = torch.randn(23, 96) * 4
-    q = act.swiglu_quantize(h, "bf16", activation=activation, gate_up_layout=layout)
-    ref = act.swiglu(h, activation, gate_up_layout=layout)
+    q = swiglu_quantize(h, "bf16", activation=activation, gate_up_layout=layout)
+    ref = swiglu(h, activation, gate_up_layout=layout)
     torch.testing.assert_close(q.data.float(), ref.to(torch.bfloat16).float(), rtol=2e-2, atol=1e-5)
 
 
@@ -99,7 +101,7 @@ def check_pair_words_match_pairs(fmt, device):
     for bias in (None, torch.randn(3, 128, generator=gen).to(device)):
         kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=offsets, expert_ids=ids, scale_layout="swizzled",
                       gate_up_layout="interleaved")
-        q, r = (act.swiglu_quantize(x, fmt, **kwargs) for x in (h, strided))
+        q, r = (swiglu_quantize(x, fmt, **kwargs) for x in (h, strided))
         assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))  # (bits: NaN is kept)
         assert (q.scales is None) == (r.scales is None)
         if q.scales is not None:
@@ -128,13 +130,13 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     ids = torch.tensor([2, -1, 0], dtype=torch.int32)
     bias = torch.randn(3, 128)
     layout = "plain" if fmt == "fp8_block" else "swizzled"
-    q = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", activation="swiglu_oai", bias=bias,
-                            a_offsets=offsets, expert_ids=ids,
-                            scale_layout=layout, global_scale=1.0 if fmt == "nvfp4" else None)
+    q = swiglu_quantize(h, fmt, gate_up_layout="interleaved", activation="swiglu_oai", bias=bias,
+                        a_offsets=offsets, expert_ids=ids,
+                        scale_layout=layout, global_scale=1.0 if fmt == "nvfp4" else None)
     hb = h.clone()
     hb[0:10] += bias[2]
     hb[25:33] += bias[0]
-    ref = moegemm.reference.quantize(act.swiglu(hb, "swiglu_oai"), fmt, scale_layout=layout, a_offsets=offsets,
+    ref = moegemm.reference.quantize(swiglu(hb, "swiglu_oai"), fmt, scale_layout=layout, a_offsets=offsets,
                                      num_scale_blocks=q.scales.shape[0] if layout == "swizzled" else None,
                                      global_scale=1.0 if fmt == "nvfp4" else None)
     same = (_bytes(q.data) == _bytes(ref.data)).float().mean().item()
@@ -154,7 +156,7 @@ def _interpreted_e8m0_exponents(amax: torch.Tensor, max_finite: float) -> torch.
     import triton.language as tl
 
     global _interpreted_activation_kernels
-    _interpreted_activation_kernels = act._kernels(True)
+    _interpreted_activation_kernels = quantize_kernels.kernel_module(True)
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
 
@@ -196,7 +198,7 @@ def test_gather_quantize_non_finite_block_gets_the_nan_scale(fmt):
     to NaN; the kernels once stored 2^127 for an infinite amax, i.e. finite values."""
     x = torch.randn(8, 64)
     x[1, 3], x[2, 40], x[3, 5] = float("inf"), float("-inf"), float("nan")
-    q = act.gather_quantize(x, fmt, torch.arange(8))
+    q = gather_quantize(x, fmt, torch.arange(8))
     r = moegemm.reference.quantize(x, fmt)
     assert torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
     assert q.scales.view(torch.uint8)[1, 0] == 255 and q.scales.view(torch.uint8)[2, 1] == 255
@@ -228,8 +230,8 @@ def check_scatter_quantize(fmt, layout, device):
     x[5, 7] = float("nan")
     x[6, 100] = float("inf")
     kwargs = dict(a_offsets=plan.a_offsets, scale_layout=layout, num_scale_blocks=plan.scale_blocks_bound)
-    got = act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), **kwargs)
-    want = act.gather_quantize(x, fmt, plan.token_index, **kwargs)
+    got = scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), **kwargs)
+    want = gather_quantize(x, fmt, plan.token_index, **kwargs)
     offsets, experts = plan.a_offsets.tolist(), plan.expert_ids.tolist()
     slot_rows = torch.zeros(t * k, dtype=torch.bool)
     for g, expert in enumerate(experts):
@@ -270,23 +272,23 @@ def test_token_of_row_is_the_plans_token_index():
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(-1, 7, (29, 4), generator=gen, dtype=torch.int32)  # some dropped
     plan = moegemm.route(ids, 6)
-    assert torch.equal(act.token_of_row(plan.grouped_row), plan.token_index)
+    assert torch.equal(token_of_row(plan.grouped_row), plan.token_index)
 
 
 def test_scatter_quantize_rejects_bad_rows():
     x = torch.randn(4, 64)
     offsets = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="grouped_row"):
-        act.scatter_quantize(x, "fp8_block", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32), a_offsets=offsets)
+        scatter_quantize(x, "fp8_block", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32), a_offsets=offsets)
     with pytest.raises(ValueError, match="grouped_row"):
-        act.scatter_quantize(x, "fp8_block", torch.zeros(3, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int32),
-                             a_offsets=offsets)
+        scatter_quantize(x, "fp8_block", torch.zeros(3, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int32),
+                         a_offsets=offsets)
     with pytest.raises(ValueError, match="row_slot"):
-        act.scatter_quantize(x, "fp8_block", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(7, dtype=torch.int32),
-                             a_offsets=offsets)
+        scatter_quantize(x, "fp8_block", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(7, dtype=torch.int32),
+                         a_offsets=offsets)
     with pytest.raises(ValueError, match="scale_layout"):
-        act.scatter_quantize(x, "fp8_block", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(8, dtype=torch.int32),
-                             a_offsets=offsets, scale_layout="swizzled")
+        scatter_quantize(x, "fp8_block", torch.zeros(4, 2, dtype=torch.int64), torch.zeros(8, dtype=torch.int32),
+                         a_offsets=offsets, scale_layout="swizzled")
 
 
 @needs_interpreter
@@ -302,8 +304,8 @@ def test_swiglu_quantize_nvfp4_default_global_ignores_rows_outside_slots():
     clean[33:] = 0
     h[12], h[30 + 5] = float("inf"), float("nan")  # a skipped slot's row, a row past the last group
     h[37, :64] = 1e30
-    q = act.swiglu_quantize(h, "nvfp4", gate_up_layout="interleaved", a_offsets=offsets, expert_ids=ids)
-    want = act.swiglu_quantize(clean, "nvfp4", gate_up_layout="interleaved", a_offsets=offsets, expert_ids=ids)
+    q = swiglu_quantize(h, "nvfp4", gate_up_layout="interleaved", a_offsets=offsets, expert_ids=ids)
+    want = swiglu_quantize(clean, "nvfp4", gate_up_layout="interleaved", a_offsets=offsets, expert_ids=ids)
     assert torch.isfinite(q.global_scale) and bool(q.global_scale > 0)
     assert torch.equal(q.global_scale, want.global_scale)
     valid = torch.zeros(40, dtype=torch.bool)
@@ -340,7 +342,7 @@ def reference_layer(x, ids, weights, gate, up, down, activation="swiglu", gate_u
             g, u = gate[e].double() @ xt, up[e].double() @ xt
             if gate_up_bias is not None:
                 g, u = g + gate_up_bias[e, 0::2].double(), u + gate_up_bias[e, 1::2].double()
-            hid = act.swiglu(torch.stack((g, u), -1).reshape(1, -1), activation).double()[0]
+            hid = swiglu(torch.stack((g, u), -1).reshape(1, -1), activation).double()[0]
             y = down[e].double() @ hid
             if down_bias is not None:
                 y = y + down_bias[e].double()

@@ -473,11 +473,12 @@ def test_quantize_kernel_reads_strided_offsets():
 def test_quantize_backends(monkeypatch):
     """The CPU's default is the reference (no launch); backend="triton" launches the kernel (Triton's
     interpreter); another backend is named."""
-    from moegemm import activation
+    from moegemm.kernels import quantize_kernels
 
     launched = []
-    real_launch = activation.launch
-    monkeypatch.setattr(activation, "launch", lambda fn, *args: launched.append(fn.__name__) or real_launch(fn, *args))
+    real_launch = quantize_kernels.launch
+    monkeypatch.setattr(quantize_kernels, "launch",
+                        lambda fn, *args: launched.append(fn.__name__) or real_launch(fn, *args))
     x = torch.randn(4, 64)
     want = moegemm.reference.quantize(x, "bf16")
     for backend in ("auto", "reference"):
@@ -496,11 +497,12 @@ def test_quantize_backends(monkeypatch):
 def test_quantize_on_cuda_launches_the_kernel(monkeypatch):
     """Every format's quantize of CUDA tokens is one launch of the activation kernel (nvfp4's
     default global scale: torch's amax on the device, besides)."""
-    from moegemm import activation
+    from moegemm.kernels import quantize_kernels
 
     launched = []
-    real_launch = activation.launch
-    monkeypatch.setattr(activation, "launch", lambda fn, *args: launched.append(fn.__name__) or real_launch(fn, *args))
+    real_launch = quantize_kernels.launch
+    monkeypatch.setattr(quantize_kernels, "launch",
+                        lambda fn, *args: launched.append(fn.__name__) or real_launch(fn, *args))
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     a_offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
     for fmt, layout in KERNEL_CASES:

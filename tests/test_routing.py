@@ -7,7 +7,7 @@ import torch
 
 import moegemm
 from moegemm import routing
-from moegemm.kernels import routing as routing_kernels
+from moegemm.kernels import routing_kernels
 from moegemm.kernels import tl_source
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import moegemm
-from moegemm import activation as act
 from moegemm.formats import get_format
 from moegemm.kernels import tokens as token_passes
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.problem import GroupedProblem
 from moegemm.token_forms import TokenForm, kb_major_column, kb_major_columns, token_form
+from moegemm.token_quantizers import gather_quantize, scatter_quantize, swiglu_quantize
 
 FORMS = [
     ("mxfp8", TokenForm("e4m3")),
@@ -96,12 +96,12 @@ def check_gather(fmt, form, device):
     plan = _routing(t, k, e, device, seed=1)
     gen = torch.Generator().manual_seed(2)
     x = _special_rows(torch.randn(t, hidden, generator=gen) * 4).bfloat16().to(device)
-    got = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=form)
+    got = gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=form)
     assert got.scale_layout == form and got.data.shape == (t * k, hidden) and got.k == hidden
     if form.kind == "e4m3":
         assert got.data.dtype == torch.float8_e4m3fn
         assert got.scales.shape == (hidden // 32, kb_major_columns(t * k, e, form.column_block))
-    q = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
+    q = gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
     _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
 
 
@@ -113,10 +113,10 @@ def check_scatter(fmt, form, device):
     assert not bool(plan.valid.all())
     gen = torch.Generator().manual_seed(5)
     x = _special_rows(torch.randn(t, hidden, generator=gen) * 4).bfloat16().to(device)
-    got = act.scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), a_offsets=plan.a_offsets,
-                               scale_layout=form)
+    got = scatter_quantize(x, fmt, plan.grouped_row, moegemm.routing.row_experts(plan), a_offsets=plan.a_offsets,
+                           scale_layout=form)
     assert got.scale_layout == form and got.data.shape == (t * k, hidden)
-    q = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
+    q = gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets)
     _assert_same(got, fmt, form, q, plan.a_offsets, plan.expert_ids, e)
 
 
@@ -129,8 +129,8 @@ def check_swiglu(fmt, form, device):
     bias = (torch.randn(e, 2 * inner, generator=gen)).to(device)
     kwargs = dict(activation="swiglu_oai", bias=bias, a_offsets=a_offsets, expert_ids=expert_ids, alpha=1.702,
                   limit=7.0)
-    got = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", scale_layout=form, **kwargs)
-    q = act.swiglu_quantize(h, fmt, gate_up_layout="interleaved", **kwargs)
+    got = swiglu_quantize(h, fmt, gate_up_layout="interleaved", scale_layout=form, **kwargs)
+    q = swiglu_quantize(h, fmt, gate_up_layout="interleaved", **kwargs)
     _assert_same(got, fmt, form, q, a_offsets, expert_ids, e)
 
 
@@ -172,13 +172,13 @@ def test_scatter_into_a_token_form_rejects_bad_rows():
     offsets = torch.tensor([0, 8], dtype=torch.int32)
     form = dict(a_offsets=offsets, scale_layout=TokenForm("e4m3"))
     with pytest.raises(TypeError, match="^grouped_row"):
-        act.scatter_quantize(x, "mxfp8", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32), **form)
+        scatter_quantize(x, "mxfp8", torch.zeros(4, 2), torch.zeros(8, dtype=torch.int32), **form)
     with pytest.raises(ValueError, match="^grouped_row"):
-        act.scatter_quantize(x, "mxfp8", torch.zeros(3, 2, dtype=torch.int64),
-                             torch.zeros(6, dtype=torch.int32), **form)
+        scatter_quantize(x, "mxfp8", torch.zeros(3, 2, dtype=torch.int64),
+                         torch.zeros(6, dtype=torch.int32), **form)
     with pytest.raises(ValueError, match="^row_slot"):
-        act.scatter_quantize(x, "mxfp8", torch.zeros(4, 2, dtype=torch.int64),
-                             torch.zeros(7, dtype=torch.int32), **form)
+        scatter_quantize(x, "mxfp8", torch.zeros(4, 2, dtype=torch.int64),
+                         torch.zeros(7, dtype=torch.int32), **form)
 
 
 @pytest.mark.parametrize("form,fmt,name", [(TokenForm("bf16"), "nvfp4", "scale_layout"),
@@ -190,15 +190,15 @@ def test_token_forms_reject_what_no_kernel_reads(form, fmt, name):
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=f"^{name}:"):
-        act.gather_quantize(x, fmt, torch.arange(4), a_offsets=offsets, scale_layout=form)
+        gather_quantize(x, fmt, torch.arange(4), a_offsets=offsets, scale_layout=form)
     with pytest.raises(ValueError, match=f"^{name}:"):
-        act.swiglu_quantize(torch.cat((x, x), 1), fmt, gate_up_layout="interleaved", a_offsets=offsets,
-                            scale_layout=form)
+        swiglu_quantize(torch.cat((x, x), 1), fmt, gate_up_layout="interleaved", a_offsets=offsets,
+                        scale_layout=form)
 
 
 def test_token_form_needs_a_offsets():
     with pytest.raises(ValueError, match="^a_offsets:"):
-        act.gather_quantize(torch.zeros(4, 64), "mxfp8", scale_layout=TokenForm("bf16"))
+        gather_quantize(torch.zeros(4, 64), "mxfp8", scale_layout=TokenForm("bf16"))
 
 
 @pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
@@ -209,8 +209,8 @@ def test_token_forms_dequantize_to_the_operands_values(fmt, form):
     t, k, e, hidden = 23, 3, 5, 320
     plan = _routing(t, k, e, "cpu", seed=6)
     x = (torch.randn(t, hidden, generator=torch.Generator().manual_seed(7)) * 4).bfloat16()
-    got = act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=form)
-    want = moegemm.dequantize(act.gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets))
+    got = gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets, scale_layout=form)
+    want = moegemm.dequantize(gather_quantize(x, fmt, plan.token_index, a_offsets=plan.a_offsets))
     rows = int(plan.a_offsets[-1])
     assert rows > 0 and torch.equal(moegemm.dequantize(got)[:rows], want[:rows])
     assert not moegemm.dequantize(got)[rows:].any()

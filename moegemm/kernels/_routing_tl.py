@@ -12,7 +12,7 @@ Key of a choice: its expert id when in [0, E), else E (dropped: sorted after eve
 flat order). Rows are therefore a stable sort of the keys, as moegemm.routing.route_reference
 computes it. Everything is integer counting, so the result is deterministic.
 
-Like _portable_tl.py this file is executed twice (compiled and interpreted, kernels/routing.py),
+Like _portable_tl.py this file is executed twice (compiled and interpreted, kernels/routing_kernels.py),
 so it calls no @triton.jit function of Triton's standard library (tl.sum, tl.cumsum, ...),
 only builtins (tl.reduce, tl.associative_scan, tl.histogram, tl.gather) and the helpers below.
 """

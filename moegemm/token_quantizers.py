@@ -1,13 +1,12 @@
-"""Gated activations and row quantizers of an MoE layer, around the grouped matmuls.
+"""The token quantizers: rows of tokens into a format's A operand, one kernel pass each.
 
     quantize(x, fmt)                 x quantized into fmt's A operand (moegemm.quantize)
-    interleave_gate_up(gate, up)     [E, I, K] x 2 -> [E, 2I, K], rows 2j = gate_j, 2j+1 = up_j
     gather_quantize(x, fmt, rows)    x[rows] quantized into fmt's A operand (routing's gather)
     scatter_quantize(x, fmt, ...)    the same, each token read once and stored to its k rows
-    swiglu_quantize(h, fmt)          SwiGLU of a gate/up product, quantized into fmt's A operand
-    swiglu(h)                        the same math in PyTorch, fp32 (the reference)
+    swiglu_quantize(h, fmt)          the activation of a gate/up product (gate_up.py), quantized
+                                     into fmt's A operand
 
-The quantizers run one Triton kernel (kernels/_activation_tl.py) on CUDA and, through
+The quantizers run one Triton kernel (kernels/quantize_kernels.py) on CUDA and, through
 Triton's interpreter, on the CPU (`quantize` there only when asked: backend="triton"); their
 bytes equal quantize.reference_quantize's (PyTorch: moegemm.reference.quantize) of the same
 fp32 rows.
@@ -15,116 +14,27 @@ The A operand of bf16 and of the weight-only formats (bf16_mxfp4, bf16_nvfp4, bf
 the rows rounded to bf16, without scales.
 Given a TokenForm as scale_layout they write the tokens in the form the next product's sm90
 kernel reads instead (token_forms.py), as a QuantizedTensor of that layout.
-Activations (SwiGLU, docs/contract.md section 6):
-    swiglu      silu(gate) * up
-    swiglu_oai  gpt-oss: gate = min(gate, limit); up = clamp(up, -limit, limit);
-                gate * sigmoid(alpha * gate) * (up + 1)          (alpha 1.702, limit 7.0)
-An optional expert bias [E, 2I] (gpt-oss) is added to gate and up first; the row's expert
-comes from its slot in a_offsets / expert_ids.
+torch.compile traces gather_quantize and swiglu_quantize as one op each (library.py).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
-from pathlib import Path
 
 import torch
 
 from . import layouts
-from .formats import E2M1, E4M3, SWIZZLE_FORMATS, get_format
+from .compile_boundary import traced_as
+from .formats import SWIZZLE_FORMATS, get_format
+from .gate_up import check_activation, reference_activation, slot_rows
+from .kernels import quantize_kernels as kernels
 from .kernels import tl_source
-from .kernels.compiled_launch import launch
-from .quantize import (QuantizedTensor, allocate_a_operand, as_quantized, check_activations, nvfp4_global_scale,
-                       quantized_from_op, reference_quantize)
+from .quantize import check_activations, nvfp4_global_scale, reference_quantize
+from .quantized_tensor import QuantizedTensor
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 
-__all__ = ["ACTIVATIONS", "QUANTIZE_BACKENDS", "quantize", "interleave_gate_up", "deinterleave_gate_up", "swiglu",
-           "gather_quantize", "scatter_quantize", "swiglu_quantize"]
-
-ACTIVATIONS = ("swiglu", "swiglu_oai")
-GATE_UP_LAYOUTS = ("interleaved", "concat")
-_SOURCE = Path(__file__).parent / "kernels" / "_activation_tl.py"
-# Rows per program of the activation kernel on the GPU (x 128 output columns): 16, and 4 up to
-# 2048 rows, where more programs hide the latency (gpt-oss SwiGLU + MXFP4 at 256 rows: 9.7 ->
-# 8.4 us; 4 rows 3.6 -> 2.8 us; H100).
-CUDA_BLOCK_M = 16
-CUDA_SMALL_BLOCK_M = 4
-CUDA_WARPS = 4
-# Tile of kb_major_scales_kernel (the scatter form's scale move): rows x scale blocks.
-SCALE_MOVE_ROWS = 64
-SCALE_MOVE_BLOCKS = 32
-
-
-
-def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Gate and up weights [..., I, K] -> one [..., 2I, K] whose rows 2j and 2j+1 are gate_j and up_j.
-
-    Works on anything laid out by output row: float weights, packed fp4 data, plain per-row
-    scales ([E, I, K/vec]) and biases ([E, I] with a trailing unit dimension added by the caller).
-    """
-    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
-        raise TypeError("gate, up: expected torch.Tensors")
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"up: expected the shape and dtype of gate {tuple(gate.shape)} {gate.dtype}, "
-                         f"got {tuple(up.shape)} {up.dtype}")
-    if gate.dim() < 2:
-        raise ValueError(f"gate: expected [..., I, K], got shape {tuple(gate.shape)}")
-    both = torch.stack((gate, up), dim=-2)  # [..., I, 2, K]
-    return both.reshape(*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1])
-
-
-def deinterleave_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of interleave_gate_up: rows 0::2 and 1::2."""
-    return gate_up[..., 0::2, :], gate_up[..., 1::2, :]
-
-
-def check_activation(activation: str, gate_up_layout: str = "interleaved"):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
-    if gate_up_layout not in GATE_UP_LAYOUTS:
-        raise ValueError(f"gate_up_layout: expected one of {list(GATE_UP_LAYOUTS)}, got {gate_up_layout!r}")
-
-
-def swiglu(h: torch.Tensor, activation: str = "swiglu", *, gate_up_layout: str = "interleaved",
-           alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """[M, 2I] gate/up product -> [M, I] in fp32 (the reference of the kernels' activation)."""
-    check_activation(activation, gate_up_layout)
-    h = h.float()
-    if gate_up_layout == "interleaved":
-        gate, up = h[:, 0::2], h[:, 1::2]
-    else:
-        gate, up = h.chunk(2, dim=-1)
-    if activation == "swiglu":
-        return torch.nn.functional.silu(gate) * up
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
-
-
-@functools.cache
-def _kernels(interpret: bool):
-    """_activation_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
-    return tl_source.load(_SOURCE, interpret)
-
-
-def _kernel_usable(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and tl_source.interpreter_usable())
-
-
-def _out_code(fmt_name: str, module) -> tuple[int, int, int]:
-    """(OUT code, scale block VEC, scale blocks per program NB) of fmt's A operand."""
-    op = get_format(fmt_name).a
-    if op.scale is None:
-        return module.OUT_BF16.value, 32, 4
-    if op.scale == "fp32":
-        return module.OUT_FP8_BLOCK.value, 128, 1
-    if op.element is E4M3:
-        return module.OUT_E4M3_E8M0.value, op.block_k, 4
-    if op.element is E2M1 and op.scale == "e8m0":
-        return module.OUT_E2M1_E8M0.value, op.block_k, 4
-    return module.OUT_E2M1_E4M3.value, op.block_k, 8
+__all__ = ["QUANTIZE_BACKENDS", "gather_quantize", "quantize", "scatter_quantize", "swiglu_quantize"]
 
 
 def _check_rows_input(x: torch.Tensor, name: str):
@@ -148,83 +58,6 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name}: expected {numel} entries, got {t.numel()}")
-
-
-def _launch(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
-            scale_layout, num_scale_blocks, global_scale, alpha, limit, topk: int = 0) -> QuantizedTensor:
-    """One launch of the activation kernel into fresh storage of fmt's A operand (scale_layout
-    "plain" or "swizzled") or of a token form (scale_layout a TokenForm); _prepare_common has
-    checked the arguments."""
-    device = x.device
-    module = _kernels(device.type != "cuda")
-    out_code, vec, nb = _out_code(fmt_name, module)
-    f = get_format(fmt_name)
-    op = f.a
-    form = scale_layout if isinstance(scale_layout, TokenForm) else None
-    swizzled = scale_layout == "swizzled" and op.scale is not None
-    if (swizzled or bias is not None or form is not None) and (
-            a_offsets is None or (bias is not None and expert_ids is None)):
-        raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")
-    num_groups = 0 if a_offsets is None else a_offsets.numel() - 1
-    if swizzled and a_scale_offsets is None:
-        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-    nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
-    form_code, m_pad = 0, 0
-    if form is None:
-        data, scales, num_scale_rows = allocate_a_operand(f.name, rows, k_out, swizzled, num_scale_blocks,
-                                                          num_groups, device)
-    else:
-        # (the form's scale columns follow a_offsets; its formats have no global scale)
-        num_scale_rows, a_scale_offsets, global_scale = 0, None, None
-        if form.kind == "bf16":
-            form_code = module.FORM_BF16.value
-            data, scales = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device), None
-        else:
-            form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups, form.column_block)
-            data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
-            scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)
-    # Interleaved bf16 gate/up pairs are read as one int32 word each (the kernel's PAIR_WORDS).
-    pair_words = (act != module.ACT_NONE.value and not concat and x.dtype == torch.bfloat16 and x.is_contiguous()
-                  and x.storage_offset() % 2 == 0)
-    if pair_words:
-        x = x.view(torch.int32)
-    # The scatter form stores its scales as bytes by grouped row, then moves them (module docstring
-    # of _activation_tl.py, kb_major_scales_kernel).
-    scale_bytes = None
-    if topk and form_code == module.FORM_E4M3.value and rows and nkb:
-        scale_bytes = torch.empty(rows, nkb, dtype=torch.uint8, device=device)
-    if rows and k_out:
-        dummy = data
-        block_m = (CUDA_BLOCK_M if rows > 2048 else CUDA_SMALL_BLOCK_M) if device.type == "cuda" else 32
-        # (the scatter form's programs take tokens, each stored to its topk grouped rows)
-        grid = (math.ceil((x.shape[0] if topk else rows) / block_m), math.ceil(k_out / (nb * vec)))
-        sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
-        consts = dict(
-            ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
-            HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
-            BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
-            EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=1 << (max(topk, 1) - 1).bit_length(),
-            PAIR_WORDS=pair_words, COLUMN_BLOCK=form.column_block if form else 4,
-            num_warps=CUDA_WARPS if device.type == "cuda" else 4)
-        given = (expert_ids is None, a_offsets is None, a_scale_offsets is None, global_scale is None, scales is None,
-                 scale_bytes is None)
-        launch(module.activation_quantize_kernel, (sizes, given, *consts.values()), grid, (
-            x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
-            expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
-            a_scale_offsets if a_scale_offsets is not None else dummy,
-            global_scale if global_scale is not None else dummy,
-            data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
-            *sizes, float(alpha), float(limit)), consts)
-    if scale_bytes is not None:
-        grid = (math.ceil(rows / SCALE_MOVE_ROWS), math.ceil(nkb / SCALE_MOVE_BLOCKS))
-        launch(module.kb_major_scales_kernel, (rows, num_groups, nkb, m_pad, form.column_block), grid,
-               (scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad),
-               dict(COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS, BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4))
-    if form is not None:
-        if form.kind == "e4m3":
-            data = data.view(torch.float8_e4m3fn)
-        return QuantizedTensor(data, scales, f.name, "a", form, None, a_offsets)
-    return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
 
 
 def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
@@ -256,17 +89,9 @@ def _check_form(device, f, form: TokenForm, a_offsets):
         kb_major_columns(0, 0, form.column_block)  # (ValueError naming column_block)
     if a_offsets is None:
         raise ValueError("a_offsets: required to place rows in a token form")
-    if not _kernel_usable(device):
+    if not kernels.kernel_usable(device):
         raise ValueError(f"scale_layout: token forms are written by the Triton kernels, which cannot run on {device}"
                          + tl_source.interpreter_note(device))
-
-
-def _traced(fmt: str, scale_layout, a_offsets, a_scale_offsets, op, *args) -> QuantizedTensor:
-    """A quantizer under torch.compile: its torch.library op (library.py), outputs as a QuantizedTensor."""
-    if isinstance(scale_layout, TokenForm):
-        raise ValueError("scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
-                         "there, writes them)")
-    return quantized_from_op(op(*args), fmt, scale_layout == "swizzled", a_offsets, a_scale_offsets)
 
 
 QUANTIZE_BACKENDS = ("auto", "reference", "triton")
@@ -305,7 +130,7 @@ def quantize(
         return reference_quantize(x, fmt, scale_layout=scale_layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     f, global_scale = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
-    if not _kernel_usable(x.device):
+    if not kernels.kernel_usable(x.device):
         raise ValueError(f"backend: 'triton' runs the kernel on CUDA tensors, or through Triton's interpreter on CPU "
                          f"ones; x is on {x.device}" + tl_source.interpreter_note(x.device))
     x = _kernel_rows(x)
@@ -353,6 +178,7 @@ def _checked_scale_blocks(num_scale_blocks, a_offsets: torch.Tensor, rows: int) 
     return blocks
 
 
+@traced_as("gather_quantize")
 def gather_quantize(
     x: torch.Tensor,
     fmt: str,
@@ -372,11 +198,6 @@ def gather_quantize(
     form the sm90 kernel of the next product reads (token_forms.py), so that it runs no pre-pass;
     CUDA tensors, or the CPU through Triton's interpreter.
     """
-    if torch.compiler.is_compiling():
-        if scale_layout == "swizzled" and a_scale_offsets is None and a_offsets is not None:
-            a_scale_offsets = layouts.a_scale_offsets(a_offsets)  # (as _launch derives them)
-        return _traced(fmt, scale_layout, a_offsets, a_scale_offsets, torch.ops.moegemm.gather_quantize, x, fmt,
-                       src_rows, a_offsets, a_scale_offsets, scale_layout, num_scale_blocks, global_scale)
     _check_rows_input(x, "x")
     f, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     _check_index(src_rows, "src_rows", x.device)
@@ -386,15 +207,15 @@ def gather_quantize(
     if f.a.global_scale and global_scale is None:
         global_scale = nvfp4_global_scale(x)
     rows = x.shape[0] if src_rows is None else src_rows.numel()
-    if not _kernel_usable(x.device):
+    if not kernels.kernel_usable(x.device):
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
         return reference_quantize(picked, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    module = _kernels(x.device.type != "cuda")
-    return _launch(x, f.name, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False, k_out=k,
-                   bias=None, a_offsets=a_offsets, expert_ids=None, a_scale_offsets=a_scale_offsets,
-                   scale_layout=scale_layout, num_scale_blocks=num_scale_blocks, global_scale=global_scale,
-                   alpha=1.0, limit=0.0)
+    module = kernels.kernel_module(x.device.type != "cuda")
+    return kernels.quantize_rows(x, f.name, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
+                                 k_out=k, bias=None, a_offsets=a_offsets, expert_ids=None,
+                                 a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
+                                 num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=1.0, limit=0.0)
 
 
 def _check_scatter_rows(x: torch.Tensor, grouped_row: torch.Tensor, row_slot: torch.Tensor, a_offsets: torch.Tensor,
@@ -435,20 +256,22 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
     the plan's token_index, in any scale_layout, token forms included; rows outside their slot
     (dropped choices) are left unwritten, as are their scales."""
     f = _check_scatter_rows(x, grouped_row, row_slot, a_offsets, fmt)
-    if not _kernel_usable(x.device):  # (gather_quantize checks the rest and takes nvfp4's global over x)
+    if not kernels.kernel_usable(x.device):  # (gather_quantize checks the rest and takes nvfp4's global over x)
         return gather_quantize(x, f.name, token_of_row(grouped_row), a_offsets=a_offsets,
                                a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
     if f.a.global_scale and global_scale is None:
         global_scale = nvfp4_global_scale(x)  # (over x, as gather_quantize's)
-    module = _kernels(x.device.type != "cuda")
-    return _launch(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(), act=module.ACT_NONE.value,
-                   concat=False, k_out=x.shape[1], bias=None, a_offsets=a_offsets, expert_ids=row_slot,
-                   a_scale_offsets=a_scale_offsets, scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
-                   global_scale=global_scale, alpha=1.0, limit=0.0, topk=grouped_row.shape[1])
+    module = kernels.kernel_module(x.device.type != "cuda")
+    return kernels.quantize_rows(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(),
+                                 act=module.ACT_NONE.value, concat=False, k_out=x.shape[1], bias=None,
+                                 a_offsets=a_offsets, expert_ids=row_slot, a_scale_offsets=a_scale_offsets,
+                                 scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
+                                 global_scale=global_scale, alpha=1.0, limit=0.0, topk=grouped_row.shape[1])
 
 
+@traced_as("swiglu_quantize")
 def swiglu_quantize(
     h: torch.Tensor,
     fmt: str,
@@ -472,11 +295,6 @@ def swiglu_quantize(
     rows of valid slots / 2688 (one extra pass; pass a static value in a serving path).
     scale_layout a TokenForm: the result in that token form, as gather_quantize's.
     """
-    if torch.compiler.is_compiling():
-        return _traced(fmt, scale_layout, a_offsets, a_scale_offsets, torch.ops.moegemm.swiglu_quantize, h, fmt,
-                       activation,
-                       gate_up_layout, bias, a_offsets, expert_ids, a_scale_offsets, scale_layout, num_scale_blocks,
-                       global_scale, alpha, limit)
     _check_rows_input(h, "h")
     check_activation(activation, gate_up_layout)
     f, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,
@@ -490,20 +308,21 @@ def swiglu_quantize(
     y = None  # the activation in torch, computed once if the global scale or the CPU path needs it
     if f.a.global_scale and global_scale is None:
         # amax over the rows of valid slots only: the others are unspecified (an unfilled h)
-        y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
-        valid, _ = _slot_rows(a_offsets, expert_ids, h.shape[0], h.device)
+        y = reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+        valid, _ = slot_rows(a_offsets, expert_ids, h.shape[0], h.device)
         global_scale = nvfp4_global_scale(torch.where(valid[:, None], y, torch.zeros_like(y)))
-    if not _kernel_usable(h.device):
+    if not kernels.kernel_usable(h.device):
         if y is None:
-            y = _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+            y = reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         return reference_quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    module = _kernels(h.device.type != "cuda")
+    module = kernels.kernel_module(h.device.type != "cuda")
     act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
-    return _launch(h, f.name, rows=h.shape[0], src_rows=None, act=act, concat=gate_up_layout == "concat",
-                   k_out=k_out, bias=bias, a_offsets=a_offsets, expert_ids=expert_ids,
-                   a_scale_offsets=a_scale_offsets, scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
-                   global_scale=global_scale, alpha=alpha, limit=limit)
+    return kernels.quantize_rows(h, f.name, rows=h.shape[0], src_rows=None, act=act,
+                                 concat=gate_up_layout == "concat", k_out=k_out, bias=bias, a_offsets=a_offsets,
+                                 expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
+                                 num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=alpha,
+                                 limit=limit)
 
 
 def _checked_bias(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | None:
@@ -516,36 +335,3 @@ def _checked_bias(bias: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | 
         raise ValueError(f"bias: expected device {h.device}, got {bias.device}")
     return bias.contiguous()
 
-
-def _slot_rows(a_offsets, expert_ids, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid [rows] bool, expert [rows] int64): whether each row lies in a slot with an expert
-    (expert_ids >= 0), and that expert (-1 elsewhere). Without a_offsets every row is valid;
-    without expert_ids every row inside a_offsets' span is (expert 0)."""
-    index = torch.arange(rows, device=device)
-    if a_offsets is None:
-        return torch.ones(rows, dtype=torch.bool, device=device), torch.zeros_like(index)
-    offsets = a_offsets.long()
-    inside = (index >= offsets[0]) & (index < offsets[-1])
-    if expert_ids is None:
-        expert = torch.zeros_like(index)
-    elif expert_ids.numel():
-        slot = torch.searchsorted(offsets[1:], index, right=True).clamp(max=expert_ids.numel() - 1)
-        expert = expert_ids.long()[slot]
-    else:
-        expert = torch.full_like(index, -1)
-    valid = inside & (expert >= 0)
-    return valid, torch.where(valid, expert, torch.full_like(expert, -1))
-
-
-def _row_bias(bias, a_offsets, expert_ids, rows: int) -> torch.Tensor:
-    """bias[expert of row] per row ([rows, 2I]); zero for rows outside every valid slot."""
-    valid, expert = _slot_rows(a_offsets, expert_ids, rows, bias.device)
-    picked = bias.float()[expert.clamp(min=0)] if bias.shape[0] else bias.float().new_zeros(rows, bias.shape[1])
-    return torch.where(valid[:, None], picked, torch.zeros_like(picked))
-
-
-def _reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit):
-    h = h.float()
-    if bias is not None:
-        h = h + _row_bias(bias, a_offsets, expert_ids, h.shape[0])
-    return swiglu(h, activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit)
