@@ -58,7 +58,9 @@ def library_only() -> bool:
 
 
 def library_config():
-    """moegemm.config of the library's tree (imported late: `--list` and `sass` need no torch)."""
+    """moegemm.config of the library's tree (imported late: `--list` and `sass` need no torch): its
+    choice functions, and the sm90 config classes and deepest_ring it chooses with, which every
+    revision's config module holds as names (defined there, or imported from sm90_configs.py)."""
     from moegemm import config
 
     return config

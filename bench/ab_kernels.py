@@ -15,7 +15,7 @@ SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (40
           # time against tiles and stages: where a call's fixed cost goes
           "n5760-k5760": (5760, 5760), "n11520-k2880": (11520, 2880), "n5760-k1408": (5760, 1408),
           "n2816-k2880": (2816, 2880), "n128-k256": (128, 256), "n128-k2880": (128, 2880),
-          # fp8_block prefill against DeepGEMM (moegemm.benchmark.TARGET_SHAPES)
+          # fp8_block prefill against DeepGEMM (moegemm.benchmark_rows.TARGET_SHAPES)
           "n6144-k7168": (6144, 7168)}
 
 
@@ -361,6 +361,8 @@ def run_case(fmt, shape, sizes, variants, timer, copy_tbps, step=None, rtol=5e-3
     import torch
     from timing import kernel_times
 
+    # benchmark.Inputs rather than benchmark_inputs.Inputs: every revision's benchmark module holds
+    # that name (a two-revision run imports each revision's library)
     from moegemm import benchmark, layouts
 
     n, k = SHAPES[shape]

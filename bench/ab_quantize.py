@@ -10,7 +10,7 @@ grouped_matmul), on the GPU the call gets.
    = bytes / time / the copy bandwidth (bytes read + written) measured in the same run. Target
    >= 70%. nvfp4 also with a given global scale: its default one is amax(x) on the device first,
    a second read of x that `bytes` leaves out.
-2. the two paths on the verify shapes (moegemm.benchmark's MODEL_SHAPES, groups x nominal tokens
+2. the two paths on the verify shapes (moegemm.benchmark_rows' MODEL_SHAPES, groups x nominal tokens
    drawn as `python -m moegemm bench` draws them), in each format of --formats:
        two-call  quantize(x[perm], fmt, scale_layout=the weights', a_offsets) + grouped_matmul
        token     gather_quantize(x, fmt, perm, ...) in the form the product's sm90 kernel reads
@@ -82,6 +82,8 @@ def _two_paths(timer, fmt: str, shape: str, groups: int, nominal: int) -> dict:
     import torch
 
     import moegemm
+    # benchmark.Inputs, .MODEL_SHAPES, .group_sizes rather than their own modules': every revision's
+    # benchmark module holds these names (a two-revision run imports each revision's library)
     from moegemm import benchmark, layouts
     from moegemm.token_forms import token_form
     from moegemm.token_quantizers import gather_quantize

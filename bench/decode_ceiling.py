@@ -34,16 +34,17 @@ sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(Path(__file__).resolve(
 
 import torch
 
-from moegemm import QuantizedTensor, benchmark, grouped_matmul
-from moegemm.config import MX_FORMATS, DecodeConfig, Mxfp8Config, deepest_ring, override_config, sm90_mx_config
+from moegemm import QuantizedTensor, benchmark, benchmark_inputs, benchmark_rows, grouped_matmul
+from moegemm.config import override_config, sm90_mx_config
 from moegemm.formats import FORMATS, PREPACK_FORMATS
 from moegemm.kernels.sm90 import launcher
 from moegemm.prepack import prepack_codes
+from moegemm.sm90_configs import MX_FORMATS, DecodeConfig, Mxfp8Config, deepest_ring
 
-# the model-formats preset's shapes and regimes (moegemm/benchmark.py)
-SHAPES = {name: benchmark.MODEL_SHAPES[name] for name in benchmark.MODEL_FORMAT_SHAPES}
-REGIMES = {"prefill": tuple(r for r in benchmark.MODEL_FORMAT_REGIMES if r[1] > 32),
-           "decode": tuple(r for r in benchmark.MODEL_FORMAT_REGIMES if r[1] <= 32)}
+# the model-formats preset's shapes and regimes (moegemm/benchmark_rows.py)
+SHAPES = {name: benchmark_rows.MODEL_SHAPES[name] for name in benchmark_rows.MODEL_FORMAT_SHAPES}
+REGIMES = {"prefill": tuple(r for r in benchmark_rows.MODEL_FORMAT_REGIMES if r[1] > 32),
+           "decode": tuple(r for r in benchmark_rows.MODEL_FORMAT_REGIMES if r[1] <= 32)}
 # The plain order: the decode and store of a step's weights into the operand buffer, taken out.
 DECODE_LINES = (("    _decode_into(operand, raw, scales, raw_layout, dec_layout, NKB, FP4)\n", ""), )
 # Prepacked e2m1 (the register path): the words go to the wgmma as they are (4 moves a word, no
@@ -91,7 +92,7 @@ def ceiling_kernel(lines=DECODE_LINES, stubs: str = "", name: str = "_decode_cei
     return module.decode_kernel
 
 
-def prepacked_call(inp: benchmark.Inputs):
+def prepacked_call(inp: benchmark_inputs.Inputs):
     """inp's call on its weights in the prepacked order (moegemm.prepack_weights): the decoding
     kernel decoding them into its wgmma's registers."""
     weights = QuantizedTensor(prepack_codes(inp.b), inp.b_scales, inp.fmt, "b", inp.scale_layout, prepacked=True)
@@ -110,7 +111,7 @@ def baselines(n: int, k: int, sizes, device) -> dict:
     same groups: ms each."""
     base = {}
     for fmt in ("bf16", "fp8_block"):
-        inp = benchmark.Inputs(fmt, n, k, sizes, device)
+        inp = benchmark_inputs.Inputs(fmt, n, k, sizes, device)
         base[fmt] = timed(inp.ours)
         if fmt == "bf16":
             base["torch"] = timed(inp.torch_baseline)
@@ -144,12 +145,12 @@ def run(regimes, fmts, out_dir: Path):
     for regime in regimes:
         for groups, nominal in REGIMES[regime]:
             for shape, (n, k) in SHAPES.items():
-                sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+                sizes = benchmark_rows.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
                 tokens = sum(sizes)
                 flops = 2.0 * tokens * n * k
                 base = baselines(n, k, sizes, device)
                 for fmt in fmts:
-                    inp = benchmark.Inputs(fmt, n, k, sizes, device)
+                    inp = benchmark_inputs.Inputs(fmt, n, k, sizes, device)
                     row = {"regime": regime, "shape": shape, "groups": groups, "nominal": nominal, "tokens": tokens,
                            "fmt": fmt, "torch_bf16_ms": base["torch"], "bf16_ms": base["bf16"],
                            "fp8_block_ms": base["fp8_block"], "bytes": inp.bytes_moved()}
@@ -251,11 +252,11 @@ def run_few_tokens(fmts, out_dir: Path):
     rows = []
     for groups, nominal in FP4_REGIMES:
         for shape, (n, k) in SHAPES.items():
-            sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+            sizes = benchmark_rows.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
             tokens = sum(sizes)
             base = baselines(n, k, sizes, device)
             for fmt in fmts:
-                inp = benchmark.Inputs(fmt, n, k, sizes, device)
+                inp = benchmark_inputs.Inputs(fmt, n, k, sizes, device)
                 row = {"shape": shape, "groups": groups, "nominal": nominal, "tokens": tokens, "fmt": fmt,
                        "torch_bf16_ms": base["torch"], "bf16_ms": base["bf16"], "fp8_block_ms": base["fp8_block"],
                        "bytes": inp.bytes_moved(), "ms": timed(inp.ours),

@@ -205,7 +205,7 @@ def _decode_phases_us(layer_args, x, ids, tw, cache, iters):
 
 
 def _local(layer_args, sent):
-    return moegemm.layer_forward.moe_forward_received(sent, *layer_args["local"], **layer_args["kw"])
+    return moegemm.moe.moe_forward_received(sent, *layer_args["local"], **layer_args["kw"])
 
 
 def _row(model, cfg, fmt, weights, tokens, world, rank, device, timer, cache) -> Row:

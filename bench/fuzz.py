@@ -116,11 +116,12 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     import torch
 
     import moegemm
-    from moegemm.config import DecodeConfig, sm90_mx_config
+    from moegemm.config import sm90_mx_config
     from moegemm.formats import PREPACK_FORMATS
     from moegemm.kernels import sm90
     from moegemm.ops import resolve_backend
     from moegemm.prepack import prepack_codes
+    from moegemm.sm90_configs import DecodeConfig
     from moegemm.validation import validate_grouped_matmul
 
     from cases import TokenPattern, check_output, make_problem, poison_like, tolerance

@@ -56,7 +56,7 @@ def _plain_scales(inp) -> torch.Tensor:
 
 
 def mxfp4_call(inp) -> Callable[[], torch.Tensor]:
-    """The peer's grouped product of `inp` (a moegemm.benchmark.Inputs of fmt "bf16_mxfp4") as a
+    """The peer's grouped product of `inp` (a moegemm.benchmark_inputs.Inputs of fmt "bf16_mxfp4") as a
     zero-argument closure returning the [M, N] bf16 result; all set-up is done here, once."""
     if inp.fmt != "bf16_mxfp4":
         raise ValueError(f"fmt: the peer runs bf16_mxfp4 here, got {inp.fmt!r}")
@@ -132,7 +132,7 @@ def main() -> int:
         print("peer_triton_kernels: a CUDA GPU (sm90) is needed; nothing run")
         return 0
     sys.path.insert(0, str(ROOT))
-    from moegemm import benchmark
+    from moegemm import benchmark, benchmark_inputs
 
     if not available():
         print(f"peer_triton_kernels: triton_kernels does not import (looked in {', '.join(map(str, PEER_PATHS))})")
@@ -143,7 +143,7 @@ def main() -> int:
     sizes = [13, 17, 16, 19]  # 4 groups of ~16 tokens
     for shape, (n, k) in (("gptoss-up", (5760, 2880)), ("gptoss-down", (2880, 2880))):
         torch.manual_seed(0)
-        inp = benchmark.Inputs("bf16_mxfp4", n, k, sizes, device)
+        inp = benchmark_inputs.Inputs("bf16_mxfp4", n, k, sizes, device)
         fn = mxfp4_call(inp)
         out = fn()
         torch.cuda.synchronize()

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moegemm  # noqa: E402
-from moegemm import benchmark  # noqa: E402
+from moegemm import benchmark, benchmark_inputs, benchmark_rows  # noqa: E402
 
 
 def _profiled(call, warmup: int, runs: int):
@@ -55,13 +55,13 @@ def _profiled(call, warmup: int, runs: int):
 
 
 def kernel(args):
-    n, k = {**benchmark.MODEL_SHAPES, **benchmark.TARGET_SHAPES}[args.shape]
+    n, k = {**benchmark_rows.MODEL_SHAPES, **benchmark_rows.TARGET_SHAPES}[args.shape]
     groups, nominal = (int(x) for x in args.groups.split("x"))
-    sizes = benchmark.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
-    inp = benchmark.Inputs(args.fmt, n, k, sizes, "cuda")
+    sizes = benchmark_rows.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+    inp = benchmark_inputs.Inputs(args.fmt, n, k, sizes, "cuda")
     call = inp.ours
     if args.peer == "deepgemm":
-        call = benchmark._deepgemm_runner(inp)
+        call = benchmark_inputs.deepgemm_runner(inp)
         if call is None:
             raise SystemExit("--peer deepgemm: deep_gemm does not import, or the format is not fp8_block")
     print(f"{args.peer or 'moegemm'}: {args.fmt} {args.shape} (N={n}, K={k}) {groups} groups x ~{nominal} tokens"

@@ -95,7 +95,7 @@ def _check(fmt, layout, pattern, n, k, config=None, with_scales=True, out_dtype=
 
 
 def workload_sm90():
-    from moegemm.config import DenseConfig
+    from moegemm.sm90_configs import DenseConfig
 
     big = _groups(8, 300, 500, 1)  # ~25 token tiles x 16 weight tiles of 128
     small = _groups(64, 1, 30, 2)
@@ -115,7 +115,8 @@ def workload_n_major():
     import torch
 
     import moegemm
-    from moegemm.config import DenseConfig, override_config
+    from moegemm.config import override_config
+    from moegemm.sm90_configs import DenseConfig
 
     from cases import check_output, make_problem, poison_like, tolerance
 
@@ -151,7 +152,7 @@ def workload_n_major():
 
 
 def workload_mx_decoding():
-    from moegemm.config import DecodeConfig
+    from moegemm.sm90_configs import DecodeConfig
 
     for tokens, (lo, hi) in ((32, (10, 30)), (64, (30, 60)), (128, (60, 200)), (256, (200, 600))):
         cfg = DecodeConfig(token_tile=tokens, stages=3, group_m=1 if tokens < 128 else 4,
@@ -170,7 +171,8 @@ def workload_prepacked():
 
     import moegemm
     from cases import check_output, make_problem, poison_like, tolerance
-    from moegemm.config import DecodeConfig, override_config
+    from moegemm.config import override_config
+    from moegemm.sm90_configs import DecodeConfig
 
     # (weight_tile 256: four consumer warpgroups on each token stage, the default up to 64 tokens)
     for tokens, (lo, hi), weight_tile in ((16, (2, 16), 256), (64, (30, 60), 256), (16, (2, 16), 128),
@@ -293,8 +295,9 @@ def workload_adversarial():
     import torch
 
     import moegemm
-    from moegemm.config import DecodeConfig, DenseConfig, override_config, sm90_mx_config
+    from moegemm.config import override_config, sm90_mx_config
     from moegemm.formats import FORMATS
+    from moegemm.sm90_configs import DecodeConfig, DenseConfig
 
     assert os.environ.get("MOEGEMM_DEBUG", "0") in ("", "0")
     m, n, k, e = 300, 1024, 256, 4

@@ -11,8 +11,7 @@ from . import (
 )
 from .formats import FORMATS, Format, get_format
 from .gate_up import interleave_gate_up
-from .layer_forward import moe_forward
-from .moe import MoE
+from .moe import MoE, moe_forward
 from .ops import BACKENDS, available_backends, grouped_matmul, grouped_matmul_swiglu
 from .quantize import (
                        dequantize,

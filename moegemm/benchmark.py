@@ -11,13 +11,10 @@ dense GEMM of the same input type at 8192^3), and ratios to torch's grouped kern
 DeepGEMM (`deep_gemm.m_grouped_fp8_gemm_nt_contiguous`, 128-row padded groups) when it imports.
 Quoted figures of another library (peer_figure, vs_peer) come from bench/data/peers.json when
 that file is present (a source checkout, or MOEGEMM_PEERS naming one); an installed package
-without it leaves those columns empty. Group sizes are drawn +-30% around the nominal count and
-nudged off multiples of 128. The result files name the command and the git commit of the tree
-that made them (MOEGEMM_COMMIT overrides it, for a copy of the tree without its history).
+without it leaves those columns empty. The result files name the command and the git commit of
+the tree that made them (MOEGEMM_COMMIT overrides it, for a copy of the tree without its history).
 
-Named presets (PRESETS, `--preset NAME`) pick other rows: `model-formats` is every format of
-FORMATS on the DeepSeek-V3 and gpt-oss expert shapes at decode and prefill token counts, with a
-summary per shape (ms, xtorch, xfp8b) at the end.
+The rows (formats, model shapes, presets): benchmark_rows.py; their operands: benchmark_inputs.py.
 """
 
 from __future__ import annotations
@@ -27,123 +24,20 @@ import json
 import math
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import __version__, layouts
-from .formats import FORMATS
-from .ops import grouped_matmul
+from . import __version__
+from .benchmark_inputs import Inputs, deepgemm_runner
+from .benchmark_rows import BF16_BASELINE_FORMATS, MODEL_SHAPES, TARGET_SHAPES, WARMUP_MS, default_rows, group_sizes
 
-# the formats whose A and B both carry scales in 32- or 16-wide K blocks (the swizzled layout is theirs)
-BLOCK_FORMATS = tuple(name for name, f in FORMATS.items() if f.swizzle_capable and f.a_scaled)
-# weight-only formats: bf16 activations without scales times block-scaled weights
-WEIGHT_ONLY_FORMATS = tuple(name for name, f in FORMATS.items() if f.weight_only)
-# The formats compared with BF16 torch._grouped_mm on the same groups: PyTorch has no grouped
-# product of them on Hopper.
-BF16_BASELINE_FORMATS = BLOCK_FORMATS + WEIGHT_ONLY_FORMATS
-DEFAULT_FORMATS = ("fp8_block", "bf16") + BLOCK_FORMATS
-
-# (N, K) of real expert projections.
-MODEL_SHAPES = {
-    "dsv3-up": (4096, 7168),  # DeepSeek-V3 / Kimi K2 gate+up
-    "dsv3-down": (7168, 2048),
-    "k2.5-tp8-up": (512, 7168),  # Kimi K2.5 at TP8
-    "k2.5-tp8-down": (7168, 256),
-    "qwen3-235b-up": (3072, 4096),
-    "qwen3-235b-down": (4096, 1536),
-    "gptoss-up": (5760, 2880),  # gpt-oss-120b
-    "gptoss-down": (2880, 2880),
-    "qwen3-tp8-up": (192, 4096),  # Qwen3 at TP8
-}
-# The shapes of the fp8_block targets (the peer figures for them: bench/data/peers.json).
-TARGET_SHAPES = {"t-6144x7168": (6144, 7168), "t-7168x3072": (7168, 3072), "t-4096x4096": (4096, 4096),
-                 "t-4096x2048": (4096, 2048)}
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_FILE = ROOT / "bench" / "data" / "peers.json"  # present in a source checkout only
-PREFILL = [(4, 8192), (8, 4096), (32, 256), (64, 128)]
-DECODE = [(256, 16), (32, 32)]
-
-
-def default_rows(fmts=DEFAULT_FORMATS) -> list[tuple[str, str, int, int]]:
-    """(format, shape name, groups, nominal tokens per group)."""
-    rows = []
-    for fmt in fmts:
-        rows += [(fmt, name, g, t) for name in TARGET_SHAPES for g, t in PREFILL]
-        rows += [(fmt, name, g, t) for name in ("dsv3-up", "dsv3-down") for g, t in DECODE]
-        rows += [(fmt, name, 8, 4096) for name in MODEL_SHAPES if name not in ("dsv3-up",)]
-        rows += [(fmt, name, g, t) for name in ("k2.5-tp8-up", "gptoss-up", "gptoss-down", "qwen3-tp8-up")
-                 for g, t in DECODE]
-    return rows
-
-
-# The model-formats preset: the expert projections of DeepSeek-V3 and gpt-oss-120b at decode
-# (256 x 16, 32 x 32) and prefill (64 x 128, 8 x 4096) groups x nominal tokens.
-MODEL_FORMAT_SHAPES = ("dsv3-up", "dsv3-down", "gptoss-up", "gptoss-down")
-MODEL_FORMAT_REGIMES = ((256, 16), (32, 32), (64, 128), (8, 4096))
-
-
-def model_format_rows(fmts=None) -> list[tuple[str, str, int, int]]:
-    """Every format of `fmts` (default: all of FORMATS) on each (shape, groups, tokens) of the
-    preset, key by key. Within a key fp8_block comes first, so that every other row of the key
-    finds its time for vs_fp8_block, then FORMATS' order (bf16 next: its row times the BF16
-    torch baseline the block and weight-only rows of the key reuse)."""
-    chosen = set(FORMATS if fmts is None else fmts)
-    order = [f for f in dict.fromkeys(("fp8_block", *FORMATS)) if f in chosen]
-    return [(fmt, shape, g, t) for shape in MODEL_FORMAT_SHAPES for g, t in MODEL_FORMAT_REGIMES for fmt in order]
-
-
-@dataclass(frozen=True)
-class Preset:
-    about: str
-    rows: Callable  # rows(fmts or None for the preset's default formats) -> [(fmt, shape, groups, nominal)]
-    warmup_ms: float  # do_bench's warm-up time per timed call
-
-
-WARMUP_MS = 25  # do_bench's default
-PRESETS = {
-    # 16 keys x every format (144 rows with nine formats): at do_bench's 25 ms of warm-up a call,
-    # warm-up alone would take about 9 s of the run. Before its warm-up do_bench has already made
-    # six calls (one, then five to estimate the time), and a graph is timed right after the eager
-    # call it captures, so one warm-up call suffices; the 100 ms of timed calls, their median and
-    # the L2 flush before each stay.
-    "model-formats": Preset("every format on DeepSeek-V3 and gpt-oss expert shapes, decode and prefill",
-                            model_format_rows, warmup_ms=1),
-}
-
-
-def select_rows(preset: str = "", formats: str = "", only: str = "") -> list[tuple[str, str, int, int]]:
-    """The rows of `python -m moegemm bench`: the preset's (its default formats: all of FORMATS)
-    or default_rows' (DEFAULT_FORMATS), in `formats` (comma-separated) when given, and matching a
-    word of `only` (comma-separated substrings of 'fmt shape GxT') when given."""
-    fmts = tuple(f for f in formats.split(",") if f) or None
-    unknown = [f for f in fmts or () if f not in FORMATS]
-    if unknown:
-        raise ValueError(f"formats: {', '.join(unknown)} not in FORMATS ({', '.join(FORMATS)})")
-    if preset:
-        if preset not in PRESETS:
-            raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-        rows = PRESETS[preset].rows(fmts)
-    else:
-        rows = default_rows(fmts or DEFAULT_FORMATS)
-    if only:
-        rows = [r for r in rows if any(word in f"{r[0]} {r[1]} {r[2]}x{r[3]}" for word in only.split(","))]
-    return rows
-
-
-def group_sizes(groups: int, nominal: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    sizes = []
-    for _ in range(groups):
-        size = max(1, round(nominal * rng.uniform(0.7, 1.3)))
-        sizes.append(size + 1 if size % 128 == 0 else size)
-    return sizes
 
 
 def load_peers(path: str | Path | None = None) -> dict:
@@ -248,133 +142,6 @@ def measure_ceilings(device) -> dict:
             "fp8_rowwise_tflops": flops / fp8_ms / 1e9}
 
 
-def _random_fp8(shape, device) -> torch.Tensor:
-    """Random e4m3 values of unit scale, built in slices to keep the fp32 temporaries small."""
-    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
-    flat = out.view(-1, shape[-1])
-    step = max(1, (1 << 26) // shape[-1])
-    for i in range(0, flat.shape[0], step):
-        flat[i:i + step] = torch.randn(flat[i:i + step].shape, device=device).to(torch.float8_e4m3fn)
-    return out
-
-
-class Inputs:
-    """One row's operands in both our layout and the baselines' layouts."""
-
-    def __init__(self, fmt: str, n: int, k: int, sizes: list[int], device):
-        self.fmt, self.n, self.k, self.sizes = fmt, n, k, sizes
-        g = len(sizes)
-        m = sum(sizes)
-        bounds = [0]
-        for s in sizes:
-            bounds.append(bounds[-1] + s)
-        self.a_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
-        self.expert_ids = torch.arange(g, dtype=torch.int32, device=device)
-        self.torch_offs = self.a_offsets[1:].contiguous()
-        self.scale_layout = "plain"
-        self.expert_scales = None
-        if fmt in BF16_BASELINE_FORMATS:
-            self._block_format_inputs(m, g, n, k, device)
-        elif fmt == "fp8_block":
-            self.a = _random_fp8((m, k), device)
-            self.b = _random_fp8((g, n, k), device)
-            self.a_scales = torch.rand(m, math.ceil(k / 128), device=device) + 0.5
-            self.b_scales = torch.rand(g, math.ceil(n / 128), math.ceil(k / 128), device=device) + 0.5
-            self.row_a = torch.rand(m, device=device) + 0.5  # torch rowwise baseline scales
-            self.row_b = torch.rand(g, n, device=device) + 0.5
-        else:
-            self.a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            self.b = torch.randn(g, n, k, device=device, dtype=torch.bfloat16)
-            self.a_scales = self.b_scales = None
-        self.out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-
-    def _block_format_inputs(self, m, g, n, k, device):
-        """Random codes and scales in the swizzled layout (what checkpoints and quantize() give):
-        e8m0 scales around 2^0, nvfp4 e4m3 scales in [1, 2). A weight-only format's A is bf16
-        without scales. NVFP4 weights' global scales (each expert's, times A's where A is nvfp4)
-        come as expert_scales, where grouped_matmul folds those of quantize / quantize_weights."""
-        f = FORMATS[self.fmt]
-        self.scale_layout = "swizzled" if f.swizzle_capable else "plain"
-
-        def elements(rows, op):
-            if op.element.packed:
-                return torch.randint(0, 256, (*rows, k // 2), dtype=torch.uint8, device=device)
-            return _random_fp8((*rows, k), device)
-
-        def scales(shape, op):
-            if op.scale == "e8m0":
-                return torch.randint(122, 132, shape, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
-            return (torch.rand(shape, device=device) + 1).to(torch.float8_e4m3fn)
-
-        if f.a.scale is None:
-            self.a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            self.a_scales = None
-        else:
-            self.a = elements((m, ), f.a)
-            a_blocks = sum(math.ceil(s / 128) for s in self.sizes)
-            self.a_scales = scales(layouts.swizzled_a_shape(a_blocks, k // f.a.block_k), f.a)
-        self.b = elements((g, n), f.b)
-        b_kb = k // f.b.block_k
-        b_shape = layouts.swizzled_b_shape(g, n, b_kb) if self.scale_layout == "swizzled" else (g, n, b_kb)
-        self.b_scales = scales(b_shape, f.b)
-        if f.global_scale:
-            self.expert_scales = torch.rand(g, device=device) + 0.5
-
-    def ours(self):
-        return grouped_matmul(self.a, self.b, self.a_scales, self.b_scales, self.a_offsets, self.expert_ids,
-                              fmt=self.fmt, out=self.out, scale_layout=self.scale_layout,
-                              expert_scales=self.expert_scales)
-
-    def torch_baseline(self):
-        if self.fmt == "fp8_block":
-            return torch._scaled_grouped_mm(self.a, self.b.transpose(-2, -1), self.row_a, self.row_b,
-                                            offs=self.torch_offs, out_dtype=torch.bfloat16, use_fast_accum=True)
-        return torch._grouped_mm(self.a, self.b.transpose(-2, -1), offs=self.torch_offs, out_dtype=torch.bfloat16)
-
-    def bytes_moved(self) -> float:
-        """Weights of the experts used, activations and output once each, compressed: block and
-        weight-only formats count their elements (2, 1 or 1/2 byte) and their scales (1 byte
-        per block; a weight-only format's bf16 A has none)."""
-        m = sum(self.sizes)
-        used = len([s for s in self.sizes if s > 0])
-        if self.fmt in BF16_BASELINE_FORMATS:
-            f = FORMATS[self.fmt]
-            a_elem, b_elem = (op.element.bits / 8 + (1 / op.block_k if op.scale else 0) for op in (f.a, f.b))
-        else:
-            a_elem = b_elem = 1 if self.fmt == "fp8_block" else 2
-        return used * self.n * self.k * b_elem + m * self.k * a_elem + m * self.n * 2
-
-
-def _deepgemm_runner(inp: Inputs):
-    """DeepGEMM's contiguous grouped FP8 GEMM on 128-row padded groups, or None."""
-    if inp.fmt != "fp8_block":
-        return None
-    try:
-        import deep_gemm
-    except Exception:
-        return None
-    device = inp.a.device
-    padded = [math.ceil(s / 128) * 128 for s in inp.sizes]
-    mp = sum(padded)
-    a = torch.zeros(mp, inp.k, dtype=torch.float8_e4m3fn, device=device)
-    sa = torch.ones(mp, math.ceil(inp.k / 128), device=device)
-    m_indices = torch.full((mp,), -1, dtype=torch.int32, device=device)
-    src = dst = 0
-    for g, (s, p) in enumerate(zip(inp.sizes, padded)):
-        a[dst:dst + s] = inp.a[src:src + s]
-        sa[dst:dst + s] = inp.a_scales[src:src + s]
-        m_indices[dst:dst + s] = g
-        src, dst = src + s, dst + p
-    # DeepGEMM reads its token scales MN-major with TMA-aligned columns; laid out so once here, its
-    # call checks the layout and runs the GEMM kernel alone (otherwise a transpose kernel a call)
-    aligned = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
-    sa = aligned(sa) if aligned is not None else sa
-    out = torch.empty(mp, inp.n, dtype=torch.bfloat16, device=device)
-    fn = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or \
-        getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
-    return lambda: fn((a, sa), (inp.b, inp.b_scales), out, m_indices)
-
-
 def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progress: bool = True,
         peers: dict | None = None, warmup_ms: float = WARMUP_MS) -> list[Row]:
     device = torch.device("cuda")
@@ -432,7 +199,7 @@ def run(rows=None, out_dir: str | Path = "bench/results", tag: str = "", progres
             row.vs_fp8_block = fp8_block_ms[key] / row.ms
         if fmt == "fp8_block":
             fp8_block_ms[key] = row.ms
-        deepgemm = _deepgemm_runner(inp)
+        deepgemm = deepgemm_runner(inp)
         if deepgemm is not None:
             try:
                 deepgemm()  # its JIT compiles on the first call, outside the capture

@@ -11,10 +11,9 @@ import time
 
 import torch
 
-from . import __version__, benchmark, ops, reference
+from . import __version__, benchmark, benchmark_rows, ops, reference
 from .formats import FORMATS
-from .layer_forward import moe_forward
-from .moe import MoE
+from .moe import MoE, moe_forward
 from .quantize import quantize_weights
 from .token_quantizers import quantize
 from .validation import validate_grouped_matmul
@@ -160,7 +159,7 @@ def info(args) -> int:
 
 def bench(args) -> int:
     try:
-        rows = benchmark.select_rows(args.preset or "", args.formats, args.only)
+        rows = benchmark_rows.select_rows(args.preset or "", args.formats, args.only)
     except ValueError as exc:
         print(f"bench: {exc}")
         return 2
@@ -175,7 +174,7 @@ def bench(args) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (the CPU path is `python -m moegemm demo`)")
         return 2
-    warmup_ms = benchmark.PRESETS[args.preset].warmup_ms if args.preset else benchmark.WARMUP_MS
+    warmup_ms = benchmark_rows.PRESETS[args.preset].warmup_ms if args.preset else benchmark_rows.WARMUP_MS
     peers = {} if args.peers == "none" else benchmark.load_peers(args.peers or None)
     if args.peers not in ("", "none") and not peers:
         print(f"bench: no peer figures at {args.peers}")
@@ -193,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.set_defaults(func=demo)
     sub.add_parser("info", help="versions, devices, backends").set_defaults(func=info)
     p_bench = sub.add_parser("bench", help="grouped products on model shapes vs baselines and ceilings (GPU)")
-    p_bench.add_argument("--preset", choices=list(benchmark.PRESETS),
+    p_bench.add_argument("--preset", choices=list(benchmark_rows.PRESETS),
                          help="named rows instead of the default ones: "
-                         + "; ".join(f"{name}: {p.about}" for name, p in benchmark.PRESETS.items()))
+                         + "; ".join(f"{name}: {p.about}" for name, p in benchmark_rows.PRESETS.items()))
     p_bench.add_argument("--formats", default="", help="comma-separated formats (default: "
-                         f"{','.join(benchmark.DEFAULT_FORMATS)}; with --preset, every format)")
+                         f"{','.join(benchmark_rows.DEFAULT_FORMATS)}; with --preset, every format)")
     p_bench.add_argument("--only", default="", help="comma-separated substrings of 'fmt shape GxT' to keep")
     p_bench.add_argument("--dry-run", action="store_true", help="print the rows and exit (no GPU needed)")
     p_bench.add_argument("--out", default="bench/results")

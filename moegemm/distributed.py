@@ -2,7 +2,7 @@
 each rank's partial sums come back.
 
     sent    = dispatch(x, topk_ids, topk_weights, fmt, num_experts=E, group=group)
-    partial = layer_forward.moe_forward_received(sent, w_gate_up, w_down, ...)  the rank's experts  [R, H] fp32
+    partial = moe.moe_forward_received(sent, w_gate_up, w_down, ...)  the rank's experts  [R, H] fp32
     y       = combine(partial, sent, out_dtype)                                      [T, H]
 
 moegemm.moe_forward(..., ep_group=group) and moegemm.MoE(..., ep_group=group) compose these;

@@ -9,10 +9,11 @@ import math
 import torch
 
 from . import layouts
-from .config import MX_FORMATS, E2m1Config, Mxfp8Config, sm90_mx_config
+from .config import sm90_mx_config
 from .formats import E2M1, E4M3, get_format
 from .kernels import sm90
 from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
+from .sm90_configs import MX_FORMATS, E2m1Config, Mxfp8Config
 from .token_forms import TokenForm
 
 
@@ -36,7 +37,7 @@ def fused_supports(p, out_fmt: str) -> bool:
 
 def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float, prepacked: bool = False) -> bool:
     """False where the fused epilogue measured slower than the unfused chain it replaces, so
-    that the MoE layer (layer_forward.py) runs the chain there (H100, docs/perf-notes.md):
+    that the MoE layer (moe/forward.py) runs the chain there (H100, docs/perf-notes.md):
     - mxfp8 weights on 128-token promotion tiles (prefill): DeepSeek-V3's gate/up product at
       4096 tokens took 9.69 ms fused, 7.22 ms unfused (product, then swiglu_quantize); the ring
       depth made no difference, 64-token promotion tiles took 8.88 ms fused. With the tails of

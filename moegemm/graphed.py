@@ -32,6 +32,7 @@ from collections import OrderedDict
 
 import torch
 
+from .compile_boundary import compiling
 from .config import choice_context
 from .debug import debug_mode
 
@@ -47,7 +48,7 @@ def usable(x: torch.Tensor, *tensors, backend: str = "auto") -> bool:
         return False
     if backend == "reference" or debug_mode():
         return False
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if compiling() or torch.cuda.is_current_stream_capturing():
         return False
     return not torch.is_grad_enabled() or not any(
         t.requires_grad for t in (x, *tensors) if isinstance(t, torch.Tensor))

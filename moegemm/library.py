@@ -25,7 +25,7 @@ from . import layouts
 from .compile_boundary import register_traced
 from .formats import get_format
 from .gate_up import check_activation
-from .layer_forward import _moe_forward
+from .moe.forward import moe_forward_local
 from .ops import grouped_matmul, grouped_matmul_swiglu
 from .problem import Operands, operands_of
 from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized, quantized_from_op, quantized_to_op
@@ -297,12 +297,12 @@ def moe_forward_op(
     w_gate_up = QuantizedTensor(gate_up_data, gate_up_scales_q, fmt, "b", scale_layout, gate_up_global,
                                 prepacked=gate_up_prepacked)
     w_down = QuantizedTensor(down_data, down_scales_q, fmt, "b", scale_layout, down_global, prepacked=down_prepacked)
-    return _moe_forward(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
-                        gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                        gate_up_scales=gate_up_scales, down_scales=down_scales,
-                        input_global_scale=input_global_scale,
-                        intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
-                        fused=fused, backend=backend)
+    return moe_forward_local.eager(x, topk_ids, topk_weights, w_gate_up, w_down, activation=activation,
+                                   gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                   gate_up_scales=gate_up_scales, down_scales=down_scales,
+                                   input_global_scale=input_global_scale,
+                                   intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+                                   fused=fused, backend=backend)
 
 
 @moe_forward_op.register_fake
@@ -311,3 +311,19 @@ def _(x, topk_ids, topk_weights, gate_up_data, gate_up_scales_q, gate_up_global,
       down_scales, input_global_scale, intermediate_global_scale, alpha, limit, fused, backend, gate_up_prepacked,
       down_prepacked):
     return x.new_empty(x.shape[0], down_data.shape[1])
+
+
+def _moe_forward_traced(x, topk_ids, topk_weights, w_gate_up, w_down, **layer):
+    """moe_forward_local as torch.compile traces it: float tokens go through the op; tokens already
+    in the format's operand (the received path of expert parallelism) run as written."""
+    if isinstance(x, QuantizedTensor):
+        return moe_forward_local.eager(x, topk_ids, topk_weights, w_gate_up, w_down, **layer)
+    return moe_forward_op(
+        x, topk_ids, topk_weights, w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data,
+        w_down.scales, w_down.global_scale, w_gate_up.fmt, w_gate_up.scale_layout, layer["activation"],
+        layer["gate_up_layout"], layer["gate_up_bias"], layer["down_bias"], layer["gate_up_scales"],
+        layer["down_scales"], layer["input_global_scale"], layer["intermediate_global_scale"], float(layer["alpha"]),
+        float(layer["limit"]), layer["fused"], layer["backend"], w_gate_up.prepacked, w_down.prepacked)
+
+
+register_traced("moe_forward", _moe_forward_traced)

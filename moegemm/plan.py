@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .config import MX_FORMATS, choice_context
+from .config import choice_context
 from .debug import values_checked
 from .formats import get_format
 from .fused import fused_supports
@@ -34,6 +34,7 @@ from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
 from .prepack import unpack_codes
 from .problem import GroupedProblem, Operands
+from .sm90_configs import MX_FORMATS
 from .token_forms import KernelTokens, TokenForm
 from .validation import check_no_grad, validate_grouped_matmul, validate_values
 

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from . import codecs
-from .config import DecodeConfig, E2m1Config, sm90_mx_config
+from .config import sm90_mx_config
 from .formats import get_format
+from .sm90_configs import DecodeConfig, E2m1Config
 
 __all__ = ["KernelTokens", "TokenForm", "token_form", "dequantize_tokens"]
 

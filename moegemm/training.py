@@ -100,16 +100,17 @@ def _expert_product(rows: torch.Tensor, kernel_weights: torch.Tensor | None, wei
     return _grouped(rows, _in_out(weights, transposed).to(rows.dtype), plan.a_offsets[1:])
 
 
-class _Experts(torch.autograd.Function):
+class RoutedExpertsFunction(torch.autograd.Function):
+    """The routed experts with their backward (module docstring): what experts_with_grad applies."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
                 activation, alpha, limit, transposed, backend, kernel_gate_up, kernel_down):
         # kernel_*: the bf16 [E, N, K] operands of moegemm's kernels; None: fp32 products.
         with torch.autocast(x.device.type, enabled=False):  # (every dtype here is chosen, module docstring)
-            return _Experts._forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids,
-                                     gate_up_layout, activation, alpha, limit, transposed, backend, kernel_gate_up,
-                                     kernel_down)
+            return RoutedExpertsFunction._forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias,
+                                                  topk_ids, gate_up_layout, activation, alpha, limit, transposed,
+                                                  backend, kernel_gate_up, kernel_down)
 
     @staticmethod
     def _forward(ctx, x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
@@ -136,7 +137,7 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):
-            return _Experts._backward(ctx, dout)
+            return RoutedExpertsFunction._backward(ctx, dout)
 
     @staticmethod
     def _backward(ctx, dout):
@@ -215,5 +216,6 @@ def experts_with_grad(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     kernels = (None, None)
     if _compute_dtype(x, w_gate_up) == torch.bfloat16:
         kernels = tuple(_expert_weights(w.detach().to(torch.bfloat16), transposed) for w in (w_gate_up, w_down))
-    return _Experts.apply(x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids, gate_up_layout,
-                          activation, float(alpha), float(limit), transposed, backend, *kernels)
+    return RoutedExpertsFunction.apply(x, topk_weights, w_gate_up, w_down, gate_up_bias, down_bias, topk_ids,
+                                       gate_up_layout, activation, float(alpha), float(limit), transposed, backend,
+                                       *kernels)

@@ -49,14 +49,14 @@ def test_peer_figures_load_from_bench_data_and_are_optional(tmp_path, monkeypatc
     reads them when the file is there and leaves the peer columns out when it is not."""
     import json
 
-    from moegemm import benchmark
+    from moegemm import benchmark, benchmark_rows
 
     monkeypatch.delenv("MOEGEMM_PEERS", raising=False)
     peers = benchmark.load_peers()
     assert benchmark.PEERS_FILE.is_file(), "a source checkout carries bench/data/peers.json"
     assert peers["format"] == "fp8_block" and peers["peer"] and peers["gpu"] and peers["source"]
     assert peers["figures"][("t-6144x7168", 4, 8192)] == 1260
-    shapes = {**benchmark.MODEL_SHAPES, **benchmark.TARGET_SHAPES}
+    shapes = {**benchmark_rows.MODEL_SHAPES, **benchmark_rows.TARGET_SHAPES}
     assert all(shape in shapes for shape, _, _ in peers["figures"])
     assert benchmark.load_peers(tmp_path / "absent.json") == {}
     monkeypatch.setenv("MOEGEMM_PEERS", str(tmp_path / "absent.json"))
@@ -96,40 +96,41 @@ WEIGHT_ONLY = ("bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 def test_model_formats_preset_rows_every_format_fp8_block_first():
     """Every format on 4 shapes x 4 regimes, key by key; fp8_block first in each key (the other
     rows' xfp8b reads its time), bf16 next (its row times the BF16 baseline the others reuse)."""
-    from moegemm import benchmark
+    from moegemm import benchmark_rows
     from moegemm.formats import FORMATS
 
-    rows = benchmark.select_rows("model-formats")
+    rows = benchmark_rows.select_rows("model-formats")
     shapes = ("dsv3-up", "dsv3-down", "gptoss-up", "gptoss-down")
     regimes = ((256, 16), (32, 32), (64, 128), (8, 4096))
     assert len(rows) == len(FORMATS) * len(shapes) * len(regimes)
     keys = list(dict.fromkeys((shape, g, t) for _, shape, g, t in rows))
     assert keys == [(shape, g, t) for shape in shapes for g, t in regimes]
-    assert benchmark.MODEL_SHAPES["dsv3-up"] == (4096, 7168) and benchmark.MODEL_SHAPES["dsv3-down"] == (7168, 2048)
-    assert benchmark.MODEL_SHAPES["gptoss-up"] == (5760, 2880) and benchmark.MODEL_SHAPES["gptoss-down"] == (2880, 2880)
+    shapes = benchmark_rows.MODEL_SHAPES
+    assert shapes["dsv3-up"] == (4096, 7168) and shapes["dsv3-down"] == (7168, 2048)
+    assert shapes["gptoss-up"] == (5760, 2880) and shapes["gptoss-down"] == (2880, 2880)
     for key in keys:
         fmts = [fmt for fmt, *rest in rows if tuple(rest) == key]
         assert fmts[:2] == ["fp8_block", "bf16"] and sorted(fmts) == sorted(FORMATS), (key, fmts)
     weight_only = [f for f in WEIGHT_ONLY if f in FORMATS]
-    assert benchmark.WEIGHT_ONLY_FORMATS == tuple(weight_only)
-    assert not set(weight_only) & set(benchmark.BLOCK_FORMATS)
+    assert benchmark_rows.WEIGHT_ONLY_FORMATS == tuple(weight_only)
+    assert not set(weight_only) & set(benchmark_rows.BLOCK_FORMATS)
     # the default rows and formats stay those without the preset
-    assert benchmark.DEFAULT_FORMATS == ("fp8_block", "bf16", "mxfp8", "mxfp4", "nvfp4", "w4a8")
-    assert benchmark.select_rows() == benchmark.default_rows()
+    assert benchmark_rows.DEFAULT_FORMATS == ("fp8_block", "bf16", "mxfp8", "mxfp4", "nvfp4", "w4a8")
+    assert benchmark_rows.select_rows() == benchmark_rows.default_rows()
 
 
 def test_bench_formats_and_only_combine_with_the_preset():
-    from moegemm import benchmark
+    from moegemm import benchmark_rows
 
-    rows = benchmark.select_rows("model-formats", formats="mxfp4,fp8_block", only="gptoss-down,dsv3-up 8x4096")
+    rows = benchmark_rows.select_rows("model-formats", formats="mxfp4,fp8_block", only="gptoss-down,dsv3-up 8x4096")
     regimes = ((256, 16), (32, 32), (64, 128), (8, 4096))
     assert rows == [(fmt, "dsv3-up", 8, 4096) for fmt in ("fp8_block", "mxfp4")] + \
         [(fmt, "gptoss-down", g, t) for g, t in regimes for fmt in ("fp8_block", "mxfp4")]
-    assert benchmark.select_rows("model-formats", only="nothing-matches") == []
+    assert benchmark_rows.select_rows("model-formats", only="nothing-matches") == []
     with pytest.raises(ValueError, match="not in FORMATS"):
-        benchmark.select_rows("model-formats", formats="mxfp4,fp4x")
+        benchmark_rows.select_rows("model-formats", formats="mxfp4,fp4x")
     with pytest.raises(ValueError, match="preset"):
-        benchmark.select_rows("no-such-preset")
+        benchmark_rows.select_rows("no-such-preset")
 
 
 def test_bench_dry_run_lists_the_preset_rows_without_a_gpu():
@@ -148,15 +149,15 @@ def test_bench_dry_run_lists_the_preset_rows_without_a_gpu():
 def test_bench_inputs_of_a_weight_only_format(fmt):
     """bf16 A without scales; B, its scales and nvfp4's global scales (as expert_scales) as the
     block format of the same weights builds them."""
-    from moegemm import benchmark
+    from moegemm import benchmark_inputs
     from moegemm.formats import FORMATS
 
     if fmt not in FORMATS:
         pytest.skip(f"{fmt} is not in moegemm.formats.FORMATS in this tree")
     sizes = [37, 130, 0, 5]
     n, k, m = 256, 512, sum(sizes)
-    block = benchmark.Inputs(fmt.removeprefix("bf16_"), n, k, sizes, "cpu")
-    inp = benchmark.Inputs(fmt, n, k, sizes, "cpu")
+    block = benchmark_inputs.Inputs(fmt.removeprefix("bf16_"), n, k, sizes, "cpu")
+    inp = benchmark_inputs.Inputs(fmt, n, k, sizes, "cpu")
     assert inp.a.dtype == torch.bfloat16 and inp.a.shape == (m, k) and inp.a_scales is None
     assert inp.scale_layout == block.scale_layout == "swizzled"
     assert (inp.b.dtype, inp.b.shape) == (block.b.dtype, block.b.shape)
@@ -177,7 +178,7 @@ def test_bench_run_times_fp8_block_first_and_the_bf16_baseline_once_per_key(monk
     """run() on the preset's rows with the timing and the GPU faked: every row but fp8_block gets
     vs_fp8_block, and the BF16 torch baseline is timed once per key, reused by the bf16, block
     and weight-only rows."""
-    from moegemm import benchmark
+    from moegemm import benchmark, benchmark_rows
 
     timed = []
 
@@ -195,7 +196,7 @@ def test_bench_run_times_fp8_block_first_and_the_bf16_baseline_once_per_key(monk
             return 1.0
 
     def fake_time_both(fn, warmup_ms):
-        assert warmup_ms == benchmark.PRESETS["model-formats"].warmup_ms
+        assert warmup_ms == benchmark_rows.PRESETS["model-formats"].warmup_ms
         timed.append((fn.__self__.fmt, fn.__name__))
         return (2.0, 2.5) if fn.__self__.fmt == "fp8_block" else (1.0, 1.5)
 
@@ -203,11 +204,11 @@ def test_bench_run_times_fp8_block_first_and_the_bf16_baseline_once_per_key(monk
     monkeypatch.setattr(benchmark, "_time_both", fake_time_both)
     monkeypatch.setattr(benchmark, "measure_ceilings",
                         lambda device: {"copy_tbps": 3.0, "bf16_tflops": 700.0, "fp8_rowwise_tflops": 1200.0})
-    monkeypatch.setattr(benchmark, "_deepgemm_runner", lambda inp: None)
+    monkeypatch.setattr(benchmark, "deepgemm_runner", lambda inp: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
-    rows = benchmark.select_rows("model-formats", only="dsv3-down")
+    rows = benchmark_rows.select_rows("model-formats", only="dsv3-down")
     results = benchmark.run(rows, out_dir=tmp_path, progress=False, peers={},
-                            warmup_ms=benchmark.PRESETS["model-formats"].warmup_ms)
+                            warmup_ms=benchmark_rows.PRESETS["model-formats"].warmup_ms)
     keys = {(r.shape, r.groups, r.nominal) for r in results}
     assert len(results) == len(rows) and len(keys) == 4
     baselines = [t for t in timed if t[1] == "torch_baseline"]

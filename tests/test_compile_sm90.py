@@ -108,7 +108,7 @@ def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, 
 
 
 def check_sm90_plain_kernel(fmt, cfg, out):
-    from moegemm.config import SM90_SMEM_BYTES
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
 
     compiled = sm90_kernel_compiled(fmt, cfg, out)
     ops = offline.opcode_counts(wgmma_sass(compiled))
@@ -142,9 +142,10 @@ FUSED_BF16_CASES = [(tps, epi) for tps in (16, 40, 130, 8192)
 @pytest.mark.parametrize("tokens_per_slot,epilogue", FUSED_BF16_CASES)
 def test_sm90_fused_epilogue_compiles_for_sm90(tokens_per_slot, epilogue):
     """The bf16 kernel's fused SwiGLU epilogue fits the shared memory its config counts
-    (config.DenseConfig.fused_scratch: normal tiles give the plain epilogue's TMA buffers to
+    (sm90_configs.DenseConfig.fused_scratch: normal tiles give the plain epilogue's TMA buffers to
     their ring), with no spills (but a few on 128 x 256 tiles quantizing their output)."""
-    from moegemm.config import SM90_SMEM_BYTES, sm90_config
+    from moegemm.config import sm90_config
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
 
     cfg = sm90_config(FORMATS["bf16"], 5760, 2880, tokens_per_slot, 2 if epilogue[1] == 0 else 1, fused=True)
     compiled = sm90_kernel_compiled("bf16", cfg, epilogue=epilogue)
@@ -166,7 +167,8 @@ def test_sm90_n_major_weights_compile_for_sm90(tokens_per_slot, epilogue):
     as staged through the hardware's transposed-operand bit (tnspB; tnspA where the swapped tile
     makes them the M side), kept in flight, with no spills, in the shared memory the config counts;
     a weight tile is loaded in 64-column boxes (128-byte swizzle), one more TMA load a 64 columns."""
-    from moegemm.config import SM90_SMEM_BYTES, sm90_config
+    from moegemm.config import sm90_config
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
 
     cfg = sm90_config(FORMATS["bf16"], 5760, 2880, tokens_per_slot, 2, fused=epilogue is not None)
     k_major = wgmma_sass(sm90_kernel_compiled("bf16", cfg, epilogue=epilogue))
@@ -217,7 +219,7 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
     promotion tiles, and the wide ones (a token half's wgmma runs while the other half is
     promoted, kernels/sm90/mxfp8.py). Only the tail loop of wide tiles waits for each one."""
     assert wgmma_overlaps(sass), "every wgmma is serialized"
-    from moegemm.config import Mxfp8Config
+    from moegemm.sm90_configs import Mxfp8Config
 
     cfg = mx_default_config(fmt, tokens_per_slot)
     if isinstance(cfg, Mxfp8Config) and cfg.wide:
@@ -226,8 +228,9 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
 
 
 def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True, prepacked=False):
-    from moegemm.config import DecodeConfig, sm90_mx_config, weight_bytes, with_epilogue_scratch
+    from moegemm.config import sm90_mx_config
     from moegemm.kernels.sm90 import decode
+    from moegemm.sm90_configs import DecodeConfig, weight_bytes, with_epilogue_scratch
 
     f = FORMATS[fmt]
     cfg = sm90_mx_config(f, 4096, 7168, tokens_per_slot, prepacked=prepacked)
@@ -255,8 +258,8 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
 def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False, with_scales=True):
     """The promotion kernels: kernels/sm90/mxfp8.py for mxfp8 (Mxfp8Config), kernels/sm90/e2m1.py for
     the e2m1 weights of mxfp4/w4a8 (E2m1Config, packed bytes in the ring)."""
-    from moegemm.config import E2m1Config, with_epilogue_scratch
     from moegemm.kernels.sm90 import e2m1, launcher, mxfp8
+    from moegemm.sm90_configs import E2m1Config, with_epilogue_scratch
 
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, FORMATS[fmt])
@@ -317,7 +320,7 @@ def wgmma_overlaps(sass: str) -> bool:
 
 @pytest.mark.parametrize("fmt,tokens_per_slot,layout", MX_CASES)
 def test_sm90_mx_kernel_compiles_for_sm90(fmt, tokens_per_slot, layout):
-    from moegemm.config import SM90_SMEM_BYTES
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
 
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, layout)
     sass = wgmma_sass(compiled)
@@ -340,7 +343,8 @@ def check_spills(sass: str, fmt: str, tokens_per_slot: float, fused: bool = Fals
     decoding kernel's 256-token tiles up to 8 setup and epilogue values (their producer has 24
     registers, the consumers 240 with two 128-token accumulators); other tiles none. (The fused epilogue on mxfp8's 128-token tiles also spills 4 values in its K
     loop: not checked there, docs/perf-notes.md.)"""
-    from moegemm.config import E2m1Config, Mxfp8Config, sm90_mx_config
+    from moegemm.config import sm90_mx_config
+    from moegemm.sm90_configs import E2m1Config, Mxfp8Config
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot)
     tail = getattr(cfg, "tail_tokens", 0)
@@ -465,7 +469,7 @@ FUSED_MX_CASES = [
 def test_fused_swiglu_epilogue_compiles_for_sm90(fmt, tokens_per_slot, epilogue):
     """The fused SwiGLU epilogue: its layout conversion's scratch fits beside the (shortened)
     ring, no spills are added, and the wgmmas still issue back to back."""
-    from moegemm.config import SM90_SMEM_BYTES
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
 
     compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", epilogue)
     sass = wgmma_sass(compiled)
@@ -498,7 +502,8 @@ def test_e2m1_promotion_config_rules():
     launched."""
     import dataclasses
 
-    from moegemm.config import DecodeConfig, E2m1Config, sm90_mx_config
+    from moegemm.config import sm90_mx_config
+    from moegemm.sm90_configs import DecodeConfig, E2m1Config
 
     for fmt in ("mxfp4", "w4a8"):
         cfg = sm90_mx_config(FORMATS[fmt], 5760, 2880, 2)
@@ -519,7 +524,8 @@ def test_e2m1_promotion_config_rules():
 
 
 def test_wide_weight_tiles_config_rules():
-    from moegemm.config import DecodeConfig, E2m1Config, sm90_mx_config
+    from moegemm.config import sm90_mx_config
+    from moegemm.sm90_configs import DecodeConfig, E2m1Config
 
     # prepacked weights at up to 64 tokens a tile: 256 rows, four consumer warpgroups
     for tokens_per_slot, tile in ((2, 16), (16, 32), (30, 64), (40, 64)):
@@ -546,7 +552,8 @@ def test_chunk_walk_config_rules():
     faster); wide tiles refuse it, and the other kernels' configs have no such setting."""
     import dataclasses
 
-    from moegemm.config import DecodeConfig, DenseConfig, E2m1Config, sm90_mx_config
+    from moegemm.config import sm90_mx_config
+    from moegemm.sm90_configs import DecodeConfig, DenseConfig, E2m1Config
 
     assert sm90_mx_config(FORMATS["mxfp8"], 7168, 2048, 16).chunk_walk  # 32-token tiles
     assert not any(getattr(sm90_mx_config(FORMATS[fmt], 7168, 2048, tps), "chunk_walk", False)
@@ -649,7 +656,8 @@ E2M1_DECODE_BOUNDS = {"bf16_mxfp4": 2.3, "nvfp4": 1.75, "bf16_nvfp4": 1.75}  # (
 @pytest.mark.parametrize("weight_tile", [128, 256])
 @pytest.mark.parametrize("fmt", sorted(E2M1_DECODE_BOUNDS))
 def test_prepacked_e2m1_decode_instructions_an_element(fmt, weight_tile):
-    from moegemm.config import DecodeConfig, deepest_ring, override_config
+    from moegemm.config import override_config
+    from moegemm.sm90_configs import DecodeConfig, deepest_ring
 
     regs = 112 if weight_tile == 256 else 192
     cfg = deepest_ring(DecodeConfig(token_tile=16, stages=2, group_m=1, consumer_regs=regs, sub_steps=2,

@@ -279,6 +279,34 @@ def test_a_named_format_quantizes_the_experts_once():
     assert [m._moegemm_experts for m in moegemm.hf.experts_modules(model)] == first  # kept, not made again
 
 
+def test_a_named_format_converts_without_building_a_layer(monkeypatch):
+    """A conversion into a named format runs moegemm.moe.weights' functions, the ones MoE's
+    loaders run, and builds no moegemm.MoE: its weights and biases are, byte for byte, what
+    MoE.load_experts makes of the same parameters."""
+    model = _model("gpt_oss")
+    module = moegemm.hf.experts_modules(model)[0]
+    moegemm.hf.register(fmt="mxfp8")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a conversion built a moegemm.MoE")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(moegemm.MoE, "__init__", refuse)
+        moegemm.hf.prepare(model)
+    experts = module._moegemm_experts
+    e, h, two_i = module.gate_up_proj.shape
+    layer = moegemm.MoE(h, two_i // 2, e, 1, fmt="mxfp8", expert_bias=True).load_experts(
+        gate_up=module.gate_up_proj.transpose(1, 2), gate_up_order="interleaved",
+        down=module.down_proj.transpose(1, 2), gate_up_bias=module.gate_up_proj_bias,
+        down_bias=module.down_proj_bias)
+    assert experts.gate_up_layout == layer.gate_up_layout
+    for got, want in zip((experts.w_gate_up, experts.w_down), layer.weights()):
+        assert (got.fmt, got.scale_layout, got.prepacked) == (want.fmt, want.scale_layout, want.prepacked)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    assert torch.equal(experts.gate_up_bias, layer.gate_up_bias) and torch.equal(experts.down_bias, layer.down_bias)
+
+
 def test_gpt_oss_mxfp4_weights_round_trip_exactly():
     """bf16 weights holding MXFP4 values (a dequantized gpt-oss checkpoint) quantize back to the
     same codes: fmt="bf16_mxfp4" then computes what the bf16 experts compute."""
@@ -435,7 +463,7 @@ def test_the_gate_is_read_from_each_module_not_its_class():
     plain = _config("qwen3_moe", hidden=256, width=128)
     clamped = _config("qwen3_moe", hidden=256, width=128)
     clamped.swiglu_alpha, clamped.swiglu_limit = 1.702, 7.0
-    specs = [moegemm.hf._module_spec(cls(config, block_size=(128, 128))) for config in (plain, clamped, plain)]
+    specs = [moegemm.hf.spec.spec_of(cls(config, block_size=(128, 128))) for config in (plain, clamped, plain)]
     assert [s.activation for s in specs] == ["swiglu", "swiglu_oai", "swiglu"]
     assert (specs[1].alpha, specs[1].limit) == (1.702, 7.0)
 
@@ -567,7 +595,7 @@ def test_free_source_prepares_a_bf16_model_layer_by_layer():
     """Four layers of Qwen3-30B-A3B's experts (128 experts, H = 2048, I = 768: 1.2 GB of bf16
     each) prepared as fp8_block with free_source=True. The peak stays under the model plus one
     layer's bf16 size: the first layer's conversion adds its fp8 copy (0.6 GB) and one chunk's
-    quantizer temporaries (moe.QUANTIZE_CHUNK weights in a few fp32 copies, ~0.2 GB), and each
+    quantizer temporaries (moe.weights.QUANTIZE_CHUNK weights in a few fp32 copies, ~0.2 GB), and each
     later one starts with a freed layer to spare. Afterwards the experts take their fp8 size alone
     (a bf16-loaded Qwen3-30B-A3B then runs fp8_block on an 80 GB card), and compute what the bf16
     experts computed, within fp8_block's error."""

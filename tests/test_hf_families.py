@@ -174,7 +174,7 @@ def test_a_clamped_swiglu_is_read_from_what_it_computes(layout, stored):
                                 ceiling=limit)
     else:
         module = _gated_experts(_clamped(lambda m: 2.375, lambda m: 0.875, layout))
-    spec = moegemm.hf._module_spec(module)
+    spec = moegemm.hf.spec.spec_of(module)
     assert (spec.activation, spec.gate_up_layout, spec.alpha, spec.limit) == ("swiglu_oai", layout, alpha, limit)
     x, index, weights = _route()
     x = x * 8  # (gate values beyond the limit, both signs)
@@ -198,5 +198,5 @@ def test_a_gate_unlike_both_raises_even_where_it_differs_only_at_large_values():
 
 def test_a_large_limit_is_read_exactly():
     module = _gated_experts(_clamped(lambda m: 1.702, lambda m: 12345.5, "interleaved"))
-    spec = moegemm.hf._module_spec(module)
+    spec = moegemm.hf.spec.spec_of(module)
     assert (spec.activation, spec.alpha, spec.limit) == ("swiglu_oai", 1.702, 12345.5)

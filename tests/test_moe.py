@@ -424,10 +424,10 @@ def test_load_experts_quantizes_a_chunk_of_experts_at_a_time(fmt, prepack, monke
     gate, up, down = _layer_weights(e, i, h)
     whole = moegemm.MoE(h, i, e, 2, fmt=fmt, prepack=prepack).load_experts(gate=gate, up=up, down=down)
     calls = []
-    quantize = moegemm.moe.quantize_weights
-    monkeypatch.setattr(moegemm.moe, "quantize_weights", lambda w, *args, **kw: calls.append(w.shape[0]) or
+    quantize = moegemm.moe.weights.quantize_weights
+    monkeypatch.setattr(moegemm.moe.weights, "quantize_weights", lambda w, *args, **kw: calls.append(w.shape[0]) or
                         quantize(w, *args, **kw))
-    monkeypatch.setattr(moegemm.moe, "QUANTIZE_CHUNK", 3 * 2 * i * h)
+    monkeypatch.setattr(moegemm.moe.weights, "QUANTIZE_CHUNK", 3 * 2 * i * h)
     chunked = moegemm.MoE(h, i, e, 2, fmt=fmt, prepack=prepack).load_experts(gate=gate, up=up, down=down)
     assert calls == [3, 3, 2, 6, 2]
     for q, r in zip(chunked.weights(), whole.weights()):
@@ -435,6 +435,39 @@ def test_load_experts_quantizes_a_chunk_of_experts_at_a_time(fmt, prepack, monke
         assert_same_quantized(q, r)
         assert (q.global_scale is None) == (r.global_scale is None)
         assert q.global_scale is None or torch.equal(q.global_scale, r.global_scale)
+
+
+def test_a_loader_that_raises_leaves_the_layer_as_it_was():
+    """Biases the layer was not built for (or none where it was), or weights of the wrong shape,
+    raise before anything is stored: the layer keeps the weights it had, and their format,
+    whichever loader raised."""
+    e, i, h = 2, 128, 64
+    gate, up, down = _layer_weights(e, i, h)
+    plain = moegemm.MoE(h, i, e, 2, fmt="mxfp8").load_experts(gate=gate, up=up, down=down)
+    biased = moegemm.MoE(h, i, e, 2, fmt="mxfp8", expert_bias=True)
+    held = [w.data.clone() for w in plain.weights()]
+    fp8 = {name: w.to(torch.float8_e4m3fn) for name, w in (("gate", gate), ("up", up), ("down", down))}
+    scales = {f"{name}_scale_inv": torch.ones(e, -(-w.shape[1] // 128), -(-w.shape[2] // 128))
+              for name, w in fp8.items()}
+    with pytest.raises(ValueError, match="expert_bias=False"):
+        plain.load_experts(gate=gate * 2, up=up, down=down, down_bias=torch.zeros(e, h))
+    with pytest.raises(ValueError, match="expert_bias=True"):
+        biased.load_fp8_block(**fp8, **scales)  # (mxfp8: requantized, as load_experts would)
+    assert biased.gate_up_data is None and biased.down_data is None
+    assert all(torch.equal(t.view(torch.uint8), w.data.view(torch.uint8)) for t, w in zip(held, plain.weights()))
+    # A layer built with fmt=None keeps its loaded bf16 weights, and their format, when load_mxfp4 raises.
+    layer = moegemm.MoE(h, i, e, 2).load_experts(gate=gate, up=up, down=down)
+    x = torch.randn(3, h, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = layer(x)
+    with pytest.raises(ValueError, match="gate_up_blocks"):
+        layer.load_mxfp4(gate_up_blocks=torch.zeros(e, 2 * i, h // 32, 8, dtype=torch.uint8),
+                         gate_up_scales=torch.zeros(e, 2 * i, h // 32, dtype=torch.uint8),
+                         down_blocks=torch.zeros(e, h, i // 32, 16, dtype=torch.uint8),
+                         down_scales=torch.zeros(e, h, i // 32, dtype=torch.uint8))
+    assert (layer.fmt, layer.gate_up_layout, layer.scale_layout) == ("bf16", "interleaved", "plain")
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
 
 
 def test_load_fp8_block_keeps_the_checkpoint_bytes():
@@ -542,13 +575,22 @@ def test_moe_forward_fake_gives_the_output_shape():
 
 @needs_interpreter
 def test_torch_compile_fullgraph_cpu():
+    """torch.compile traces the routed experts as the one moegemm::moe_forward op (the local
+    path's traced call, compile_boundary.py), and the compiled layer computes the eager one."""
     layer = moegemm.MoE(64, 64, 4, 2, backend="reference").load_experts(
         gate=torch.randn(4, 64, 64) * 0.1, up=torch.randn(4, 64, 64) * 0.1, down=torch.randn(4, 64, 64) * 0.1)
     layer.load_router(torch.randn(4, 64, dtype=torch.bfloat16))
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    traced = []
+
+    def recording(gm, inputs):
+        traced.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    compiled = torch.compile(layer, fullgraph=True, backend=recording)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), layer(x))
+    assert traced.count(torch.ops.moegemm.moe_forward.default) == 1
 
 
 # ---- GPU: the layer through sm90 (the fused epilogue: tests/test_fused_epilogue.py) ---------

@@ -14,11 +14,12 @@ from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, pois
 
 import moegemm
 from moegemm import codecs
-from moegemm.config import DecodeConfig, override_config
+from moegemm.config import override_config
 from moegemm.formats import PREPACK_FORMATS
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.kernels.sm90.decode import _e2m1_to_bf16_ptx
 from moegemm.prepack import E2M1_WORD_TERMS, prepack_codes, unpack_codes
+from moegemm.sm90_configs import DecodeConfig
 
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
 
@@ -229,7 +230,7 @@ def test_moe_loaders_prepack_and_answer_the_same(monkeypatch):
     assert asked.gate_up_prepacked and asked.weights()[0].prepacked and not kept.gate_up_prepacked
     with torch.no_grad():
         assert torch.equal(asked(x).view(torch.int16), kept(x).view(torch.int16))
-    monkeypatch.setattr(moegemm.moe, "available_backends", lambda device: ("sm90", "triton", "reference"))
+    monkeypatch.setattr(moegemm.moe.weights, "available_backends", lambda device: ("sm90", "triton", "reference"))
     assert not mxfp4_layer(None).gate_up_prepacked and _gpt_oss_like(None, backend="auto").gate_up_prepacked
 
 

@@ -11,16 +11,17 @@ import torch
 from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, run_sm90, tolerance
 
 import moegemm
-from moegemm import config
-from moegemm.config import DecodeConfig, DenseConfig, E2m1Config, Mxfp8Config, override_config
+from moegemm import config, sm90_configs
+from moegemm.config import override_config
 from moegemm.formats import FORMATS
+from moegemm.sm90_configs import DecodeConfig, DenseConfig, E2m1Config, Mxfp8Config
 
 pytestmark = pytest.mark.gpu
 
 SM90_FORMATS = ("fp8_block", "bf16")
 MX_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 # the decoding kernel's formats: the block formats and the weight-only ones (bf16 activations)
-DECODING_FORMATS = config.MX_FORMATS
+DECODING_FORMATS = sm90_configs.MX_FORMATS
 
 
 ARRANGEMENTS = ["normal128", "normal256", "split_n", "swapped"]

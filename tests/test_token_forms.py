@@ -238,7 +238,7 @@ def test_prepacked_e2m1_weights_take_the_decoding_kernels_form(monkeypatch):
     """mxfp4 and w4a8 at ~2 tokens a slot: the plain order's e2m1 promotion kernel reads e4m3
     tokens (unfused gate/up), prepacked weights the decoding kernel's bf16 ones (fused), and the
     layer's steps follow each product's weight order."""
-    from moegemm import layer_forward
+    from moegemm.moe import plan
     from moegemm.fused import fused_pays
     from moegemm.token_forms import TokenForm, token_form
 
@@ -247,10 +247,10 @@ def test_prepacked_e2m1_weights_take_the_decoding_kernels_form(monkeypatch):
         assert plain.kind == "e4m3" and plain.even_odd
         assert token_form(fmt, 5760, 2880, 256, 128, prepacked=True) == TokenForm("bf16")
         assert not fused_pays(fmt, 5760, 2880, 2.0) and fused_pays(fmt, 5760, 2880, 2.0, prepacked=True)
-        monkeypatch.setattr(layer_forward, "resolve_backend", lambda backend, p, device: "sm90")
+        monkeypatch.setattr(plan, "resolve_backend", lambda backend, p, device: "sm90")
         shapes = (fmt, "swizzled", 256, 128, 2880, 5760, 128, "interleaved", "auto", torch.device("cpu"), True,
                   False, False, 2.0)
-        up_form, down_form, fused = layer_forward._steps.__wrapped__(*shapes, True, True)
+        up_form, down_form, fused = plan.plan_layer.__wrapped__(*shapes, True, True)
         assert up_form == down_form == TokenForm("bf16") and fused
-        up_form, down_form, fused = layer_forward._steps.__wrapped__(*shapes, False, True)
+        up_form, down_form, fused = plan.plan_layer.__wrapped__(*shapes, False, True)
         assert up_form == plain and down_form == TokenForm("bf16") and not fused

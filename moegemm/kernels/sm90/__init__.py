@@ -13,7 +13,7 @@ file per kernel on the shared pipeline layer (pipeline.py), one launch entry (la
                   LaunchArgs, EpilogueSpec, supports, launch: the one launch entry
 
 A new kernel is a new file here built on pipeline.py's Ring, Schedule, walk, Producer and Output;
-its config class in moegemm/config.py, chosen per shape there; and a _launch_<kernel> function
+its config class in moegemm/sm90_configs.py, chosen per shape in moegemm/config.py; and a _launch_<kernel> function
 with one branch in launcher.plan (docs/architecture.md, where a new kernel goes).
 """
 

@@ -26,7 +26,7 @@ kernel does the latter (docs/design.md records the measurements):
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
-(config.DecodeConfig: one group's tokens at decode, 128 for small groups, 256 for many: two
+(sm90_configs.DecodeConfig: one group's tokens at decode, 128 for small groups, 256 for many: two
 128-token halves, one accumulator each, on one decoded operand); prepacked weights at up to 64
 tokens take 256 rows, four consumer warpgroups on each token stage (the bf16 tokens of a
 128-row tile were half its fp4 weight bytes). Producer, barriers, schedule and the masked

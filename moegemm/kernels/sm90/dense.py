@@ -1,6 +1,6 @@
 """The sm90 kernel of `bf16` and DeepSeek's `fp8_block`: wgmma straight from the TMA ring.
 
-Tile arrangements (config.DenseConfig), two consumer warpgroups on the pipeline of pipeline.py:
+Tile arrangements (sm90_configs.DenseConfig), two consumer warpgroups on the pipeline of pipeline.py:
     normal   128 tokens x W_TILE weights: warpgroup w takes tokens [64w, 64w+64)
     split-n   64 tokens x W_TILE weights: warpgroup w takes weight rows [w, w+1) * W_TILE/2
              (small groups: a 64-row token tile wastes less on a group's ragged end)

@@ -14,7 +14,7 @@ when swizzled), so the loop issues no global load before its fence. mxfp4's k32 
 in the fp8 accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not,
 like mxfp8's.
 
-Tiles are swapped, 128 weight rows x 8 or 16 tokens (config.E2m1Config). Split-K (SPLIT_K):
+Tiles are swapped, 128 weight rows x 8 or 16 tokens (sm90_configs.E2m1Config). Split-K (SPLIT_K):
 four consumer warpgroups, WG % 2 picks the 64 weight rows, WG // 2 the K half of every stage;
 the two halves' partial sums meet through shared memory (_reduce_split_k) and the K halves take
 turns at running the epilogue. A last stage that stops within its first half (gpt-oss K = 2880)

@@ -23,8 +23,9 @@ from typing import NamedTuple
 import torch
 from triton.experimental.gluon import language as gl
 
-from ...config import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, sm90_config, sm90_mx_config, weight_bytes
+from ...config import sm90_config, sm90_mx_config
 from ...problem import GroupedProblem
+from ...sm90_configs import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, weight_bytes
 from ...token_forms import ACC_ORDER_BLOCK, KernelTokens
 from ..compiled_launch import Tma
 from ..compiled_launch import launch as launch_kernel

@@ -27,7 +27,7 @@ alternate: one half's wgmma runs while the other half's partial is promoted
 same warpgroups run them on a third [64, 32] accumulator over the same weight stream, its wgmma
 in turn with the halves' (_promote_chain_wide), instead of a nearly empty tile that streams the
 weight block again. A tail of up to 16 tokens runs on a [64, 16] accumulator over the tail
-buffers' first rows (config.Mxfp8Config.short_tails). The weight scales of the next stage are
+buffers' first rows (sm90_configs.Mxfp8Config.short_tails). The weight scales of the next stage are
 loaded a stage ahead and decoded only in the next iteration (_weight_scale_loads): decoded right
 after the load, every stage waited for DRAM.
 
@@ -341,7 +341,7 @@ class Mxfp8Consumer:
         WIDE: gl.constexpr = self.s_bufs is not None
         STAGE_K: gl.constexpr = self.t_bufs.shape[2]
         # Wide tiles with 2-byte outputs store them 16 bytes at a time (Output.store_swapped; the
-        # config leaves shared memory for that, config.Mxfp8Config.swap_store_scratch).
+        # config leaves shared memory for that, sm90_configs.Mxfp8Config.swap_store_scratch).
         VECTOR_STORE: gl.constexpr = WIDE and self.out.out_ptr.dtype.element_ty.primitive_bitwidth == 16
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, TOK_TILE, SCALE_BLOCK])

@@ -1,5 +1,5 @@
-"""The MoE layer as a module: router, routed experts (layer_forward.moe_forward), optional shared
-expert, loaders for checkpoints, and its state dict (layer_state.py).
+"""The MoE layer as a module: router, routed experts (forward.moe_forward), optional shared expert,
+loaders for checkpoints (weights.py), its state dict (state.py) and the graphs of its decode calls.
 
     layer = moegemm.MoE(hidden, width, experts, top_k, fmt="mxfp8"); layer.load_experts(...)
     y = layer(x)
@@ -9,32 +9,27 @@ interleaved (2j = gate_j, 2j+1 = up_j: moegemm.interleave_gate_up), the layout t
 epilogue wants. fp8_block keeps DeepSeek's concatenated [gate; up] rows, because interleaving
 would split the 128x128 scale blocks of an FP8 checkpoint; its SwiGLU runs after the matmul.
 
-Expert parallelism (ep_group): rank r of W keeps experts [r*E/W, (r+1)*E/W); layer_forward.py
-and distributed.py move the tokens.
+Expert parallelism (ep_group): rank r of W keeps experts [r*E/W, (r+1)*E/W); parallel.py,
+forward.py and distributed.py move the tokens.
 
 Routers (MoE.route_tokens): routing.select_experts, the three the supported checkpoints use.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
-from . import distributed, graphed, layer_state, layouts
-from .formats import PREPACK_BY_DEFAULT, PREPACK_FORMATS, get_format
-from .gate_up import check_activation, deinterleave_gate_up, interleave_gate_up
-from .layer_forward import moe_forward, moe_forward_received
-from .layer_state import gate_up_layout, weight_scale_layout
-from .ops import available_backends
-from .prepack import PREPACK_K, PREPACK_ROWS
-from .quantize import dequantize_operand, prepack_weights, quantize_weights
-from .quantized_tensor import QuantizedTensor
-from .routing import ROUTERS, select_experts
+from .. import distributed, graphed
+from ..formats import get_format
+from ..gate_up import check_activation
+from ..quantized_tensor import QuantizedTensor
+from ..routing import ROUTERS, select_experts
+from . import parallel, weights
+from .forward import moe_forward
+from .state import EXPERT_WEIGHTS, STATE_VERSION, state_change
 
-__all__ = ["MoE", "moe_forward", "moe_forward_received", "ROUTERS"]
+__all__ = ["MoE"]
 
 
 def _check_device(device) -> None:
@@ -52,10 +47,6 @@ def _check_device(device) -> None:
                          f"available (torch {torch.__version__}, CUDA {torch.version.cuda or 'not built'})")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device: expected one of the {torch.cuda.device_count()} CUDA devices, got {str(device)!r}")
-
-
-# Weights a chunk of load_experts' quantization holds (2^23: 32 MiB in fp32; MoE._store_quantized).
-QUANTIZE_CHUNK = 1 << 23
 
 
 class MoE(torch.nn.Module):
@@ -90,7 +81,7 @@ class MoE(torch.nn.Module):
 
     state_dict() says what the expert tensors mean (get_extra_state); load_state_dict makes a
     checkpoint's tensors what this layer's loaders would have made, on a layer built with the
-    same arguments with or without weights, or raises naming both sides (layer_state.py).
+    same arguments with or without weights, or raises naming both sides (state.py).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -129,7 +120,7 @@ class MoE(torch.nn.Module):
         self.expert_range = (0, num_experts) if ep_group is None else distributed.expert_range(num_experts, ep_group)
         self.num_local_experts = self.expert_range[1] - self.expert_range[0]
         # The format the caller chose, None: the loader's (_use_format); until a loader runs, bf16's.
-        self._chosen_fmt = None if fmt is None else get_format(fmt).name
+        self.chosen_fmt = None if fmt is None else get_format(fmt).name
         self._use_format(fmt or "bf16")
         self.activation, self.router = activation, router
         self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
@@ -162,7 +153,7 @@ class MoE(torch.nn.Module):
         if ep_group is not None:  # every rank builds the same layer (one small collective)
             distributed.check_agreement("MoE", dict(
                 hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts, top_k=top_k,
-                fmt=self._chosen_fmt, activation=activation, router=router, ep_path=ep_path, ep_capacity=ep_capacity,
+                fmt=self.chosen_fmt, activation=activation, router=router, ep_path=ep_path, ep_capacity=ep_capacity,
                 dtype=str(dtype),
                 norm_topk_prob=norm_topk_prob, n_group=n_group, topk_group=topk_group,
                 routed_scaling_factor=routed_scaling_factor, correction_bias=correction_bias, router_bias=router_bias,
@@ -188,62 +179,38 @@ class MoE(torch.nn.Module):
 
     def _use_format(self, fmt: str):
         """Set the experts' format and the weight layouts it implies (sizes checked against it)."""
-        f = get_format(fmt)
-        for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-            if size % f.k_multiple:
-                raise ValueError(f"{name}: must be a multiple of {f.k_multiple} for {f.name}, got {size}")
-        self.fmt = f.name
-        self.gate_up_layout = gate_up_layout(f.name)
-        self.scale_layout = weight_scale_layout(f.name)
+        fmt = get_format(fmt).name
+        weights.check_sizes(fmt, self.hidden_size, self.intermediate_size)
+        self.fmt = fmt
+        self.gate_up_layout = weights.gate_up_layout(fmt)
+        self.scale_layout = weights.weight_scale_layout(fmt)
 
-    def _store(self, prefix: str, q: QuantizedTensor):
-        if not q.prepacked and self._prepacks(q):
-            q = prepack_weights(q)
-        setattr(self, f"{prefix}_prepacked", q.prepacked)
-        setattr(self, f"{prefix}_data", q.data)
-        setattr(self, f"{prefix}_scales", q.scales)
-        setattr(self, f"{prefix}_global", q.global_scale)
+    def _form(self, fmt: str | None = None) -> weights.WeightForm:
+        """What the loaders make weights into: this layer's format, or `fmt` (a loader's own)."""
+        return weights.WeightForm(fmt or self.fmt, self.prepack, self.backend)
 
-    def _prepacks(self, q: QuantizedTensor) -> bool:
-        """Whether the loaders keep q prepacked (the class docstring's `prepack`)."""
-        return self._keeps_prepacked(q.fmt, q.data.shape[1], q.k, q.data.device)
-
-    def _keeps_prepacked(self, fmt: str, n: int, k: int, device: torch.device) -> bool:
-        """Whether this layer keeps weights [E, n, k] of fmt on `device` prepacked (`prepack`)."""
-        if self.prepack is False or fmt not in PREPACK_FORMATS:
-            return False
-        if self.prepack is None and fmt not in PREPACK_BY_DEFAULT:
-            return False
-        if n % PREPACK_ROWS or k % PREPACK_K:
-            return False
-        return bool(self.prepack) or (self.backend in ("auto", "sm90") and "sm90" in available_backends(device))
-
-    def _check_weight(self, name, w, shape):
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
-        if tuple(w.shape) != tuple(shape):
-            whole = (f" (this rank's experts; or all {self.num_experts})"
-                     if self.ep_group is not None and shape[0] == self.num_local_experts else "")
-            raise ValueError(f"{name}: expected shape {tuple(shape)}{whole}, got {tuple(w.shape)}")
+    def _sizes(self) -> tuple[int, int, int]:
+        """(E, I, H) of the weights this rank keeps."""
+        return self.num_local_experts, self.intermediate_size, self.hidden_size
 
     def _own(self, *tensors):
-        """Per-expert checkpoint tensors as this rank keeps them: the full [E, ...] cut to its
-        experts, anything else as given (the loaders check its shape next)."""
-        first, last = self.expert_range
-        return [w[first:last] if isinstance(w, torch.Tensor) and w.dim() and w.shape[0] == self.num_experts
-                and last - first != self.num_experts else w for w in tensors]
+        return parallel.own_experts(tensors, self.expert_range, self.num_experts)
 
-    def _set_biases(self, gate_up_bias, down_bias):
-        gate_up_bias, down_bias = self._own(gate_up_bias, down_bias)
-        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
-        if self.has_expert_bias != (gate_up_bias is not None or down_bias is not None):
+    def _check_biases(self, *biases):
+        if self.has_expert_bias != any(b is not None for b in biases):
             raise ValueError(f"gate_up_bias, down_bias: this MoE was built with expert_bias={self.has_expert_bias}")
-        if gate_up_bias is not None:
-            self._check_weight("gate_up_bias", gate_up_bias, (e, 2 * i))
-            self.gate_up_bias = gate_up_bias.detach().float().contiguous()  # (a checkpoint's Parameter: no grad)
-        if down_bias is not None:
-            self._check_weight("down_bias", down_bias, (e, h))
-            self.down_bias = down_bias.detach().float().contiguous()
+
+    def _store(self, experts: weights.ExpertWeights, loader: str):
+        for prefix, q in (("gate_up", experts.w_gate_up), ("down", experts.w_down)):
+            setattr(self, f"{prefix}_prepacked", q.prepacked)
+            setattr(self, f"{prefix}_data", q.data)
+            setattr(self, f"{prefix}_scales", q.scales)
+            setattr(self, f"{prefix}_global", q.global_scale)
+        if experts.gate_up_bias is not None:
+            self.gate_up_bias = experts.gate_up_bias
+        if experts.down_bias is not None:
+            self.down_bias = experts.down_bias
+        return self._loaded(loader)
 
     @torch.no_grad()
     def load_experts(self, *, gate=None, up=None, gate_up=None, down, gate_up_order: str = "concat",
@@ -255,66 +222,13 @@ class MoE(torch.nn.Module):
         gpt-oss). Biases likewise: gate_bias/up_bias [E, I] or gate_up_bias [E, 2I], down_bias [E, H].
         With expert parallelism, E may also be this rank's experts alone (num_local_experts).
         """
+        self._check_biases(gate_bias, up_bias, gate_up_bias, down_bias)
         gate, up, gate_up, down, gate_bias, up_bias, gate_up_bias, down_bias = self._own(
             gate, up, gate_up, down, gate_bias, up_bias, gate_up_bias, down_bias)
-        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
-        if gate_up is None:
-            if gate is None or up is None:
-                raise ValueError("gate, up: give both, or gate_up")
-            self._check_weight("gate", gate, (e, i, h))
-            self._check_weight("up", up, (e, i, h))
-        else:
-            self._check_weight("gate_up", gate_up, (e, 2 * i, h))
-            if gate_up_order not in ("concat", "interleaved"):
-                raise ValueError(f"gate_up_order: expected 'concat' or 'interleaved', got {gate_up_order!r}")
-            gate, up = gate_up.chunk(2, dim=1) if gate_up_order == "concat" else deinterleave_gate_up(gate_up)
-        self._check_weight("down", down, (e, h, i))
-        if gate_up_bias is not None and gate_up_order == "interleaved":
-            gate_bias, up_bias = gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]
-        elif gate_up_bias is not None:
-            gate_bias, up_bias = gate_up_bias.chunk(2, dim=1)
-        self._store_quantized("gate_up", lambda first, last: self._arrange(gate[first:last], up[first:last]), 2 * i * h)
-        self._store_quantized("down", lambda first, last: down[first:last], h * i)
-        bias = None
-        if gate_bias is not None or up_bias is not None:
-            zeros = torch.zeros(e, i, device=down.device)
-            gb = gate_bias if gate_bias is not None else zeros
-            ub = up_bias if up_bias is not None else zeros
-            bias = self._arrange(gb.float().unsqueeze(-1), ub.float().unsqueeze(-1)).squeeze(-1)
-        self._set_biases(bias, down_bias)
-        return self._loaded("load_experts")
-
-    def _store_quantized(self, prefix: str, experts, size: int):
-        """Quantize (and prepack, as _store would) the layer's experts a chunk at a time:
-        experts(first, last) gives float weights [last - first, N, K] of `size` = N * K elements
-        an expert. The quantizers' temporaries are a few fp32 copies of their input, GBs for a
-        whole layer of a large model (Qwen3-30B-A3B's gate/up: 1.6 GB in fp32), so each chunk
-        holds at most QUANTIZE_CHUNK elements, written into tensors allocated once for the layer.
-        Exact: quantization, nvfp4's global scale and the prepacked order are each expert's own."""
-        count = self.num_local_experts
-        step = max(1, QUANTIZE_CHUNK // max(size, 1))
-        whole = None
-        for first in range(0, count, step):
-            last = min(first + step, count)
-            q = quantize_weights(experts(first, last).float(), self.fmt, scale_layout=self.scale_layout)
-            if self._prepacks(q):
-                q = prepack_weights(q)
-            if first == 0 and last == count:
-                whole = q
-                break
-            if whole is None:
-                grown = lambda t: None if t is None else t.new_empty((count, *t.shape[1:]))  # noqa: E731
-                whole = replace(q, data=grown(q.data), scales=grown(q.scales), global_scale=grown(q.global_scale))
-            for part, into in ((q.data, whole.data), (q.scales, whole.scales), (q.global_scale, whole.global_scale)):
-                if part is not None:
-                    into[first:last].copy_(part)
-        self._store(prefix, whole)
-
-    def _arrange(self, gate, up):
-        """gate, up [E, I, X] -> the [E, 2I, X] row order of this format."""
-        if self.gate_up_layout == "concat":
-            return torch.cat((gate, up), dim=1)
-        return interleave_gate_up(gate.contiguous(), up.contiguous())
+        return self._store(weights.from_float(
+            gate=gate, up=up, gate_up=gate_up, down=down, gate_up_order=gate_up_order, gate_bias=gate_bias,
+            up_bias=up_bias, gate_up_bias=gate_up_bias, down_bias=down_bias, sizes=self._sizes(), form=self._form(),
+            hint=parallel.shape_hint(self.ep_group, self.num_experts)), "load_experts")
 
     @torch.no_grad()
     def load_fp8_block(self, *, gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv):
@@ -322,26 +236,14 @@ class MoE(torch.nn.Module):
         (weight = e4m3 * scale_inv per 128x128 block). Exact for fmt="fp8_block" when I % 128 == 0
         (gate and up blocks stay whole); other formats dequantize and requantize. With expert
         parallelism, E may also be this rank's experts alone."""
+        if not weights.fp8_block_kept(self.fmt, self.intermediate_size):  # (requantized: load_experts' checks)
+            self._check_biases()
         gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv = self._own(
             gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv)
-        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
-        nb = lambda n: math.ceil(n / 128)  # noqa: E731
-        for name, w, shape in (("gate", gate, (e, i, h)), ("up", up, (e, i, h)), ("down", down, (e, h, i))):
-            self._check_weight(name, w, shape)
-            if w.dtype != torch.float8_e4m3fn:
-                raise TypeError(f"{name}: expected torch.float8_e4m3fn, got {w.dtype}")
-        for name, s, w in (("gate_scale_inv", gate_scale_inv, gate), ("up_scale_inv", up_scale_inv, up),
-                           ("down_scale_inv", down_scale_inv, down)):
-            self._check_weight(name, s, (e, nb(w.shape[1]), nb(w.shape[2])))
-        if self.fmt == "fp8_block" and i % 128 == 0:
-            gate_up_scales = torch.cat((gate_scale_inv, up_scale_inv), dim=1).float().contiguous()
-            self._store("gate_up", QuantizedTensor(torch.cat((gate, up), dim=1).contiguous(), gate_up_scales,
-                                                   self.fmt, "b"))
-            self._store("down", QuantizedTensor(down.contiguous(), down_scale_inv.float().contiguous(), self.fmt, "b"))
-            return self._loaded("load_fp8_block")
-        deq = lambda w, s: dequantize_operand(w, s.float(), "fp8_block", "b")  # noqa: E731
-        return self.load_experts(gate=deq(gate, gate_scale_inv), up=deq(up, up_scale_inv),
-                                 down=deq(down, down_scale_inv))
+        return self._store(weights.from_fp8_block(
+            gate=gate, up=up, down=down, gate_scale_inv=gate_scale_inv, up_scale_inv=up_scale_inv,
+            down_scale_inv=down_scale_inv, sizes=self._sizes(), form=self._form(),
+            hint=parallel.shape_hint(self.ep_group, self.num_experts)), "load_fp8_block")
 
     @torch.no_grad()
     def load_mxfp4(self, *, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias=None,
@@ -355,36 +257,22 @@ class MoE(torch.nn.Module):
         bytes too and quantizes the activations to MXFP4 as well (so does "w4a8", to MXFP8);
         other formats dequantize and requantize the weights. With expert parallelism, E may also
         be this rank's experts alone."""
-        if self._chosen_fmt is None:
-            self._use_format("bf16_mxfp4")
+        fmt = "bf16_mxfp4" if self.chosen_fmt is None else self.fmt
+        weights.check_sizes(fmt, self.hidden_size, self.intermediate_size)
+        self._check_biases(gate_up_bias, down_bias)
         gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias = self._own(
             gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias)
-        e, i, h = self.num_local_experts, self.intermediate_size, self.hidden_size
-        self._check_weight("gate_up_blocks", gate_up_blocks, (e, 2 * i, h // 32, 16))
-        self._check_weight("gate_up_scales", gate_up_scales, (e, 2 * i, h // 32))
-        self._check_weight("down_blocks", down_blocks, (e, h, i // 32, 16))
-        self._check_weight("down_scales", down_scales, (e, h, i // 32))
-        gu_data = gate_up_blocks.reshape(e, 2 * i, h // 2).view(torch.uint8).contiguous()
-        dn_data = down_blocks.reshape(e, h, i // 2).view(torch.uint8).contiguous()
-        gu_scales = gate_up_scales.view(torch.uint8).contiguous()
-        dn_scales = down_scales.view(torch.uint8).contiguous()
-        if get_format(self.fmt).b == get_format("mxfp4").b:  # (mxfp4, w4a8, bf16_mxfp4: MXFP4 weights)
-            swz = self.scale_layout == "swizzled"
-            for prefix, data, scales in (("gate_up", gu_data, gu_scales), ("down", dn_data, dn_scales)):
-                scales = layouts.swizzle_b_scales(scales) if swz else scales
-                self._store(prefix, QuantizedTensor(data, scales.view(torch.float8_e8m0fnu), self.fmt, "b",
-                                                    self.scale_layout))
-            self._set_biases(gate_up_bias, down_bias)
-            return self._loaded("load_mxfp4")
-        gate_up = dequantize_operand(gu_data, gu_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
-        down = dequantize_operand(dn_data, dn_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")
-        return self.load_experts(gate_up=gate_up, gate_up_order="interleaved", down=down,
-                                 gate_up_bias=gate_up_bias, down_bias=down_bias)
+        experts = weights.from_mxfp4(
+            gate_up_blocks=gate_up_blocks, gate_up_scales=gate_up_scales, down_blocks=down_blocks,
+            down_scales=down_scales, gate_up_bias=gate_up_bias, down_bias=down_bias, sizes=self._sizes(),
+            form=self._form(fmt), hint=parallel.shape_hint(self.ep_group, self.num_experts))
+        self._use_format(fmt)  # (once the weights are made: a loader that raises changes nothing)
+        return self._store(experts, "load_mxfp4")
 
     @torch.no_grad()
     def load_router(self, weight, bias=None, correction_bias=None):
         """Router weight [E, H] (and gpt-oss's bias [E], DeepSeek's e_score_correction_bias [E])."""
-        self._check_weight("weight", weight, (self.num_experts, self.hidden_size))
+        weights.check_weight("weight", weight, (self.num_experts, self.hidden_size))
         self.router_weight.copy_(weight)
         if (bias is not None) != (self.router_bias is not None):
             raise ValueError(f"bias: this MoE was built with router_bias={self.router_bias is not None}")
@@ -404,7 +292,7 @@ class MoE(torch.nn.Module):
         torch.load(weights_only=True) reads them): the format, the scale layout, the gate/up row
         order, the order of gate_up_data's and down_data's codes ("plain" or "prepacked") and the
         experts [first, last) of num_experts they hold (a rank's own with expert parallelism)."""
-        return {"version": layer_state.STATE_VERSION, "fmt": self.fmt, "scale_layout": self.scale_layout,
+        return {"version": STATE_VERSION, "fmt": self.fmt, "scale_layout": self.scale_layout,
                 "gate_up_layout": self.gate_up_layout,
                 "gate_up_order": "prepacked" if self.gate_up_prepacked else "plain",
                 "down_order": "prepacked" if self.down_prepacked else "plain",
@@ -421,13 +309,13 @@ class MoE(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """torch's load, once the checkpoint's expert tensors are made what this layer would hold
-        had its loaders run (layer_state.state_change: the format, the codes' order, the scale layout, the
+        had its loaders run (state_change: the format, the codes' order, the scale layout, the
         experts): the buffers they fill are made where none (or one of another shape) is, and
         copied into in place otherwise. Graphs captured on the old weights are dropped. With
         expert parallelism no rank changes its weights unless every rank can, and the ranks'
         loaded weights are compared after (two small collectives)."""
         try:
-            change, failure = layer_state.state_change(self, state_dict, prefix), None
+            change, failure = state_change(self, state_dict, prefix), None
         except (ValueError, TypeError) as error:
             change, failure = None, error
         if self.ep_group is not None:
@@ -440,7 +328,7 @@ class MoE(torch.nn.Module):
         if change is not None:
             if change.fmt != self.fmt:  # (a layer built with fmt=None takes the checkpoint's)
                 self._use_format(change.fmt)
-                for name in layer_state.EXPERT_WEIGHTS:
+                for name in EXPERT_WEIGHTS:
                     setattr(self, name, None)
                 self.gate_up_prepacked = self.down_prepacked = False
             for name, t in change.tensors.items():

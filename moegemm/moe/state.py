@@ -6,9 +6,6 @@ layer holds (docs/contract.md section 7, checkpoints).
     state_change(layer, state_dict, p)   the checkpoint's expert tensors converted to what `layer`'s
                                          loaders would have made (code order, scale layout, a rank's
                                          experts), or a ValueError naming both sides
-
-Also the two layout choices a layer's format implies (weight_scale_layout, gate_up_layout), which
-the layer and its checkpoints share.
 """
 
 from __future__ import annotations
@@ -18,22 +15,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import layouts
-from .formats import FORMATS, get_format
-from .prepack import check_prepackable, prepack_codes, unpack_codes
+from .. import layouts
+from ..formats import FORMATS, get_format
+from ..prepack import check_prepackable, prepack_codes, unpack_codes
+from .weights import gate_up_layout, keeps_prepacked, weight_scale_layout
 
-__all__ = ["STATE_VERSION", "EXPERT_WEIGHTS", "StateChange", "gate_up_layout", "state_change", "weight_scale_layout"]
-
-
-def weight_scale_layout(fmt: str) -> str:
-    """The scale layout of the layer's weights in fmt: swizzled where the format has it."""
-    return "swizzled" if get_format(fmt).swizzle_capable else "plain"
-
-
-def gate_up_layout(fmt: str) -> str:
-    """The order of the layer's gate/up rows in fmt: fp8_block keeps DeepSeek's [gate; up] (its
-    128x128 scale blocks stay whole), every other format interleaves them (the fused epilogue's)."""
-    return "concat" if fmt == "fp8_block" else "interleaved"
+__all__ = ["EXPERT_WEIGHTS", "STATE_VERSION", "StateChange", "state_change"]
 
 
 # The version of the extra state below: what a state dict's "_extra_state" holds.
@@ -95,8 +82,8 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
     checkpoint's extra state says what they mean, or where it differs in what cannot be
     converted: another format (unless the layer was built with fmt=None: then it takes the
     checkpoint's), another gate/up row order, other experts than the layer's or all of them.
-    Converted: the codes' order (prepacked or plain, to what _keeps_prepacked says on the
-    layer's device), the scale layout, the full checkpoint cut to a rank's experts."""
+    Converted: the codes' order (prepacked or plain, to what weights.keeps_prepacked says for
+    the layer on its device), the scale layout, the full checkpoint cut to a rank's experts."""
     names = EXPERT_WEIGHTS + (("gate_up_bias", "down_bias") if layer.has_expert_bias else ())
     given = {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
     if not given:
@@ -107,7 +94,7 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
                          f"layout) beside {', '.join(repr(prefix + name) for name in given)}")
     saved = _saved_meaning(state_dict[key], key)
     fmt = saved["fmt"]
-    if fmt != layer.fmt and layer._chosen_fmt is not None:
+    if fmt != layer.fmt and layer.chosen_fmt is not None:
         raise ValueError(f"state_dict: expected experts of format {layer.fmt} (this layer's), got {fmt} (the "
                          f"checkpoint's); build the layer with fmt={fmt!r}, or fmt=None to take the checkpoint's")
     f = get_format(fmt)
@@ -153,7 +140,7 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
                 was = saved[f"{weight}_order"] == "prepacked"
                 if was:
                     check_prepackable(fmt, shape, f"state_dict[{key!r}] ({weight}_order 'prepacked')")
-                keeps = layer._keeps_prepacked(fmt, n, k, device)
+                keeps = keeps_prepacked(layer.prepack, layer.backend, fmt, n, k, device)
                 if was != keeps:  # (where the tensor lies: assign=True keeps the checkpoint's device)
                     t = prepack_codes(t) if keeps else unpack_codes(t)
                 prepacked[weight] = keeps
@@ -163,6 +150,7 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
             t = _checked_state(layer, given[name], f"state_dict[{prefix + name!r}]", shape, None, cut)
             tensors[name] = t.float()
     return StateChange(fmt, tensors, prepacked)
+
 
 def _checked_state(layer, t, name: str, shape: tuple, dtypes, cut: bool) -> torch.Tensor:
     """A checkpoint's per-expert tensor: cut to the layer's rank's experts where `cut` (it holds all
