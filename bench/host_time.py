@@ -29,7 +29,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 import moegemm
-from moegemm.kernels.launch import direct_launches
+from moegemm.kernels.compiled_launch import direct_launches
 
 
 @triton.jit

@@ -58,10 +58,11 @@ def fused_pays(fmt_name: str, n: int, k: int, tokens_per_slot: float, prepacked:
     return not (isinstance(cfg, Mxfp8Config) and cfg.token_tile == 128)
 
 
-def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, bias, *,
-                 out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, tokens=None,
-                 out_form: TokenForm | None = None):
-    """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue.
+def launch_fused(kernel: sm90.KernelPlan | None, p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets,
+                 expert_scales, bias, *, out_fmt, activation, out_scale_layout, num_scale_blocks, out_global_scale,
+                 alpha, limit, tokens=None, out_form: TokenForm | None = None):
+    """Allocate the quantized output (scales zeroed) and run the matmul with the fused epilogue:
+    problem p's launch planned with it (`kernel`, sm90.plan with fused=True).
     `tokens`: A in the form its sm90 kernel reads (token_forms.py), a and a_scales then unused.
     `out_form`: the output in that token form instead (the bf16 form only: the quantized values
     decoded, for the down product's kernel), rows outside the slots unwritten. Returns the
@@ -94,9 +95,9 @@ def launch_fused(p, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_off
         act=(sm90.ACT_SWIGLU if activation == "swiglu" else sm90.ACT_SWIGLU_OAI).value, out_code=out_code,
         out_swizzled=swizzled, vec=vec, dequant=out_form is not None,
     )
-    sm90.launch(sm90.LaunchArgs(p, a, b, a_scales, b_scales, a_offsets, expert_ids, data,
-                                a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, epilogue=epilogue,
-                                tokens=tokens))
+    sm90.launch(kernel, sm90.LaunchArgs(a, b, a_scales, b_scales, a_offsets, expert_ids, data,
+                                        a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
+                                        epilogue=epilogue, tokens=tokens))
     if out_form is not None:
         return QuantizedTensor(data, None, f.name, "a", out_form, None, a_offsets)
     return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets, a_scale_offsets)

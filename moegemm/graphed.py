@@ -34,7 +34,7 @@ import torch
 
 from .compile_boundary import compiling
 from .config import choice_context
-from .validation import debug_mode
+from .debug import debug_mode
 
 __all__ = ["GraphedCalls", "MAX_TOKENS", "usable"]
 

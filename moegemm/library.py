@@ -24,8 +24,10 @@ import torch
 from . import layouts
 from .compile_boundary import register_traced
 from .formats import get_format
+from .gate_up import check_activation
 from .moe.forward import moe_forward_local
 from .ops import grouped_matmul, grouped_matmul_swiglu
+from .problem import Operands, operands_of
 from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized, quantized_from_op, quantized_to_op
 from .routing import RoutingPlan, route, unpermute_tokens
 from .token_forms import TokenForm
@@ -50,10 +52,10 @@ def grouped_matmul_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor |
                       a_scale_offsets: torch.Tensor | None, expert_scales: torch.Tensor | None,
                       row_scales: torch.Tensor | None, scale_layout: str, out_dtype: torch.dtype,
                       backend: str, b_prepacked: bool) -> torch.Tensor:
-    return grouped_matmul(a, _weights(b, b_scales, fmt, scale_layout, b_prepacked), a_scales,
-                          None if b_prepacked else b_scales, a_offsets, expert_ids, fmt=fmt,
-                          a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
-                          scale_layout=scale_layout, out_dtype=out_dtype, backend=backend)
+    return grouped_matmul.eager(a, _weights(b, b_scales, fmt, scale_layout, b_prepacked), a_scales,
+                                None if b_prepacked else b_scales, a_offsets, expert_ids, fmt=fmt,
+                                a_scale_offsets=a_scale_offsets, expert_scales=expert_scales, row_scales=row_scales,
+                                scale_layout=scale_layout, out_dtype=out_dtype, backend=backend)
 
 
 def _weights(b, b_scales, fmt: str, scale_layout: str, prepacked: bool):
@@ -76,12 +78,13 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
                              out_global_scale: torch.Tensor | None, alpha: float, limit: float, fused: bool,
                              backend: str, gate_up_layout: str, b_prepacked: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = grouped_matmul_swiglu(a, _weights(b, b_scales, fmt, scale_layout, b_prepacked), a_scales,
-                              None if b_prepacked else b_scales, a_offsets, expert_ids, fmt=fmt, out_fmt=out_fmt,
-                              activation=activation, a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
-                              bias=bias, scale_layout=scale_layout, out_scale_layout=out_scale_layout,
-                              num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha,
-                              limit=limit, fused=fused, backend=backend, gate_up_layout=gate_up_layout)
+    q = grouped_matmul_swiglu.eager(a, _weights(b, b_scales, fmt, scale_layout, b_prepacked), a_scales,
+                                    None if b_prepacked else b_scales, a_offsets, expert_ids, fmt=fmt,
+                                    out_fmt=out_fmt, activation=activation, a_scale_offsets=a_scale_offsets,
+                                    expert_scales=expert_scales, bias=bias, scale_layout=scale_layout,
+                                    out_scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
+                                    out_global_scale=out_global_scale, alpha=alpha, limit=limit, fused=fused,
+                                    backend=backend, gate_up_layout=gate_up_layout)
     return quantized_to_op(q, a)
 
 
@@ -91,6 +94,56 @@ def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation,
       gate_up_layout, b_prepacked):
     return _fake_a_operand(out_fmt, a.shape[0], b.shape[1] // 2, out_scale_layout == "swizzled", num_scale_blocks,
                            expert_ids.shape[0], a)
+
+
+def _not_traced(operands: Operands):
+    if operands.a_form is not None:
+        raise ValueError("a: tokens in a token form are not traced by torch.compile (the MoE layer, one op there, "
+                         "passes them)")
+
+
+def _traced_grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets=None,
+                           expert_scales=None, row_scales=None, scale_layout=None, out=None,
+                           out_dtype=torch.bfloat16, backend="auto"):
+    """grouped_matmul as torch.compile traces it: one grouped_matmul op of the operands' tensors
+    (a call into a given `out` is traced as written)."""
+    if out is not None:
+        return grouped_matmul.eager(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=fmt,
+                                    a_scale_offsets=a_scale_offsets, expert_scales=expert_scales,
+                                    row_scales=row_scales, scale_layout=scale_layout, out=out, out_dtype=out_dtype,
+                                    backend=backend)
+    operands = operands_of(a, b, a_scales, b_scales, a_offsets, fmt=fmt, scale_layout=scale_layout,
+                           expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
+    _not_traced(operands)
+    return torch.ops.moegemm.grouped_matmul(operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets,
+                                            expert_ids, fmt, operands.a_scale_offsets, operands.expert_scales,
+                                            row_scales, operands.scale_layout, out_dtype, backend,
+                                            operands.b_prepacked)
+
+
+def _traced_grouped_matmul_swiglu(a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, gate_up_layout,
+                                  out_fmt="bf16", activation="swiglu", a_scale_offsets=None, expert_scales=None,
+                                  bias=None, scale_layout=None, out_scale_layout=None, num_scale_blocks=None,
+                                  out_global_scale=None, alpha=1.702, limit=7.0, fused=True, backend="auto"):
+    """grouped_matmul_swiglu as torch.compile traces it: one grouped_matmul_swiglu op."""
+    check_activation(activation, gate_up_layout)
+    operands = operands_of(a, b, a_scales, b_scales, a_offsets, fmt=fmt, scale_layout=scale_layout,
+                           expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
+    if out_scale_layout is None:
+        out_scale_layout = "swizzled" if get_format(out_fmt).swizzle_capable else "plain"
+    _not_traced(operands)
+    if isinstance(out_scale_layout, TokenForm):
+        raise ValueError("out_scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
+                         "there, writes them)")
+    outputs = torch.ops.moegemm.grouped_matmul_swiglu(
+        operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt, out_fmt,
+        activation, operands.a_scale_offsets, operands.expert_scales, bias, operands.scale_layout, out_scale_layout,
+        num_scale_blocks, out_global_scale, alpha, limit, fused, backend, gate_up_layout, operands.b_prepacked)
+    return quantized_from_op(outputs, out_fmt, out_scale_layout == "swizzled", a_offsets)
+
+
+register_traced("grouped_matmul", _traced_grouped_matmul)
+register_traced("grouped_matmul_swiglu", _traced_grouped_matmul_swiglu)
 
 
 # ---- activation quantizers ---------------------------------------------------------------

@@ -9,13 +9,13 @@ The sm90 kernels for mxfp8, mxfp4 and w4a8 do not read the format's A operand as
         fp32 token scales, K-block-major [num_k_scales, B * ceil(M / B) + B * G] (B, the column
         block: 4, or 16 for mxfp8's wide tiles): slot g's row s + r at column
         B * ceil(s / B) + B * g + r (s: the slot's first row), so that TMA boxes start 16-byte
-        aligned (portable.decode_row_scales, kb_major); with B = 16 each 16 rows of a slot are
+        aligned (tokens.decode_row_scales, kb_major); with B = 16 each 16 rows of a slot are
         stored in the order of the wgmma accumulator's columns a thread holds (kb_major_column):
         the wide tiles load a thread's four scales of 16 tokens with one 128-bit load. Only the
         tiles that take their token scales through the ring (64 tokens or more, and e2m1
         weights) read this layout.
     decoding kernel (kernels/sm90/decode.py)
-        the tokens dequantized to bf16 (portable.dequantize_rows).
+        the tokens dequantized to bf16 (tokens.dequantize_rows).
 
 Called on their own, the kernels build that form with a pre-pass over A. In the MoE layer the
 kernel that makes the tokens writes it directly: gather_quantize, scatter_quantize and

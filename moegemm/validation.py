@@ -10,129 +10,19 @@ write outside `out` or read outside `b`.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 
 from . import layouts
 from .formats import SWIZZLE_FORMATS, Format, get_format
 from .prepack import check_prepackable
-from .quantized_tensor import QuantizedTensor
+from .problem import GroupedProblem
 from .token_forms import TokenForm, kb_major_columns, token_form
 
-__all__ = ["GroupedProblem", "Operands", "operands_of", "validate_grouped_matmul", "validate_values", "values_checked",
-           "check_no_grad", "debug_mode"]
+__all__ = ["validate_grouped_matmul", "validate_values", "check_no_grad", "readable_weights"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def debug_mode() -> bool:
-    """MOEGEMM_DEBUG=1 turns on the checks that read device values (they synchronize)."""
-    return os.environ.get("MOEGEMM_DEBUG", "0") not in ("", "0")
-
-
-def values_checked(device: torch.device) -> bool:
-    """Whether a call on `device` checks tensor values: on the CPU, where reading them is free,
-    and in debug mode."""
-    return device.type == "cpu" or debug_mode()
-
-
-@dataclass(frozen=True)
-class GroupedProblem:
-    """The validated sizes of one grouped matmul call."""
-
-    fmt: Format
-    m: int
-    n: int
-    k: int
-    num_experts: int
-    num_groups: int
-    scale_layout: str
-    out_dtype: torch.dtype
-    prepacked: bool = False  # b's codes in moegemm.prepack's order
-    b_n_major: bool = False  # b [E, N, K] is the transpose(1, 2) of a contiguous [E, K, N] (bf16 only)
-
-    @property
-    def num_k_scales(self) -> int:
-        return math.ceil(self.k / self.fmt.scale_vec) if self.fmt.scaled else 0
-
-    @functools.cached_property
-    def key(self) -> tuple:
-        """The problem as a tuple of plain values (cheap to hash: the kernels' launch keys)."""
-        return (self.fmt.name, self.m, self.n, self.k, self.num_experts, self.num_groups, self.scale_layout,
-                self.out_dtype, self.prepacked, self.b_n_major)
-
-
-@dataclass(frozen=True)
-class Operands:
-    """A call's operands as tensors: what operands_of made of QuantizedTensor arguments."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    a_scales: torch.Tensor | None
-    b_scales: torch.Tensor | None
-    scale_layout: str
-    expert_scales: torch.Tensor | None
-    quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
-    a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
-    a_scale_offsets: torch.Tensor | None = None  # those of a's swizzled scales, where a QuantizedTensor has them
-    b_prepacked: bool = False  # b's codes in moegemm.prepack's order (a QuantizedTensor of prepack_weights)
-
-
-def operands_of(a, b, a_scales, b_scales, *, fmt, scale_layout, expert_scales) -> Operands:
-    """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
-    scales are used, so a_scales / b_scales must then be None; their format and scale layout must
-    be the call's (scale_layout None: theirs, else "plain"); nvfp4's global scales are folded into
-    expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged.
-    An A operand in a token form (its scale_layout a TokenForm) keeps its form: the call's
-    scale_layout is then that of b (and of a swiglu output)."""
-    if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
-        return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None)
-    layouts_seen = {}
-    a_form = a_scale_offsets = None
-    global_scale = None
-    quantized_a_offsets = None
-    for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
-                                                   ("b", b, "b_scales", b_scales, "b")):
-        if not isinstance(q, QuantizedTensor):
-            continue
-        if q.operand != operand:
-            made_by = "moegemm.quantize" if operand == "a" else "moegemm.quantize_weights"
-            raise ValueError(f"{name}: expected the QuantizedTensor of {made_by}, got one of operand {q.operand!r}")
-        if scales is not None:
-            raise ValueError(f"{scales_name}: expected None when {name} is a QuantizedTensor (its own scales are "
-                             f"used), got a {type(scales).__name__}")
-        if q.fmt != get_format(fmt).name:
-            raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
-        if isinstance(q.scale_layout, TokenForm):
-            a_form, quantized_a_offsets = q.scale_layout, q.a_offsets
-            continue
-        layouts_seen[name] = q.scale_layout if q.scales is not None else None
-        if q.global_scale is not None:
-            global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
-        if operand == "a" and q.scale_layout == "swizzled":
-            quantized_a_offsets, a_scale_offsets = q.a_offsets, q.a_scale_offsets
-    for name, layout in layouts_seen.items():
-        if layout is not None and scale_layout is not None and layout != scale_layout:
-            raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
-        scale_layout = scale_layout or layout
-    scale_layout = scale_layout or "plain"
-    if isinstance(a, QuantizedTensor):
-        a, a_scales = a.data, a.scales
-    b_prepacked = isinstance(b, QuantizedTensor) and b.prepacked
-    if isinstance(b, QuantizedTensor):
-        b, b_scales = b.data, b.scales
-    if global_scale is not None and isinstance(b, torch.Tensor) and b.dim() == 3:  # (else validation names b)
-        experts = b.shape[0]
-        if expert_scales is None:
-            expert_scales = torch.ones(experts, dtype=torch.float32, device=b.device) * global_scale
-        elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
-            expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
-    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
-                    a_scale_offsets, b_prepacked)
 
 
 def check_no_grad(without_backward: str, **tensors):
@@ -187,15 +77,14 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 
 def validate_grouped_matmul(
     a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
-    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, values=True,
-    b_prepacked=False,
+    row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, b_prepacked=False,
 ) -> GroupedProblem:
     """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
     quantized_a_offsets: the a_offsets swizzled A scales (or a token form) were made for (a
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
-    reads. values=False leaves out the checks that read tensor values (validate_values).
-    b_prepacked: b holds its codes in moegemm.prepack's order."""
+    reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
+    tensor values are validate_values' (a plan's run calls them where debug.values_checked says)."""
     f = get_format(fmt)
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -237,11 +126,7 @@ def validate_grouped_matmul(
     g = a_offsets.numel() - 1
     _check(expert_ids, "expert_ids", (torch.int32,), device, (g,), "G = len(a_offsets) - 1")
 
-    if b_prepacked:
-        check_prepackable(f.name, b.shape, "b")
     problem = GroupedProblem(f, m, n, k, e, g, scale_layout, out_dtype, b_prepacked, b_n_major)
-    if a_form is not None:
-        _validate_form(problem, a_form, a_scales, device)
     _validate_scales(problem, a_scales, b_scales, a_scale_offsets, device, a_form is not None)
 
     if expert_scales is not None:
@@ -256,9 +141,11 @@ def validate_grouped_matmul(
     if quantized_a_offsets is not None:
         _check(quantized_a_offsets, "a_offsets", (torch.int32,), device, (g + 1,),
                "the group offsets a's swizzled scales were quantized for have another length")
-    if values and values_checked(device):
-        validate_values(problem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets, quantized_a_offsets,
-                        a_form)
+    # (the checks that other modules' rules make)
+    if a_form is not None:
+        _validate_form(problem, a_form, a_scales, device)
+    if b_prepacked:
+        check_prepackable(f.name, b.shape, "b")
     return problem
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # Every launch through a kernel's compiled launcher compares what its key promises with the
-# arguments given (moegemm/kernels/launch.py): a key that misses an argument fails loudly.
+# arguments given (moegemm/kernels/compiled_launch.py): a key that misses an argument fails loudly.
 os.environ.setdefault("MOEGEMM_CHECK_LAUNCH", "1")
 
 

@@ -10,7 +10,7 @@ import torch
 from moegemm.config import portable_config
 from moegemm.formats import FORMATS
 from moegemm.kernels import offline, portable
-from moegemm.validation import GroupedProblem
+from moegemm.problem import GroupedProblem
 
 from cases import FORMAT_LAYOUTS
 
@@ -427,7 +427,7 @@ def test_token_prepass_compiles_for_sm90(fmt):
     f = FORMATS[fmt]
     module = portable.kernel_module(False)
     kernel = module.dequantize_rows_kernel
-    constexprs = dict(A_ELEM=portable._elem_code(f.a.element, module), SCALE=portable._scale_code(f.a.scale, module),
+    constexprs = dict(A_ELEM=portable.elem_code(f.a.element, module), SCALE=portable.scale_code(f.a.scale, module),
                       VEC=f.scale_vec, SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128)
     signature = {name: ("*bf16" if name == "out_ptr" else "*i32" if name in POINTERS else "*u8")
                  if name.endswith("_ptr") else "i32" for name in kernel.arg_names if name not in constexprs}
@@ -438,7 +438,7 @@ def test_token_prepass_compiles_for_sm90(fmt):
 
 @pytest.mark.parametrize("swizzled", [False, True])
 def test_merged_token_prepass_compiles_for_sm90(swizzled):
-    # portable.token_prepass: the scale decode and the e2m1 -> e4m3 conversion in one kernel.
+    # tokens.token_prepass: the scale decode and the e2m1 -> e4m3 conversion in one kernel.
     kernel = portable.kernel_module(False).token_prepass_kernel
     constexprs = dict(SWIZZLED=swizzled, ALIGN_GROUPS=True, BLOCK_M=32, BLOCK_KB=64, EXP=6, EVEN_ODD=True,
                       BLOCK=1024)

@@ -1,4 +1,4 @@
-"""The token pre-pass of the sm90 block-format kernel (portable.dequantize_rows): bit-identical
+"""The token pre-pass of the sm90 block-format kernel (kernels/tokens.py, dequantize_rows): bit-identical
 to moegemm.dequantize on every row of a valid group, for every block format and scale layout,
 under the interpreter on the CPU and compiled on a GPU."""
 
@@ -8,7 +8,7 @@ import torch
 import moegemm
 from moegemm import layouts
 from moegemm.formats import FORMATS
-from moegemm.kernels import portable
+from moegemm.kernels import tokens as token_passes
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.token_forms import kb_major_column
 from moegemm.validation import validate_grouped_matmul
@@ -31,7 +31,7 @@ on_layouts = pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def check_dequantize_rows(fmt, layout, pattern, device):
     p = make_problem(fmt, layout, pattern, 64, 96, device)
     problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
-    tokens = portable.dequantize_rows(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None)
+    tokens = token_passes.dequantize_rows(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None)
     # Without nvfp4's global scale: the kernel leaves it to expert_scales.
     expected = moegemm.dequantize_operand(p.a.data, p.a.scales, p.a.fmt, "a", scale_layout=layout,
                                           a_offsets=p.a.a_offsets, dtype=torch.float32)
@@ -53,7 +53,7 @@ def check_decode_row_scales(layout, pattern, device):
     plain layout, columns padded to whole stages plus one with 2^-127 (kernels/sm90/mxfp8.py reads them)."""
     p = make_problem("mxfp8", layout, pattern, 64, 608, device)
     problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
-    got = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True)
+    got = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True)
     plain = p.a.scales if layout == "plain" else layouts.unswizzle_a_scales(p.a.scales, p.a_offsets, problem.m,
                                                                                    problem.num_k_scales)
     expected = plain.view(torch.float8_e8m0fnu).float()  # 0 -> 2^-127, 255 -> NaN
@@ -64,7 +64,7 @@ def check_decode_row_scales(layout, pattern, device):
     assert torch.equal(got[valid, :num_kb].view(torch.int32), expected[valid].view(torch.int32))
     assert bool((got[valid, num_kb:] == 2.0 ** -127).all()), "padding columns must hold 2^-127"
     # Stages of eight K blocks (e2m1 weights): whole stages plus one, which the kernel prefetches.
-    wide_stages = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True,
+    wide_stages = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True,
                                              stage_blocks=8)
     assert wide_stages.shape == (problem.m, 8 * (-(-num_kb // 8) + 1))
     assert torch.equal(wide_stages[valid, :got.shape[1]].view(torch.int32), got[valid].view(torch.int32))
@@ -73,7 +73,7 @@ def check_decode_row_scales(layout, pattern, device):
     # column B * ceil(s / B) + B * g (16-byte aligned for TMA), no padding blocks; with B = 16
     # each 16 rows in the accumulator's order (token_forms.kb_major_column).
     for block in (4, 16):
-        transposed = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, kb_major=True,
+        transposed = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, kb_major=True,
                                                 column_block=block)
         assert transposed.shape == (num_kb, -(-problem.m // block) * block + block * problem.num_groups)
         offsets = p.a_offsets.tolist()
@@ -117,21 +117,21 @@ def check_e2m1_to_e4m3(device):
     values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], device=device)
     expected = torch.stack([values[(codes & 15).long()], values[(codes >> 4).long()]], dim=-1).reshape(4, 128)
     for exponent in (0, 6):
-        got = portable.e2m1_to_e4m3(codes, exponent)
+        got = token_passes.e2m1_to_e4m3(codes, exponent)
         assert got.dtype == torch.float8_e4m3fn and got.shape == (4, 128)
         want = (expected * 2.0**exponent).to(torch.float8_e4m3fn)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"exponent {exponent}"
         # The order the sm90 kernel decodes e2m1 weights into: 0 2 4 6 1 3 5 7 in each group of 8.
-        got = portable.e2m1_to_e4m3(codes, exponent, even_odd=True)
+        got = token_passes.e2m1_to_e4m3(codes, exponent, even_odd=True)
         order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7], device=device)
         want_even_odd = want.view(torch.uint8).reshape(4, 16, 8)[:, :, order].reshape(4, 128)
         assert torch.equal(got.view(torch.uint8), want_even_odd), f"even_odd, exponent {exponent}"
-        assert torch.equal(portable.even_odd_k(want).view(torch.uint8), want_even_odd)
-    assert portable.e2m1_to_e4m3(codes[:0]).shape == (0, 128)
+        assert torch.equal(token_passes.even_odd_k(want).view(torch.uint8), want_even_odd)
+    assert token_passes.e2m1_to_e4m3(codes[:0]).shape == (0, 128)
     with pytest.raises(ValueError, match="exponent"):
-        portable.e2m1_to_e4m3(codes, 7)
+        token_passes.e2m1_to_e4m3(codes, 7)
     with pytest.raises(ValueError, match="8-element groups"):
-        portable.even_odd_k(want[:, :12])
+        token_passes.even_odd_k(want[:, :12])
 
 
 @on_devices
@@ -146,11 +146,11 @@ def check_token_prepass(layout, pattern, device):
     p = make_problem("mxfp4", layout, pattern, 64, 608, device)
     problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
     kw = dict(pad_stages=False, kb_major=True, stage_blocks=8)
-    scales, tokens = portable.token_prepass(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None,
+    scales, tokens = token_passes.token_prepass(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None,
                                             exponent=6, even_odd=True, **kw)
-    want_scales = portable.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, **kw)
+    want_scales = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, **kw)
     assert torch.equal(tokens.view(torch.uint8),
-                       portable.e2m1_to_e4m3(p.a.data, 6, even_odd=True).view(torch.uint8))
+                       token_passes.e2m1_to_e4m3(p.a.data, 6, even_odd=True).view(torch.uint8))
     # Written columns: slot g's rows from 4 * ceil(s / 4) + 4 * g (decode_row_scales' kb_major).
     bounds = p.a_offsets.tolist()
     written = torch.zeros(want_scales.shape[1], dtype=torch.bool, device=device)

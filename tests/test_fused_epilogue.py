@@ -53,7 +53,7 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
     row of a valid slot: what dequantize_rows built from the operand before."""
     from moegemm import fused
     from moegemm.token_forms import TokenForm
-    from moegemm.validation import GroupedProblem
+    from moegemm.problem import GroupedProblem
 
     counts, ids = FUSED_CASES[case]
     n, k = 256, 256

@@ -1,4 +1,4 @@
-"""kernels/launch.py on the CPU: a fake kernel and a fake C launcher stand in for a compiled
+"""kernels/compiled_launch.py on the CPU: a fake kernel and a fake C launcher stand in for a compiled
 Triton kernel, so that what launch() passes, and when it falls back to Triton's path, is checked
 without a GPU (the GPU tests run every kernel through it, MOEGEMM_CHECK_LAUNCH=1)."""
 
@@ -10,8 +10,8 @@ from triton import knobs
 from triton.compiler.compiler import CompiledKernel
 from triton.experimental.gluon import language as gl
 
-from moegemm.kernels import launch as launch_module
-from moegemm.kernels.launch import Tma, launch
+from moegemm.kernels import compiled_launch as launch_module
+from moegemm.kernels.compiled_launch import Tma, launch
 
 Meta = collections.namedtuple("Meta", "tensordesc_meta global_scratch_size profile_scratch_size")
 TMA_META = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [16, 64], "fp4_padded": False}

@@ -1,6 +1,6 @@
 """Tokens written in the sm90 kernels' own forms (moegemm/token_forms.py) by the layer's gather and
 activation kernels (their scale_layout a TokenForm): bit-identical to the format's operand followed
-by the pre-pass each kernel would otherwise run (portable.token_prepass / decode_row_scales /
+by the pre-pass each kernel would otherwise run (tokens.token_prepass / decode_row_scales /
 dequantize_rows / even_odd_k), on every row of a slot, under the interpreter on the CPU and
 compiled on a GPU."""
 
@@ -9,11 +9,11 @@ import torch
 
 import moegemm
 from moegemm.formats import get_format
-from moegemm.kernels import portable
+from moegemm.kernels import tokens as token_passes
 from moegemm.kernels.tl_source import interpreter_usable
+from moegemm.problem import GroupedProblem
 from moegemm.token_forms import TokenForm, kb_major_column, kb_major_columns, token_form
 from moegemm.token_quantizers import gather_quantize, scatter_quantize, swiglu_quantize
-from moegemm.validation import GroupedProblem
 
 FORMS = [
     ("mxfp8", TokenForm("e4m3")),
@@ -50,15 +50,15 @@ def _expected(fmt, form, q, a_offsets, expert_ids, rows, k, num_experts):
     """The operand q in `form`, as the sm90 kernels' pre-passes build it."""
     p = GroupedProblem(get_format(fmt), rows, 64, k, num_experts, a_offsets.numel() - 1, "plain", torch.bfloat16)
     if form.kind == "bf16":
-        return portable.dequantize_rows(p, q.data, q.scales, a_offsets, expert_ids, None), None
+        return token_passes.dequantize_rows(p, q.data, q.scales, a_offsets, expert_ids, None), None
     if get_format(fmt).a.element.packed:
-        scales, data = portable.token_prepass(p, q.data, q.scales, a_offsets, expert_ids, None, kb_major=True,
+        scales, data = token_passes.token_prepass(p, q.data, q.scales, a_offsets, expert_ids, None, kb_major=True,
                                               exponent=form.exponent, even_odd=form.even_odd,
                                               column_block=form.column_block)
         return data, scales
-    scales = portable.decode_row_scales(p, q.scales, a_offsets, expert_ids, None, kb_major=True,
+    scales = token_passes.decode_row_scales(p, q.scales, a_offsets, expert_ids, None, kb_major=True,
                                         column_block=form.column_block)
-    data = portable.even_odd_k(q.data) if form.even_odd else q.data
+    data = token_passes.even_odd_k(q.data) if form.even_odd else q.data
     return data, scales
 
 

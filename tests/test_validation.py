@@ -175,7 +175,7 @@ def test_zero_groups_is_a_no_op():
 
 
 def test_a_repeated_shape_still_checks_what_changed():
-    """A call with the shapes of an earlier one reuses its checked problem (ops._plan) but still
+    """A call with the shapes of an earlier one reuses its plan (plan.plan_for) but still
     checks the values, and any change of dtype, device or layout in memory is a new problem."""
     args, kwargs = good()
     call(args, kwargs)

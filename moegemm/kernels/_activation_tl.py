@@ -203,8 +203,8 @@ def activation_quantize_kernel(
     FORM (e8m0 formats only; module header): FORM_E4M3 writes e4m3 bytes, e2m1 values as
     their e4m3 code times 2^EXP, each group of 8 elements of K in the order 0 2 4 6 1 3 5 7
     with EVEN_ODD, and the scales as fp32 2^e at [kb, kb_major_column(m - s, s, g, COLUMN_BLOCK)]
-    of a [NUM_KB, M_PAD] buffer (slot g starts at row s), which is portable.decode_row_scales'
-    kb_major layout; FORM_BF16 writes bf16(value * 2^e), which is portable.dequantize_rows'.
+    of a [NUM_KB, M_PAD] buffer (slot g starts at row s), which is tokens.decode_row_scales'
+    kb_major layout; FORM_BF16 writes bf16(value * 2^e), which is tokens.dequantize_rows'.
     Rows outside slots get no scales in FORM_E4M3, as in the swizzled layout.
 
     TOPK > 0 (no activation): the gather in scatter form. Program rows are the X_ROWS tokens, each
@@ -377,7 +377,7 @@ def _kernel_token_values(scaled, stored, OUT: tl.constexpr, FORM: tl.constexpr, 
         codes = codecs.encode_e2m1(scaled)
     if FORM == FORM_BF16:
         if OUT == OUT_E4M3_E8M0:
-            # As the hardware decodes e4m3fn (portable.dequantize_rows on the GPU): the sign set by
+            # As the hardware decodes e4m3fn (tokens.dequantize_rows on the GPU): the sign set by
             # bits, so 0x80 is -0 (a compiled negation of +0 gives +0), and 0x7F / 0xFF are NaN (a
             # NaN element of a block whose amax ignored it: the GPU's maximum drops NaN).
             mag = codes & 0x7F

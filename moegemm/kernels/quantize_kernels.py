@@ -23,7 +23,7 @@ from ..formats import E2M1, E4M3, get_format
 from ..quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
 from ..token_forms import TokenForm, kb_major_columns
 from . import tl_source
-from .launch import launch
+from .compiled_launch import launch
 
 _SOURCE = Path(__file__).with_name("_activation_tl.py")
 # Rows per program of the activation kernel on the GPU (x 128 output columns): 16, and 4 up to

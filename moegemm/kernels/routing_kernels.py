@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import tl_source
-from .launch import launch
+from .compiled_launch import launch
 
 _SOURCE = Path(__file__).with_name("_routing_tl.py")
 

@@ -18,8 +18,8 @@ import torch
 from ..formats import get_format
 from ..fused import fused_pays, fused_supports
 from ..ops import resolve_backend
+from ..problem import GroupedProblem
 from ..token_forms import TokenForm, token_form
-from ..validation import GroupedProblem
 
 __all__ = ["LayerPlan", "plan_layer"]
 

@@ -9,14 +9,15 @@ file per kernel on the shared pipeline layer (pipeline.py), one launch entry (la
     e2m1.py       e2m1 weights (mxfp4, w4a8) at decode, plain order: decoded to e4m3, fp8 wgmma, split-K
     promotion.py  the promotion parts mxfp8.py and e2m1.py share
     swiglu.py     the fused SwiGLU epilogue with output requantization
-    launcher.py   LaunchArgs, EpilogueSpec, supports, launch: the one launch entry
+    launcher.py   plan (KernelPlan: a problem's config, grid, token pre-pass, launch key),
+                  LaunchArgs, EpilogueSpec, supports, launch: the one launch entry
 
 A new kernel is a new file here built on pipeline.py's Ring, Schedule, walk, Producer and Output;
 its config class in moegemm/sm90_configs.py, chosen per shape in moegemm/config.py; and a _launch_<kernel> function
-with one branch in launcher.launch (docs/architecture.md, where a new kernel goes).
+with one branch in launcher.plan (docs/architecture.md, where a new kernel goes).
 """
 
-from .launcher import EpilogueSpec, LaunchArgs, fused_supports, launch, supports
+from .launcher import EpilogueSpec, KernelPlan, LaunchArgs, fused_supports, launch, plan, supports
 from .swiglu import ACT_SWIGLU, ACT_SWIGLU_OAI, OUT_BF16, OUT_E2M1_E4M3, OUT_E2M1_E8M0, OUT_E4M3_E8M0
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
            "OUT_E2M1_E8M0",
            "OUT_E4M3_E8M0",
            "EpilogueSpec",
+           "KernelPlan",
            "LaunchArgs",
            "fused_supports",
            "launch",
+           "plan",
            "supports",
 ]

@@ -11,7 +11,7 @@ or bf16 wgmma on operands decoded with their scales folded in, which is exact: e
 times a power of two, and e2m1 times an e4m3 scale, have at most 5 significant bits. This
 kernel does the latter (docs/design.md records the measurements):
 
-    tokens   decoded once per call by a tl pre-pass (portable.dequantize_rows), or written in
+    tokens   decoded once per call by a tl pre-pass (tokens.dequantize_rows), or written in
              that form by the layer's kernels (token_forms.py), into a bf16 [M, K] buffer (the
              weight-only formats' tokens are that buffer), TMA-loaded as the wgmma B operand
     weights  TMA-loaded COMPRESSED (1 byte or half a byte per element) into the ring, 128

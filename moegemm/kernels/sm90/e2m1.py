@@ -7,8 +7,8 @@ bytes of a row = 256 K a stage, with two token boxes) and each consumer warpgrou
 rows to e4m3 (_E2M1_TO_E4M3_PTX: 8 instructions for 8 elements, which land in the order
 0 2 4 6 1 3 5 7 within each group of 8) into shared-memory operand buffers, then runs k32
 wgmmas and promotion. The tokens meet them in that order: mxfp4 tokens are re-encoded as e4m3
-times 2^6 by a pre-pass (portable.token_prepass) or by the layer's kernels (token_forms.py), so the products are the true ones; w4a8's e4m3
-tokens are reordered (portable.even_odd_k) and its accumulator is multiplied by 2^6 before the
+times 2^6 by a pre-pass (tokens.token_prepass) or by the layer's kernels (token_forms.py), so the products are the true ones; w4a8's e4m3
+tokens are reordered (tokens.even_odd_k) and its accumulator is multiplied by 2^6 before the
 epilogue. The producer also copies each stage's scales into the ring (tokens always, weights
 when swizzled), so the loop issues no global load before its fence. mxfp4's k32 sums stay exact
 in the fp8 accumulator (products are multiples of 1/4 below 36); w4a8's (e4m3 x e2m1) do not,
@@ -57,7 +57,7 @@ from .swiglu import Swiglu
 # should. The magnitude moves by 2 bits and the sign by 4: with x = the nibble << 2 (sign then
 # at bit 5), the byte is x + 3 * (x & 0x20), no carry leaving the byte. $0 = elements 0, 2, 4, 6
 # (the low nibbles), $1 = 1, 3, 5, 7: the K order within each group of 8 is 0 2 4 6 1 3 5 7, and
-# the tokens come in the same order (portable.token_prepass even_odd, portable.even_odd_k), so
+# the tokens come in the same order (tokens.token_prepass even_odd, tokens.even_odd_k), so
 # every dot product over a group, and over a 32-wide scale block, is unchanged.
 _E2M1_TO_E4M3_PTX = gl.constexpr("""{
 .reg .b32 a, b, xl, xh, sl, sh;
@@ -70,7 +70,7 @@ and.b32 sh, b, 0x20202020;
 mad.lo.u32 $0, sl, 3, xl;
 mad.lo.u32 $1, sh, 3, xh;
 }""")
-# The weights' factor: the kernel's mxfp4 tokens are re-encoded times 2^+6 (portable.token_prepass),
+# The weights' factor: the kernel's mxfp4 tokens are re-encoded times 2^+6 (tokens.token_prepass),
 # so their products are exact; w4a8's given e4m3 tokens have no room, so its accumulator is
 # multiplied by 2^6 before the epilogue (exact; the promoted terms are 2^-6 smaller meanwhile).
 E2M1_WEIGHT_EXP = E2M1_TOKEN_EXP  # (token_forms.py: the layer's kernels write them so)

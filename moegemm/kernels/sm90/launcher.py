@@ -1,5 +1,7 @@
-"""The one launch entry of the sm90 family: a typed argument record, the kernel choice, the token
-pre-passes, the TMA descriptors and the grid. Nothing here reads a device value: the grid is
+"""The one launch entry of the sm90 family. `plan` makes, once per problem, what every launch of
+it needs that depends only on its shapes (KernelPlan: the kernel and its config, the grid, the
+token pre-pass, the launch key and constexprs); `launch(plan, args)` then makes the TMA
+descriptors of the call's tensors and launches. Nothing here reads a device value: the grid is
 min(SMs, an upper bound of the tiles), and every shape comes from the problem.
 
     format                          kernel                 config (moegemm/config.py)
@@ -14,18 +16,20 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from triton.experimental.gluon import language as gl
 
-from ... import layouts
-from ...config import choice_context, sm90_config, sm90_mx_config
+from ...config import sm90_config, sm90_mx_config
+from ...problem import GroupedProblem
 from ...sm90_configs import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, weight_bytes
-from ...token_forms import ACC_ORDER_BLOCK, KernelTokens, kb_major_columns, token_form
-from ...validation import GroupedProblem
-from .. import portable
-from ..launch import Tma, launch as launch_kernel
+from ...token_forms import ACC_ORDER_BLOCK, KernelTokens
+from ..compiled_launch import Tma
+from ..compiled_launch import launch as launch_kernel
+from ..tokens import TokenPass, plan_tokens
 from .decode import decode_kernel
 from .dense import dense_kernel
 from .e2m1 import E2M1_WEIGHT_EXP, e2m1_kernel
@@ -58,7 +62,7 @@ class EpilogueSpec:
     dequant: bool = False
 
     def launch_key(self) -> tuple:
-        """What of this epilogue the compiled kernel depends on (kernels/launch.py): every field but
+        """What of this epilogue the compiled kernel depends on (kernels/compiled_launch.py): every field but
         the tensors' addresses and the two floats."""
         return (self.num_scale_rows, self.num_out_kb, self.out_kb4, self.act, self.out_code, self.out_swizzled,
                 self.vec, self.dequant, self.bias is None, self.global_scale is None, self.a_scale_offsets is None)
@@ -72,19 +76,23 @@ class EpilogueSpec:
         return epi, consts
 
 
+def plain_epilogue_consts() -> tuple:
+    """EPI of the plain epilogue: ACT = 0."""
+    return 0, 0, False, False, 32, False
+
+
 def plain_epilogue_args(dummy: torch.Tensor) -> tuple[tuple, tuple]:
     """(epi, EPI) of the plain epilogue: ACT = 0, placeholders."""
-    return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), (0, 0, False, False, 32, False)
+    return (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0), plain_epilogue_consts()
 
 
-@dataclass(frozen=True)
-class LaunchArgs:
-    """One grouped matmul on the sm90 family, into `out` ([M, N], or the fused epilogue's output
-    when `epilogue` is given). `tokens`: A already in the form the kernel reads (token_forms.py,
-    written by the layer's gather or activation kernel): no pre-pass, and a / a_scales are not
-    read. Scales and offsets as the contract names them (docs/contract.md)."""
+class LaunchArgs(NamedTuple):
+    """The tensors of one grouped matmul on the sm90 family, into `out` ([M, N], or the fused
+    epilogue's output when `epilogue` is given). `tokens`: A already in the form the kernel reads
+    (token_forms.py, written by the layer's gather or activation kernel): no pre-pass, and a /
+    a_scales are not read. Scales and offsets as the contract names them (docs/contract.md). (A
+    NamedTuple: made on every launch, and a frozen dataclass costs several times as much to make.)"""
 
-    problem: GroupedProblem
     a: torch.Tensor | None
     b: torch.Tensor
     a_scales: torch.Tensor | None
@@ -117,43 +125,86 @@ def fused_supports(p: GroupedProblem) -> bool:
     return supports(p) and p.fmt.name != "fp8_block" and p.n % 128 == 0
 
 
-_CONFIGS: dict = {}
+@dataclass(frozen=True, eq=False)
+class KernelPlan:
+    """What every launch of one problem needs that depends only on its shapes (`plan`)."""
+
+    problem: GroupedProblem
+    cfg: object  # its config (moegemm/config.py)
+    runs: Callable  # the _launch_<kernel> function of cfg's kernel
+    num_programs: int
+    dynamic: bool  # a tile counter claims the last rounds' tiles (tile_counter)
+    tokens: TokenPass | None  # the pre-pass of A (None: the kernel reads A as given, or in a token form)
+    key: tuple  # the launch key but the epilogue's (kernels/compiled_launch.py)
+    kwargs: dict  # the constexprs and launch options but EPI, the epilogue's
 
 
 def _config(p: GroupedProblem, fused: bool, out_bytes: int):
-    """The problem's kernel config (moegemm/config.py), looked up once per problem and context."""
-    context = choice_context()
-    key = (p.key, fused, out_bytes, context)
-    cfg = _CONFIGS.get(key) if context is not None else None
-    if cfg is None:
-        if p.fmt.name in MX_FORMATS:
-            cfg = sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=fused, prepacked=p.prepacked)
-        else:
-            cfg = sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out_bytes, fused=fused)
-        if context is not None:
-            if len(_CONFIGS) >= 4096:
-                _CONFIGS.clear()
-            _CONFIGS[key] = cfg
-    return cfg
-
-
-def launch(args: LaunchArgs) -> torch.Tensor:
-    """Run the problem on its kernel (module docstring); the caller checked `supports`."""
-    p = args.problem
-    if p.num_groups == 0 or p.m == 0 or p.n == 0:
-        return args.out
+    """The problem's kernel config (moegemm/config.py)."""
     if p.fmt.name in MX_FORMATS:
-        if args.tokens is not None:
-            check_kernel_tokens(p, args.tokens)
-        cfg = _config(p, args.epilogue is not None, 2)
-        if isinstance(cfg, DecodeConfig):
-            return _launch_decode(args, cfg)
-        if isinstance(cfg, Mxfp8Config):
-            return _launch_mxfp8(args, cfg)
-        if isinstance(cfg, E2m1Config):
-            return _launch_e2m1(args, cfg)
+        return sm90_mx_config(p.fmt, p.n, p.k, p.m / p.num_groups, fused=fused, prepacked=p.prepacked)
+    return sm90_config(p.fmt, p.n, p.k, p.m / p.num_groups, out_bytes, fused=fused)
+
+
+def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int, expert_scales: bool,
+         row_scales: bool, tokens: bool, scale_blocks: int) -> KernelPlan | None:
+    """The launch of problem p (the caller checked `supports`) on `device`, None where it launches
+    nothing (no group, no row or no column). fused: with the SwiGLU epilogue, whose output has
+    elements of out_bytes; expert_scales, row_scales: whether the calls give them; tokens:
+    whether A comes in its kernel's token form (no pre-pass); scale_blocks: the first dimension
+    of A's scales (128-row blocks where swizzled)."""
+    if p.num_groups == 0 or p.m == 0 or p.n == 0:
+        return None
+    cfg = _config(p, fused, out_bytes if p.fmt.name not in MX_FORMATS else 2)
+    num_programs, upper_tiles = _grid(p, cfg, device)
+    dynamic = not isinstance(cfg, DecodeConfig) and _dynamic(cfg, upper_tiles, num_programs)
+    token_pass = None if tokens or p.fmt.name not in MX_FORMATS else _token_pass(p, cfg, device, scale_blocks)
+    key = (p.key, cfg, not expert_scales, not row_scales, not tokens)
+    common = dict(EPI=plain_epilogue_consts(), STAGES=cfg.stages, GROUP_M=cfg.group_m, HAS_EXPERT_SCALES=expert_scales,
+                  HAS_ROW_SCALES=row_scales, CONSUMER_REGS=cfg.consumer_regs)
+    swizzled = p.scale_layout == "swizzled"
+    if isinstance(cfg, DecodeConfig):
+        return KernelPlan(p, cfg, _launch_decode, num_programs, False, token_pass, key, dict(
+            common, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3", SWIZZLED=swizzled,
+            PREPACKED=cfg.prepacked, num_warps=4))
+    key = (*key, not dynamic)
+    if isinstance(cfg, Mxfp8Config):
+        return KernelPlan(p, cfg, _launch_mxfp8, num_programs, dynamic, token_pass, key, dict(
+            common, SWIZZLED=swizzled, DYNAMIC=dynamic, CHUNK_WALK=cfg.chunk_walk, SHORT_TAILS=cfg.short_tails,
+            num_warps=4))
+    if isinstance(cfg, E2m1Config):
+        acc_factor = 1.0 if p.fmt.a.element.packed else float(2**E2M1_WEIGHT_EXP)  # w4a8 (see E2M1_WEIGHT_EXP)
+        return KernelPlan(p, cfg, _launch_e2m1, num_programs, dynamic, token_pass, key, dict(
+            common, SWIZZLED=swizzled, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k, DYNAMIC=dynamic, num_warps=4))
+    if p.fmt.name in MX_FORMATS:
         raise TypeError(f"config: no sm90 kernel runs {type(cfg).__name__}")
-    return _launch_dense(args)
+    return KernelPlan(p, cfg, _launch_dense, num_programs, dynamic, None, key, dict(
+        common, SWAP=cfg.swap, PROMOTE=p.fmt.name == "fp8_block", DYNAMIC=dynamic, num_warps=4))
+
+
+def _token_pass(p: GroupedProblem, cfg, device: torch.device, scale_blocks: int) -> TokenPass:
+    """The pre-pass that brings A into the form cfg's kernel reads: bf16 tokens for the decoding
+    kernel; for the promotion kernels the tokens' fp32 scales (e2m1 tokens also re-encoded as
+    e4m3 times 2^6, w4a8's reordered to the decoded weights' K order). The e2m1 and the wide
+    mxfp8 tiles take their scales K-block-major through the ring."""
+    if isinstance(cfg, DecodeConfig):
+        return plan_tokens(p, "dequantize", device, scale_blocks)
+    fp4_weights = isinstance(cfg, E2m1Config)
+    staged = fp4_weights or cfg.wide
+    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value (one launch)
+        return plan_tokens(p, "e2m1", device, scale_blocks, pad_stages=not staged, kb_major=staged,
+                           stage_blocks=cfg.stage_k // 32, exponent=E2M1_WEIGHT_EXP, even_odd=True)
+    return plan_tokens(p, "row scales", device, scale_blocks, pad_stages=not staged, kb_major=staged,
+                       stage_blocks=cfg.stage_k // 32,
+                       column_block=4 if fp4_weights or not staged else ACC_ORDER_BLOCK,
+                       even_odd=fp4_weights)  # w4a8's tokens meet the decoded weights
+
+
+def launch(kernel: KernelPlan | None, args: LaunchArgs) -> torch.Tensor:
+    """Run a planned problem on the call's tensors (module docstring)."""
+    if kernel is None:
+        return args.out
+    return kernel.runs(kernel, args)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32,
@@ -192,26 +243,26 @@ def _grid(p: GroupedProblem, cfg, device: torch.device) -> tuple[int, int]:
     return min(_sm_count(device), upper_tiles), upper_tiles
 
 
-def tile_counter(cfg, upper_tiles: int, num_programs: int, device: torch.device) -> torch.Tensor | None:
-    """The tile counter of a launch whose programs may get more than one tile, when its config
-    claims the last rounds (a zeroed int32 of this call, a fill in its stream; no host read;
-    pipeline.py, schedule). None: round-robin throughout (always for split-K)."""
-    if upper_tiles <= num_programs or cfg.claim_rounds <= 0 or (isinstance(cfg, E2m1Config) and cfg.split_k):
-        return None
-    return torch.zeros(1, dtype=torch.int32, device=device)
+def _dynamic(cfg, upper_tiles: int, num_programs: int) -> bool:
+    """Whether a launch's programs claim the last rounds' tiles from a tile counter: where they
+    may get more than one tile and the config claims rounds (pipeline.py, schedule). Else
+    round-robin throughout (always for split-K)."""
+    return upper_tiles > num_programs and cfg.claim_rounds > 0 and not (isinstance(cfg, E2m1Config) and cfg.split_k)
 
 
-def _epilogue_args(args: LaunchArgs) -> tuple[tuple, tuple]:
+def _tile_counter(kernel: KernelPlan, device: torch.device) -> torch.Tensor | None:
+    """The tile counter of a dynamic launch: a zeroed int32 of this call (a fill in its stream; no
+    host read)."""
+    return torch.zeros(1, dtype=torch.int32, device=device) if kernel.dynamic else None
+
+
+def _epilogue(kernel: KernelPlan, args: LaunchArgs) -> tuple[tuple, tuple, dict]:
+    """(epi, the launch key, the kwargs) of a call: the plan's, with the fused epilogue's where given."""
     dummy = args.a_offsets
-    return plain_epilogue_args(dummy) if args.epilogue is None else args.epilogue.kernel_args(dummy)
-
-
-def _launch_key(args: LaunchArgs, cfg, *extra) -> tuple:
-    """The launch key of a kernel of this family (kernels/launch.py): the problem's sizes, the
-    config, the epilogue and which optional tensors are given determine every int and constexpr."""
-    epilogue = None if args.epilogue is None else args.epilogue.launch_key()
-    return (args.problem.key, cfg, epilogue, args.expert_scales is None, args.row_scales is None, args.tokens is None,
-            *extra)
+    if args.epilogue is None:
+        return plain_epilogue_args(dummy)[0], kernel.key, kernel.kwargs
+    epi, consts = args.epilogue.kernel_args(dummy)
+    return epi, (*kernel.key, args.epilogue.launch_key()), dict(kernel.kwargs, EPI=consts)
 
 
 def _or_dummy(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
@@ -230,11 +281,9 @@ def _weight_descriptor(p: GroupedProblem, b: torch.Tensor, cfg) -> Tma:
     return _descriptor(by_k, (1, cfg.block_k, cfg.weight_tile))
 
 
-def _launch_dense(args: LaunchArgs) -> torch.Tensor:
-    p, out = args.problem, args.out
-    cfg = _config(p, args.epilogue is not None, out.element_size())
-    num_programs, upper_tiles = _grid(p, cfg, out.device)
-    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
+def _launch_dense(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
+    p, cfg, out = kernel.problem, kernel.cfg, args.out
+    counter = _tile_counter(kernel, out.device)
     promote = p.fmt.name == "fp8_block"
     a_desc = _descriptor(args.a, (cfg.token_tile, cfg.block_k))
     b_desc = _weight_descriptor(p, args.b, cfg)
@@ -243,79 +292,44 @@ def _launch_dense(args: LaunchArgs) -> torch.Tensor:
     else:  # the fused epilogue stores with masks: its TMA descriptor only has to exist
         c_desc = _placeholder_descriptor(p.n, cfg.epilogue_n(promote), out.device)
     dummy = args.a_offsets
-    epi, epi_consts = _epilogue_args(args)
-    launch_kernel(dense_kernel, _launch_key(args, cfg, counter is None), (num_programs, ), (
+    epi, key, kwargs = _epilogue(kernel, args)
+    launch_kernel(dense_kernel, key, (kernel.num_programs, ), (
         a_desc, b_desc, c_desc, out, args.a_scales if promote else dummy, args.b_scales if promote else dummy,
         args.a_offsets, args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups,
-        p.num_k_scales if promote else 0, epi), dict(
-        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=promote,
-        HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, num_warps=4))
+        p.num_k_scales if promote else 0, epi), kwargs)
     return out
 
 
-def _swizzled_scale_offsets(args: LaunchArgs) -> torch.Tensor | None:
-    """The slots' padded scale rows, which only the token pre-passes read (swizzled layout; the
-    weight-only formats' tokens have no scales and no pre-pass)."""
-    if (args.problem.scale_layout == "swizzled" and args.problem.fmt.a_scaled and args.a_scale_offsets is None
-            and args.tokens is None):
-        return layouts.a_scale_offsets(args.a_offsets)
-    return args.a_scale_offsets
-
-
-def _launch_decode(args: LaunchArgs, cfg) -> torch.Tensor:
-    p, out = args.problem, args.out
+def _tokens(kernel: KernelPlan, args: LaunchArgs) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(token scales, tokens) as the kernel reads them: the layer's kernels' (args.tokens), else
+    the planned pre-pass's."""
     if args.tokens is not None:
-        decoded = args.tokens.data
-    else:
-        decoded = portable.dequantize_rows(p, args.a, args.a_scales, args.a_offsets, args.expert_ids,
-                                           _swizzled_scale_offsets(args))
-    num_programs, _ = _grid(p, cfg, out.device)
+        return args.tokens.scales, args.tokens.data
+    return kernel.tokens.run(args.a, args.a_scales, args.a_offsets, args.expert_ids, args.a_scale_offsets)
+
+
+def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
+    p, cfg, out = kernel.problem, kernel.cfg, args.out
+    _, decoded = _tokens(kernel, args)
     t_desc = _descriptor(decoded, (cfg.token_tile, cfg.block_k))
     weights = args.b.view(torch.uint8) if p.fmt.b.element.packed else args.b
     w_desc = _descriptor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
                          (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt))))
     dummy = args.a_offsets
-    epi, epi_consts = _epilogue_args(args)
-    launch_kernel(decode_kernel, _launch_key(args, cfg), (num_programs, ), (
+    epi, key, kwargs = _epilogue(kernel, args)
+    launch_kernel(decode_kernel, key, (kernel.num_programs, ), (
         t_desc, w_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
-        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), dict(
-        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3",
-        SWIZZLED=p.scale_layout == "swizzled", HAS_EXPERT_SCALES=args.expert_scales is not None,
-        HAS_ROW_SCALES=args.row_scales is not None, CONSUMER_REGS=cfg.consumer_regs, PREPACKED=cfg.prepacked,
-        num_warps=4))
+        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), kwargs)
     return out
 
 
-def _promotion_tokens(args: LaunchArgs, cfg):
-    """(token scales, token data) as the promotion kernels read them: the tokens' fp32 scales
-    (e2m1 tokens also re-encoded as e4m3 times 2^6, w4a8's reordered to the decoded weights' K
-    order), from the layer's kernels when given as `tokens`, else by a pre-pass. The e2m1 and
-    the wide mxfp8 tiles take their scales K-block-major through the ring."""
-    p = args.problem
-    fp4_weights = isinstance(cfg, E2m1Config)
-    staged = fp4_weights or cfg.wide
-    if args.tokens is not None:
-        return args.tokens.scales, args.tokens.data
-    a_scale_offsets = _swizzled_scale_offsets(args)
-    if p.fmt.a.element.packed:  # mxfp4 tokens: every e2m1 value times 2^6 is an e4m3 value (one launch)
-        return portable.token_prepass(p, args.a, args.a_scales, args.a_offsets, args.expert_ids, a_scale_offsets,
-                                      pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32,
-                                      exponent=E2M1_WEIGHT_EXP, even_odd=True)
-    token_scales = portable.decode_row_scales(p, args.a_scales, args.a_offsets, args.expert_ids, a_scale_offsets,
-                                              pad_stages=not staged, kb_major=staged, stage_blocks=cfg.stage_k // 32,
-                                              column_block=4 if fp4_weights or not staged else ACC_ORDER_BLOCK)
-    a = portable.even_odd_k(args.a) if fp4_weights else args.a  # w4a8's tokens meet the decoded weights
-    return token_scales, a
-
-
-def _weight_scales(args: LaunchArgs) -> torch.Tensor:
+def _weight_scales(p: GroupedProblem, args: LaunchArgs) -> torch.Tensor:
     """The e8m0 weight scales as the promotion kernels read them: bytes, or 32-bit words (a row's
     four K blocks) when swizzled."""
     weight_scales = args.b_scales.view(torch.uint8)
-    return weight_scales.view(torch.int32) if args.problem.scale_layout == "swizzled" else weight_scales
+    return weight_scales.view(torch.int32) if p.scale_layout == "swizzled" else weight_scales
 
 
 def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> Tma:
@@ -323,11 +337,10 @@ def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> Tma:
     return Tma(token_scales, [cfg.stage_k // 32, tokens], _unswizzled_32bit_layout())
 
 
-def _launch_mxfp8(args: LaunchArgs, cfg: Mxfp8Config) -> torch.Tensor:
-    p, out = args.problem, args.out
-    token_scales, a = _promotion_tokens(args, cfg)
-    num_programs, upper_tiles = _grid(p, cfg, out.device)
-    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
+def _launch_mxfp8(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
+    p, cfg, out = kernel.problem, kernel.cfg, args.out
+    token_scales, a = _tokens(kernel, args)
+    counter = _tile_counter(kernel, out.device)
     t_desc = _descriptor(a, (cfg.token_tile, cfg.block_k))
     w_desc = _descriptor(args.b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
     s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile) if cfg.wide else None
@@ -336,64 +349,35 @@ def _launch_mxfp8(args: LaunchArgs, cfg: Mxfp8Config) -> torch.Tensor:
         tail_desc = _descriptor(a, (cfg.tail_tokens, cfg.block_k))
         tail_s_desc = _token_scale_desc(token_scales, cfg, cfg.tail_tokens)
     dummy = args.a_offsets
-    epi, epi_consts = _epilogue_args(args)
-    launch_kernel(mxfp8_kernel, _launch_key(args, cfg, counter is None, tuple(token_scales.shape)),
-                  (num_programs, ), (
-        t_desc, w_desc, s_desc, tail_desc, tail_s_desc, out, token_scales, _weight_scales(args), args.a_offsets,
+    epi, key, kwargs = _epilogue(kernel, args)
+    launch_kernel(mxfp8_kernel, (*key, tuple(token_scales.shape)), (kernel.num_programs, ), (
+        t_desc, w_desc, s_desc, tail_desc, tail_s_desc, out, token_scales, _weight_scales(p, args), args.a_offsets,
         args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
-        math.ceil(p.num_k_scales / 4), 0 if s_desc is not None else token_scales.shape[1], epi), dict(
-        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=p.scale_layout == "swizzled",
-        HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, DYNAMIC=counter is not None, CHUNK_WALK=cfg.chunk_walk,
-        SHORT_TAILS=cfg.short_tails, num_warps=4))
+        math.ceil(p.num_k_scales / 4), 0 if s_desc is not None else token_scales.shape[1], epi), kwargs)
     return out
 
 
-def _launch_e2m1(args: LaunchArgs, cfg: E2m1Config) -> torch.Tensor:
-    p, out = args.problem, args.out
-    swizzled = p.scale_layout == "swizzled"
-    token_scales, a = _promotion_tokens(args, cfg)
-    num_programs, upper_tiles = _grid(p, cfg, out.device)
-    counter = tile_counter(cfg, upper_tiles, num_programs, out.device)
+def _launch_e2m1(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
+    p, cfg, out = kernel.problem, kernel.cfg, args.out
+    token_scales, a = _tokens(kernel, args)
+    counter = _tile_counter(kernel, out.device)
     t_desc = _descriptor(a, (cfg.token_tile, cfg.block_k))
     # 128 bytes of each weight row a stage: 256 packed e2m1 (two token tiles).
     weight_rows = args.b.view(torch.uint8).reshape(p.num_experts * p.n, p.k // 2)
     w_desc = _descriptor(weight_rows, (cfg.weight_tile, cfg.block_k))
     s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile)
-    weight_scales = _weight_scales(args)
+    weight_scales = _weight_scales(p, args)
     ws_desc = w_half_desc = None
-    if swizzled:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
+    if p.scale_layout == "swizzled":  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
         ws_desc = Tma(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4], _unswizzled_32bit_layout())
     if cfg.split_k and 0 < p.n % cfg.weight_tile <= cfg.weight_tile // 2:  # (gpt-oss down: 2880 = 22.5 x 128)
         w_half_desc = _descriptor(weight_rows, (cfg.weight_tile // 2, cfg.block_k))
-    acc_factor = 1.0 if p.fmt.a.element.packed else float(2**E2M1_WEIGHT_EXP)  # w4a8 (see E2M1_WEIGHT_EXP)
     dummy = args.a_offsets
-    epi, epi_consts = _epilogue_args(args)
-    launch_kernel(e2m1_kernel, _launch_key(args, cfg, counter is None), (num_programs, ), (
+    epi, key, kwargs = _epilogue(kernel, args)
+    launch_kernel(e2m1_kernel, key, (kernel.num_programs, ), (
         t_desc, w_desc, s_desc, ws_desc, w_half_desc, out, weight_scales, args.a_offsets, args.expert_ids,
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy), _or_dummy(counter, dummy),
         cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
-        math.ceil(p.num_k_scales / 4), epi), dict(
-        EPI=epi_consts, STAGES=cfg.stages, GROUP_M=cfg.group_m, SWIZZLED=swizzled,
-        HAS_EXPERT_SCALES=args.expert_scales is not None, HAS_ROW_SCALES=args.row_scales is not None,
-        CONSUMER_REGS=cfg.consumer_regs, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k,
-        DYNAMIC=counter is not None, num_warps=4))
+        math.ceil(p.num_k_scales / 4), epi), kwargs)
     return out
-
-
-def check_kernel_tokens(p: GroupedProblem, tokens: KernelTokens):
-    """ValueError unless `tokens` are in the form this problem's kernel reads, with its shapes."""
-    form = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups, p.prepacked)
-    if tokens.form != form:
-        raise ValueError(f"tokens: the kernel of this problem reads the form {form}, got {tokens.form}")
-    dtype = torch.bfloat16 if form.kind == "bf16" else torch.float8_e4m3fn
-    if tokens.data.dtype != dtype or tuple(tokens.data.shape) != (p.m, p.k) or not tokens.data.is_contiguous():
-        raise ValueError(f"tokens: expected contiguous {dtype} data [{p.m}, {p.k}], got {tokens.data.dtype} "
-                         f"{tuple(tokens.data.shape)}")
-    if form.kind == "e4m3":
-        columns = kb_major_columns(p.m, p.num_groups, form.column_block)
-        scales = tokens.scales
-        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (p.num_k_scales, columns):
-            raise ValueError(f"tokens: expected fp32 scales [{p.num_k_scales}, {columns}], got "
-                             f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")

@@ -9,7 +9,7 @@ and one per token. One k32 wgmma covers exactly one scale block, so
 is computed as it reads: a fresh wgmma per K block, then acc += part * (sw outer st) in fp32
 (two FP32 operations per accumulator element and K block; promotion.py). The operands go from
 the TMA ring straight into the wgmma: no decoding (the token pre-pass only turns the token
-scales into fp32, portable.decode_row_scales), no shared-memory stores or fences in the main
+scales into fp32, tokens.decode_row_scales), no shared-memory stores or fences in the main
 loop. Tiles are swapped: 128 weight rows (two warpgroups of 64) x TOK_TILE tokens.
 
 Narrow tiles (16 or 32 tokens): the token scales are loaded from global memory a stage
@@ -80,7 +80,7 @@ ACC_ORDER_COLUMNS = gl.constexpr(ACC_ORDER_BLOCK)  # the wide tiles' token-scale
 @gluon.jit
 def _token_scales(t_scale_rows, t_ok, kk):
     """fp32 scales of stage kk's four K blocks, one [TOK_TILE] vector each, from the decoded
-    copy (portable.decode_row_scales: rows padded past the last stage, so only the tokens
+    copy (tokens.decode_row_scales: rows padded past the last stage, so only the tokens
     are masked)."""
     s0 = gl.load(t_scale_rows + 4 * kk, mask=t_ok, other=0.0)
     s1 = gl.load(t_scale_rows + 4 * kk + 1, mask=t_ok, other=0.0)

@@ -1,4 +1,4 @@
-"""Kernel launches through the compiled kernels' own launchers: plan once, launch many.
+"""Every launch: Triton's path once a key, then the compiled launcher (plan once, launch many).
 
 `fn[grid](*args)` costs a Triton JITFunction.run on every call: binding and specializing each
 argument, a cache lookup, and for each TMA descriptor a fresh cuTensorMapEncodeTiled (measured

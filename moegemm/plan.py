@@ -1,0 +1,224 @@
+"""A grouped matmul call, planned: one Plan per key, built once and cached here, the one place.
+
+A call's key is everything its checks and its kernels' choices depend on, never a tensor's
+value: the arguments' shapes, dtypes, devices and strides, the formats and layouts, the backend,
+the SwiGLU output of grouped_matmul_swiglu, and the context of the config choice
+(config.choice_context: the planned tokens a slot; a forced config is never cached). `plan_for`
+returns the call's Plan: the cached one for a key seen before, else `build_plan`'s, which
+validates the arguments' shapes (validation.py), resolves the backend and plans its launch (the
+portable kernel's, or the sm90 family's with its config, grid and token pre-pass). `Plan.run`
+does a call's own work: the value checks wherever debug.values_checked says, the output, the
+launches.
+
+Backends:
+    reference  the fp32 oracle (moegemm.reference), any device; reads offsets on the host
+    triton     the portable tl kernel: compiled on CUDA, Triton's interpreter on the CPU
+    sm90       the Hopper Gluon kernels: TMA, warp specialization, wgmma (kernels/sm90/, one
+               kernel per format family)
+    auto       sm90 where it applies on Hopper, else triton on CUDA; reference on the CPU
+               (the interpreter is for testing, not speed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+from .config import choice_context
+from .debug import values_checked
+from .formats import get_format
+from .fused import fused_supports
+from .kernels import portable, sm90
+from .kernels.tl_source import interpreter_note, interpreter_usable
+from .prepack import unpack_codes
+from .problem import GroupedProblem, Operands
+from .sm90_configs import MX_FORMATS
+from .token_forms import KernelTokens, TokenForm
+from .validation import check_no_grad, validate_grouped_matmul, validate_values
+
+__all__ = ["BACKENDS", "Plan", "SwigluOutput", "available_backends", "build_plan", "plan_for", "resolve_backend"]
+
+BACKENDS = ("auto", "reference", "triton", "sm90")
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """The concrete backends that can run tensors on `device`."""
+    device = torch.device(device)
+    names = ["reference"]
+    if (device.type == "cpu" and interpreter_usable()) or (device.type == "cuda" and torch.cuda.is_available()):
+        names.append("triton")
+    if _is_hopper(device):
+        names.append("sm90")
+    return names
+
+
+def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device) -> str:
+    """The concrete backend a call with these arguments runs on (what `auto` picks)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "reference"
+        return "sm90" if _is_hopper(device) and sm90.supports(problem) else "triton"
+    if backend not in available_backends(device):
+        raise ValueError(f"backend: {backend!r} cannot run tensors on {device}; available: {available_backends(device)}"
+                         + (interpreter_note(device) if backend == "triton" else ""))
+    if backend == "sm90" and not sm90.supports(problem):
+        raise ValueError(
+            f"backend: 'sm90' needs 16-byte aligned rows of a, b and out (bf16, fp8_block; N % 8 == 0 for N-major "
+            f"bf16 b) or K % 32 == 0 "
+            f"({', '.join(MX_FORMATS)}) and runs no other format; got fmt="
+            f"{problem.fmt.name}, K={problem.k}, N={problem.n}, out_dtype={problem.out_dtype}"
+        )
+    return backend
+
+
+@dataclass(frozen=True)
+class SwigluOutput:
+    """What of grouped_matmul_swiglu's output its plan depends on: whether the product runs with
+    the fused SwiGLU epilogue (sm90), and that epilogue's kernel config."""
+
+    out_fmt: str
+    out_form: TokenForm | None  # the output in this token form (out_scale_layout a TokenForm)
+    gate_up_layout: str
+    fused: bool  # the caller allows the fused epilogue
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything a call of one key needs that depends only on the key: the validated problem,
+    the concrete backend, and its launch planned (kernel: sm90.KernelPlan or portable.PortablePlan;
+    None for the reference, or for an sm90 problem with nothing to launch)."""
+
+    problem: GroupedProblem
+    backend: str
+    kernel: object | None
+    fused: bool = False  # (grouped_matmul_swiglu) its product runs with the fused SwiGLU epilogue
+
+    def check_values(self, operands: Operands, a_offsets, expert_ids):
+        """The checks that read the call's tensor values, where debug.values_checked says: on the
+        CPU, and on the GPU under MOEGEMM_DEBUG=1 (they synchronize)."""
+        if values_checked(operands.a.device):
+            validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                            operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+
+    def run(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
+        """grouped_matmul of these operands into `out` (a fresh zeroed one where None): the
+        values checked, then the launch."""
+        self.check_values(operands, a_offsets, expert_ids)
+        if self.backend != "reference":  # (the reference is torch: autograd runs through it)
+            check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
+                          b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
+                          expert_scales=operands.expert_scales, row_scales=row_scales)
+        if out is None:
+            out = torch.zeros(self.problem.m, self.problem.n, dtype=self.problem.out_dtype, device=operands.a.device)
+        return self.launch(operands, a_offsets, expert_ids, row_scales, out)
+
+    def launch(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
+        """Run the product into `out` (allocated). Prepacked weights are read as they are by the
+        sm90 kernels only; the other backends take them unpacked (a copy)."""
+        a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
+        if self.backend == "sm90":
+            tokens = None if operands.a_form is None else KernelTokens(operands.a_form, a, a_scales)
+            return sm90.launch(self.kernel, sm90.LaunchArgs(
+                None if tokens else a, b, None if tokens else a_scales, b_scales, a_offsets, expert_ids, out,
+                a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
+                tokens=tokens))
+        if self.problem.prepacked:
+            b = unpack_codes(b)
+        if self.backend == "reference":
+            return reference.grouped_matmul(
+                a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=self.problem.fmt.name,
+                a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
+                scale_layout=self.problem.scale_layout, out=out)
+        return self.kernel.run(a, b, a_scales, b_scales, a_offsets, expert_ids, operands.a_scale_offsets,
+                               operands.expert_scales, row_scales, out)
+
+
+# The plans by key (module docstring); cleared when full (a process sees few keys).
+_PLANS: dict[tuple, Plan] = {}
+_PLANS_MAX = 4096
+
+
+def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend,
+         swiglu: SwigluOutput | None) -> tuple | None:
+    """The key of a call's plan, or None where it is not cached: an argument that is not a tensor
+    (validation names it), or a forced config (config.choice_context)."""
+    context = choice_context()
+    if context is None or not (type(fmt) is str and type(backend) is str and type(operands.scale_layout) is str):
+        return None
+    tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids,
+               operands.a_scale_offsets, operands.expert_scales, row_scales, out, operands.quantized_a_offsets)
+    try:
+        return (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend, swiglu, context,
+                # (b's strides: its major order, which bf16 weights may have either way, decides the kernels)
+                operands.b.stride(),
+                *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
+    except (AttributeError, TypeError):
+        return None
+
+
+def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
+             swiglu: SwigluOutput | None = None) -> Plan:
+    """The call's plan: built once per key (module docstring). Its tensors' values are checked by
+    the plan's run (check_values)."""
+    key = _key(operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend, swiglu)
+    try:
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:  # (an argument that cannot be hashed: validation names it)
+        key = plan = None
+    if plan is None:
+        plan = build_plan(operands, a_offsets, expert_ids, row_scales, out, fmt=fmt, out_dtype=out_dtype,
+                          backend=backend, swiglu=swiglu)
+        if key is not None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
+               swiglu: SwigluOutput | None = None) -> Plan:
+    """A call's plan from scratch: the arguments' shapes validated (their values are checked by
+    every run), the backend resolved, the launch planned."""
+    problem = validate_grouped_matmul(
+        operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=fmt,
+        a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
+        scale_layout=operands.scale_layout, out=out, out_dtype=out_dtype,
+        quantized_a_offsets=operands.quantized_a_offsets, a_form=operands.a_form, b_prepacked=operands.b_prepacked,
+    )
+    device = operands.a.device
+    chosen = resolve_backend(backend, problem, device)
+    if operands.a_form is not None and chosen != "sm90":
+        raise ValueError(f"a: tokens in {operands.a_form} are read by the sm90 kernels only; this call runs on "
+                         f"backend {chosen!r}")
+    fused = (swiglu is not None and chosen == "sm90" and swiglu.fused and swiglu.gate_up_layout == "interleaved"
+             and (swiglu.out_form is None or swiglu.out_form.kind == "bf16") and fused_supports(problem, swiglu.out_fmt))
+    scale_blocks = operands.a_scales.shape[0] if operands.a_scales is not None else 0
+    if chosen == "sm90":
+        kernel = sm90.plan(problem, device, fused=fused, out_bytes=_out_bytes(problem, swiglu if fused else None),
+                           expert_scales=operands.expert_scales is not None, row_scales=row_scales is not None,
+                           tokens=operands.a_form is not None, scale_blocks=scale_blocks)
+    elif chosen == "triton":
+        kernel = portable.plan(problem, device, expert_scales=operands.expert_scales is not None,
+                               row_scales=row_scales is not None, a_scale_offsets=operands.a_scale_offsets is not None,
+                               scale_blocks=scale_blocks)
+    else:
+        kernel = None
+    return Plan(problem, chosen, kernel, fused)
+
+
+def _out_bytes(problem: GroupedProblem, swiglu: SwigluOutput | None) -> int:
+    """Bytes an element of the kernel's output: the product's, or the fused epilogue's (its
+    format's A operand; the bf16 token form)."""
+    if swiglu is None:
+        return problem.out_dtype.itemsize
+    if swiglu.out_form is not None:
+        return 2
+    return get_format(swiglu.out_fmt).a.element.storage_dtype.itemsize

@@ -1,0 +1,121 @@
+"""The problem model of a grouped matmul call: its operands as tensors (`operands_of`, which
+unwraps QuantizedTensor arguments) and its validated sizes (`GroupedProblem`, what every plan
+and launcher takes). The checks that make a GroupedProblem are validation.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .formats import Format, get_format
+from .quantize import QuantizedTensor
+from .token_forms import TokenForm
+
+__all__ = ["GroupedProblem", "Operands", "operands_of"]
+
+
+@dataclass(frozen=True)
+class GroupedProblem:
+    """The validated sizes of one grouped matmul call."""
+
+    fmt: Format
+    m: int
+    n: int
+    k: int
+    num_experts: int
+    num_groups: int
+    scale_layout: str
+    out_dtype: torch.dtype
+    prepacked: bool = False  # b's codes in moegemm.prepack's order
+    b_n_major: bool = False  # b [E, N, K] is the transpose(1, 2) of a contiguous [E, K, N] (bf16 only)
+
+    @property
+    def num_k_scales(self) -> int:
+        return math.ceil(self.k / self.fmt.scale_vec) if self.fmt.scaled else 0
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """The problem as a tuple of plain values (cheap to hash: the kernels' launch keys)."""
+        return (self.fmt.name, self.m, self.n, self.k, self.num_experts, self.num_groups, self.scale_layout,
+                self.out_dtype, self.prepacked, self.b_n_major)
+
+
+class Operands(NamedTuple):
+    """A call's operands as tensors: what operands_of made of QuantizedTensor arguments. (A
+    NamedTuple: made on every call, and a frozen dataclass costs several times as much to make.)"""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_scales: torch.Tensor | None
+    b_scales: torch.Tensor | None
+    scale_layout: str
+    expert_scales: torch.Tensor | None
+    quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
+    a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
+    a_scale_offsets: torch.Tensor | None = None  # the call's, else those of a QuantizedTensor's swizzled scales
+    b_prepacked: bool = False  # b's codes in moegemm.prepack's order (a QuantizedTensor of prepack_weights)
+
+
+def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, expert_scales,
+                a_scale_offsets=None) -> Operands:
+    """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
+    scales are used, so a_scales / b_scales must then be None; their format and scale layout must
+    be the call's (scale_layout None: theirs, else "plain"); nvfp4's global scales are folded into
+    expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged.
+    An A operand in a token form (its scale_layout a TokenForm) keeps its form: the call's
+    scale_layout is then that of b (and of a swiglu output). a_scale_offsets: the call's, else
+    those an A QuantizedTensor made with its swizzled scales (for as many slots as a_offsets has:
+    other offsets are named by validation, as placed elsewhere)."""
+    if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+        return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None,
+                        a_scale_offsets=a_scale_offsets)
+    layouts_seen = {}
+    a_form = placed_scale_offsets = None
+    global_scale = None
+    quantized_a_offsets = None
+    for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
+                                                   ("b", b, "b_scales", b_scales, "b")):
+        if not isinstance(q, QuantizedTensor):
+            continue
+        if q.operand != operand:
+            made_by = "moegemm.quantize" if operand == "a" else "moegemm.quantize_weights"
+            raise ValueError(f"{name}: expected the QuantizedTensor of {made_by}, got one of operand {q.operand!r}")
+        if scales is not None:
+            raise ValueError(f"{scales_name}: expected None when {name} is a QuantizedTensor (its own scales are "
+                             f"used), got a {type(scales).__name__}")
+        if q.fmt != get_format(fmt).name:
+            raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
+        if isinstance(q.scale_layout, TokenForm):
+            a_form, quantized_a_offsets = q.scale_layout, q.a_offsets
+            continue
+        layouts_seen[name] = q.scale_layout if q.scales is not None else None
+        if q.global_scale is not None:
+            global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
+        if operand == "a" and q.scale_layout == "swizzled":
+            quantized_a_offsets, placed_scale_offsets = q.a_offsets, q.a_scale_offsets
+    for name, layout in layouts_seen.items():
+        if layout is not None and scale_layout is not None and layout != scale_layout:
+            raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
+        scale_layout = scale_layout or layout
+    scale_layout = scale_layout or "plain"
+    if isinstance(a, QuantizedTensor):
+        a, a_scales = a.data, a.scales
+    b_prepacked = isinstance(b, QuantizedTensor) and b.prepacked
+    if isinstance(b, QuantizedTensor):
+        b, b_scales = b.data, b.scales
+    if global_scale is not None and isinstance(b, torch.Tensor) and b.dim() == 3:  # (else validation names b)
+        experts = b.shape[0]
+        if expert_scales is None:
+            expert_scales = torch.ones(experts, dtype=torch.float32, device=b.device) * global_scale
+        elif isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (experts,):
+            expert_scales = expert_scales * global_scale  # (another shape: validate_grouped_matmul names it)
+    if (a_scale_offsets is None and placed_scale_offsets is not None and isinstance(a_offsets, torch.Tensor)
+            and a_offsets.shape == (placed_scale_offsets.shape[0] + 1,)):
+        a_scale_offsets = placed_scale_offsets
+    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
+                    a_scale_offsets, b_prepacked)
