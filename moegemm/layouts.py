@@ -223,34 +223,34 @@ class ScaleLayout:
     def argument(self):
         return self.name
 
+    def __repr__(self):  # (as the argument reads in messages; TokenForm has its dataclass repr)
+        return repr(self.name)
+
     def a_from_plain(self, plain: torch.Tensor, a_offsets: torch.Tensor, num_blocks: int | None = None) -> torch.Tensor:
         """Plain A scales [M, nkb] in this layout (swizzle_a_scales' arguments)."""
-        raise TypeError(f"scale_layout: {self!r} holds no block scales of A")
+        raise TypeError(f"scale_layout: {self!r} converts no plain A scales")
 
     def a_to_plain(self, scales: torch.Tensor, a_offsets: torch.Tensor, num_rows: int, num_k_scales: int,
                    a_scale_offsets: torch.Tensor | None = None) -> torch.Tensor:
         """A scales of this layout as plain ones [num_rows, num_k_scales] (unswizzle_a_scales')."""
-        raise TypeError(f"scale_layout: {self!r} holds no block scales of A")
+        raise TypeError(f"scale_layout: {self!r} converts no plain A scales")
 
     def b_from_plain(self, plain: torch.Tensor) -> torch.Tensor:
         """Plain B scales [E, N, nkb] in this layout."""
-        raise TypeError(f"scale_layout: {self!r} holds no block scales of B")
+        raise TypeError(f"scale_layout: {self!r} converts no plain B scales")
 
     def b_to_plain(self, scales: torch.Tensor, n: int, num_k_scales: int) -> torch.Tensor:
         """B scales of this layout as plain ones [E, n, num_k_scales]."""
-        raise TypeError(f"scale_layout: {self!r} holds no block scales of B")
+        raise TypeError(f"scale_layout: {self!r} converts no plain B scales")
 
     def b_shape(self, num_experts: int, n: int, num_k_scales: int) -> tuple[int, ...]:
         """The shape of B scales [E, N, nkb] (per element row) in this layout."""
-        raise TypeError(f"scale_layout: {self!r} holds no block scales of B")
+        raise TypeError(f"scale_layout: {self!r} converts no plain B scales")
 
 
 class _Plain(ScaleLayout):
     __slots__ = ()
     name = "plain"
-
-    def __repr__(self):
-        return repr(self.name)
 
     def __reduce__(self):  # (copies and pickles are the one object)
         return "PLAIN"
@@ -275,9 +275,6 @@ class _Swizzled(ScaleLayout):
     __slots__ = ()
     name = "swizzled"
     swizzled = True
-
-    def __repr__(self):
-        return repr(self.name)
 
     def __reduce__(self):
         return "SWIZZLED"
