@@ -15,10 +15,10 @@ from .formats import get_format
 from .fused import launch_fused
 from .gate_up import check_activation
 from .kernels.tl_source import interpreter_usable
+from .layouts import PLAIN, SWIZZLED, scale_layout_of
 from .plan import BACKENDS, SwigluOutput, available_backends, plan_for, resolve_backend
 from .problem import GroupedProblem, operands_of
 from .quantized_tensor import QuantizedTensor
-from .layouts import PLAIN, SWIZZLED, scale_layout_of
 from .token_forms import KernelTokens, TokenForm
 from .token_quantizers import swiglu_quantize
 from .validation import check_no_grad
