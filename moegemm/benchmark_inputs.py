@@ -83,7 +83,7 @@ class Inputs:
             self.a_scales = scales(layouts.swizzled_a_shape(a_blocks, k // f.a.block_k), f.a)
         self.b = elements((g, n), f.b)
         b_kb = k // f.b.block_k
-        b_shape = layouts.swizzled_b_shape(g, n, b_kb) if self.scale_layout == "swizzled" else (g, n, b_kb)
+        b_shape = layouts.scale_layout_of(self.scale_layout).b_shape(g, n, b_kb)
         self.b_scales = scales(b_shape, f.b)
         if f.global_scale:
             self.expert_scales = torch.rand(g, device=device) + 0.5

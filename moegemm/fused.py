@@ -69,7 +69,7 @@ def launch_fused(kernel: sm90.KernelPlan | None, p, a, b, a_scales, b_scales, a_
     output as a QuantizedTensor (of scale_layout out_form where given)."""
     f = get_format(out_fmt)
     out_code, vec = out_kind(out_fmt)
-    swizzled = out_scale_layout == "swizzled" and f.a.scale is not None
+    swizzled = layouts.scale_layout_of(out_scale_layout).swizzled and f.a.scale is not None
     if out_form is not None:
         if out_form.kind != "bf16" or f.a.scale != "e8m0":
             raise ValueError(f"out_form: the fused epilogue writes the bf16 token form of an e8m0 format, "

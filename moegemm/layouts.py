@@ -13,6 +13,10 @@ Padding entries (rows past a group's tokens, K blocks past K) are written as zer
 
 All layout work is byte moves, done on uint8 views (float8_e8m0fnu / float8_e4m3fn scales
 keep their dtype on the way out).
+
+Code above this module holds a layout as a ScaleLayout object (PLAIN, SWIZZLED, or a token form:
+token_forms.TokenForm is a ScaleLayout), made once where a call enters (scale_layout_of), and
+asks it what it needs; the public functions take the names "plain" and "swizzled".
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "PLAIN",
+    "SWIZZLED",
+    "ScaleLayout",
+    "scale_layout_of",
     "ROWS_PER_BLOCK",
     "a_scale_offsets",
     "scale_row_blocks",
@@ -189,3 +197,115 @@ def unswizzle_b_scales(swizzled: torch.Tensor, n: int, num_k_scales: int) -> tor
     """Swizzled B scales -> plain [E, n, num_k_scales]."""
     padded = _padded_from_atoms(_as_bytes(swizzled))
     return padded[:, :n, :num_k_scales].contiguous().view(swizzled.dtype)
+
+
+class ScaleLayout:
+    """Where an operand's block scales sit. PLAIN and SWIZZLED are this module's two layouts
+    (docs/contract.md section 5); a token form (token_forms.TokenForm, a subclass) is the form an
+    sm90 kernel reads A tokens in, data included, and has no plain scales to convert.
+
+    name:      "plain", "swizzled" (a token form: "token form")
+    swizzled:  scales in the 128x4 atoms
+    form:      the token form this layout is, None for PLAIN and SWIZZLED
+    argument:  the value the public functions take and QuantizedTensor.scale_layout holds: the
+               name, or the TokenForm itself
+    """
+
+    __slots__ = ()
+    name = ""
+    swizzled = False
+
+    @property
+    def form(self):
+        return None
+
+    @property
+    def argument(self):
+        return self.name
+
+    def __repr__(self):  # (as the argument reads in messages; TokenForm has its dataclass repr)
+        return repr(self.name)
+
+    def a_from_plain(self, plain: torch.Tensor, a_offsets: torch.Tensor, num_blocks: int | None = None) -> torch.Tensor:
+        """Plain A scales [M, nkb] in this layout (swizzle_a_scales' arguments)."""
+        raise TypeError(f"scale_layout: {self!r} converts no plain A scales")
+
+    def a_to_plain(self, scales: torch.Tensor, a_offsets: torch.Tensor, num_rows: int, num_k_scales: int,
+                   a_scale_offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """A scales of this layout as plain ones [num_rows, num_k_scales] (unswizzle_a_scales')."""
+        raise TypeError(f"scale_layout: {self!r} converts no plain A scales")
+
+    def b_from_plain(self, plain: torch.Tensor) -> torch.Tensor:
+        """Plain B scales [E, N, nkb] in this layout."""
+        raise TypeError(f"scale_layout: {self!r} converts no plain B scales")
+
+    def b_to_plain(self, scales: torch.Tensor, n: int, num_k_scales: int) -> torch.Tensor:
+        """B scales of this layout as plain ones [E, n, num_k_scales]."""
+        raise TypeError(f"scale_layout: {self!r} converts no plain B scales")
+
+    def b_shape(self, num_experts: int, n: int, num_k_scales: int) -> tuple[int, ...]:
+        """The shape of B scales [E, N, nkb] (per element row) in this layout."""
+        raise TypeError(f"scale_layout: {self!r} converts no plain B scales")
+
+
+class _Plain(ScaleLayout):
+    __slots__ = ()
+    name = "plain"
+
+    def __reduce__(self):  # (copies and pickles are the one object)
+        return "PLAIN"
+
+    def a_from_plain(self, plain, a_offsets, num_blocks=None):
+        return plain
+
+    def a_to_plain(self, scales, a_offsets, num_rows, num_k_scales, a_scale_offsets=None):
+        return scales
+
+    def b_from_plain(self, plain):
+        return plain
+
+    def b_to_plain(self, scales, n, num_k_scales):
+        return scales
+
+    def b_shape(self, num_experts, n, num_k_scales):
+        return (num_experts, n, num_k_scales)
+
+
+class _Swizzled(ScaleLayout):
+    __slots__ = ()
+    name = "swizzled"
+    swizzled = True
+
+    def __reduce__(self):
+        return "SWIZZLED"
+
+    def a_from_plain(self, plain, a_offsets, num_blocks=None):
+        return swizzle_a_scales(plain, a_offsets, num_blocks)
+
+    def a_to_plain(self, scales, a_offsets, num_rows, num_k_scales, a_scale_offsets=None):
+        return unswizzle_a_scales(scales, a_offsets, num_rows, num_k_scales, a_scale_offsets)
+
+    def b_from_plain(self, plain):
+        return swizzle_b_scales(plain)
+
+    def b_to_plain(self, scales, n, num_k_scales):
+        return unswizzle_b_scales(scales, n, num_k_scales)
+
+    def b_shape(self, num_experts, n, num_k_scales):
+        return swizzled_b_shape(num_experts, n, num_k_scales)
+
+
+PLAIN = _Plain()
+SWIZZLED = _Swizzled()
+_BY_NAME = {"plain": PLAIN, "swizzled": SWIZZLED}
+
+
+def scale_layout_of(value, name: str = "scale_layout", forms: bool = True) -> ScaleLayout:
+    """The ScaleLayout of a public argument: "plain", "swizzled", or a ScaleLayout as it is (a
+    TokenForm where `forms`); else ValueError naming `name`."""
+    if isinstance(value, ScaleLayout) and (forms or value.form is None):
+        return value
+    layout = _BY_NAME.get(value) if isinstance(value, str) else None
+    if layout is None:
+        raise ValueError(f"{name}: expected 'plain', 'swizzled'{' or a TokenForm' if forms else ''}, got {value!r}")
+    return layout

@@ -15,6 +15,8 @@ declared with compile_boundary.traced_as, this module registers what a traced ca
 or global scale travels as an empty tensor, since an op cannot return None. Fakes compute
 every output shape from the input shapes alone, as the kernels' host code does: no device
 value is read (the sizes are bounds of T*k and E). The layer is inference-only: no autograd.
+The ops take a scale layout by its name ("plain" or "swizzled"; layouts.ScaleLayout.name): the
+traced calls below name the layout they made of the argument.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from .ops import grouped_matmul, grouped_matmul_swiglu
 from .problem import Operands, operands_of
 from .quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized, quantized_from_op, quantized_to_op
 from .routing import RoutingPlan, route, unpermute_tokens
-from .token_forms import TokenForm
 from .token_quantizers import gather_quantize, swiglu_quantize
 
 __all__: list[str] = []
@@ -92,8 +93,8 @@ def grouped_matmul_swiglu_op(a: torch.Tensor, b: torch.Tensor, a_scales: torch.T
 def _(a, b, a_scales, b_scales, a_offsets, expert_ids, fmt, out_fmt, activation, a_scale_offsets, expert_scales, bias,
       scale_layout, out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit, fused, backend,
       gate_up_layout, b_prepacked):
-    return _fake_a_operand(out_fmt, a.shape[0], b.shape[1] // 2, out_scale_layout == "swizzled", num_scale_blocks,
-                           expert_ids.shape[0], a)
+    return _fake_a_operand(out_fmt, a.shape[0], b.shape[1] // 2, layouts.scale_layout_of(out_scale_layout).swizzled,
+                           num_scale_blocks, expert_ids.shape[0], a)
 
 
 def _not_traced(operands: Operands):
@@ -117,7 +118,7 @@ def _traced_grouped_matmul(a, b, a_scales, b_scales, a_offsets, expert_ids, *, f
     _not_traced(operands)
     return torch.ops.moegemm.grouped_matmul(operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets,
                                             expert_ids, fmt, operands.a_scale_offsets, operands.expert_scales,
-                                            row_scales, operands.scale_layout, out_dtype, backend,
+                                            row_scales, operands.scale_layout.name, out_dtype, backend,
                                             operands.b_prepacked)
 
 
@@ -130,16 +131,16 @@ def _traced_grouped_matmul_swiglu(a, b, a_scales, b_scales, a_offsets, expert_id
     operands = operands_of(a, b, a_scales, b_scales, a_offsets, fmt=fmt, scale_layout=scale_layout,
                            expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
     if out_scale_layout is None:
-        out_scale_layout = "swizzled" if get_format(out_fmt).swizzle_capable else "plain"
+        out_layout = layouts.SWIZZLED if get_format(out_fmt).swizzle_capable else layouts.PLAIN
+    else:
+        out_layout = _traced_layout(out_scale_layout, "out_scale_layout")
     _not_traced(operands)
-    if isinstance(out_scale_layout, TokenForm):
-        raise ValueError("out_scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
-                         "there, writes them)")
     outputs = torch.ops.moegemm.grouped_matmul_swiglu(
         operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt, out_fmt,
-        activation, operands.a_scale_offsets, operands.expert_scales, bias, operands.scale_layout, out_scale_layout,
-        num_scale_blocks, out_global_scale, alpha, limit, fused, backend, gate_up_layout, operands.b_prepacked)
-    return quantized_from_op(outputs, out_fmt, out_scale_layout == "swizzled", a_offsets)
+        activation, operands.a_scale_offsets, operands.expert_scales, bias, operands.scale_layout.name,
+        out_layout.name, num_scale_blocks, out_global_scale, alpha, limit, fused, backend, gate_up_layout,
+        operands.b_prepacked)
+    return quantized_from_op(outputs, out_fmt, out_layout.swizzled, a_offsets)
 
 
 register_traced("grouped_matmul", _traced_grouped_matmul)
@@ -162,16 +163,24 @@ def gather_quantize_op(x: torch.Tensor, fmt: str, src_rows: torch.Tensor | None,
 def _(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout, num_scale_blocks, global_scale):
     rows = x.shape[0] if src_rows is None else src_rows.shape[0]
     groups = 0 if a_offsets is None else a_offsets.shape[0] - 1
-    return _fake_a_operand(fmt, rows, x.shape[1], scale_layout == "swizzled", num_scale_blocks, groups, x)
+    return _fake_a_operand(fmt, rows, x.shape[1], layouts.scale_layout_of(scale_layout).swizzled, num_scale_blocks,
+                           groups, x)
 
 
-def _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets):
+def _traced_layout(scale_layout, name: str = "scale_layout") -> layouts.ScaleLayout:
+    """The ScaleLayout of a traced call's argument `name`: the ops write plain or swizzled
+    scales only, not token forms."""
+    layout = layouts.scale_layout_of(scale_layout, name)
+    if layout.form is not None:
+        raise ValueError(f"{name}: token forms are not traced by torch.compile (the MoE layer, one op there, "
+                         f"writes them)")
+    return layout
+
+
+def _traced_scale_offsets(layout: layouts.ScaleLayout, a_offsets, a_scale_offsets):
     """The a_scale_offsets a traced quantizer passes its op and returns: as the eager call derives
-    them for swizzled scales. The ops write plain or swizzled scales only, not token forms."""
-    if isinstance(scale_layout, TokenForm):
-        raise ValueError("scale_layout: token forms are not traced by torch.compile (the MoE layer, one op "
-                         "there, writes them)")
-    if scale_layout == "swizzled" and a_scale_offsets is None and a_offsets is not None:
+    them for swizzled scales."""
+    if layout.swizzled and a_scale_offsets is None and a_offsets is not None:
         return layouts.a_scale_offsets(a_offsets)
     return a_scale_offsets
 
@@ -179,10 +188,11 @@ def _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets):
 def _traced_gather_quantize(x, fmt, src_rows=None, *, a_offsets=None, a_scale_offsets=None, scale_layout="plain",
                             num_scale_blocks=None, global_scale=None) -> QuantizedTensor:
     """A traced gather_quantize: its op, the outputs as the QuantizedTensor of the eager call."""
-    a_scale_offsets = _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets)
-    outputs = torch.ops.moegemm.gather_quantize(x, fmt, src_rows, a_offsets, a_scale_offsets, scale_layout,
+    layout = _traced_layout(scale_layout)
+    a_scale_offsets = _traced_scale_offsets(layout, a_offsets, a_scale_offsets)
+    outputs = torch.ops.moegemm.gather_quantize(x, fmt, src_rows, a_offsets, a_scale_offsets, layout.name,
                                                 num_scale_blocks, global_scale)
-    return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets, a_scale_offsets)
+    return quantized_from_op(outputs, fmt, layout.swizzled, a_offsets, a_scale_offsets)
 
 
 register_traced("gather_quantize", _traced_gather_quantize)
@@ -205,18 +215,20 @@ def swiglu_quantize_op(h: torch.Tensor, fmt: str, activation: str, gate_up_layou
 def _(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids, a_scale_offsets, scale_layout,
       num_scale_blocks, global_scale, alpha, limit):
     groups = 0 if a_offsets is None else a_offsets.shape[0] - 1
-    return _fake_a_operand(fmt, h.shape[0], h.shape[1] // 2, scale_layout == "swizzled", num_scale_blocks, groups, h)
+    return _fake_a_operand(fmt, h.shape[0], h.shape[1] // 2, layouts.scale_layout_of(scale_layout).swizzled,
+                           num_scale_blocks, groups, h)
 
 
 def _traced_swiglu_quantize(h, fmt, *, gate_up_layout, activation="swiglu", bias=None, a_offsets=None,
                             expert_ids=None, a_scale_offsets=None, scale_layout="plain", num_scale_blocks=None,
                             global_scale=None, alpha=1.702, limit=7.0) -> QuantizedTensor:
     """A traced swiglu_quantize: its op, the outputs as the QuantizedTensor of the eager call."""
-    a_scale_offsets = _traced_scale_offsets(scale_layout, a_offsets, a_scale_offsets)
+    layout = _traced_layout(scale_layout)
+    a_scale_offsets = _traced_scale_offsets(layout, a_offsets, a_scale_offsets)
     outputs = torch.ops.moegemm.swiglu_quantize(h, fmt, activation, gate_up_layout, bias, a_offsets, expert_ids,
-                                                a_scale_offsets, scale_layout, num_scale_blocks, global_scale,
+                                                a_scale_offsets, layout.name, num_scale_blocks, global_scale,
                                                 alpha, limit)
-    return quantized_from_op(outputs, fmt, scale_layout == "swizzled", a_offsets, a_scale_offsets)
+    return quantized_from_op(outputs, fmt, layout.swizzled, a_offsets, a_scale_offsets)
 
 
 register_traced("swiglu_quantize", _traced_swiglu_quantize)

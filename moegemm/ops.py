@@ -15,6 +15,7 @@ from .formats import get_format
 from .fused import launch_fused
 from .gate_up import check_activation
 from .kernels.tl_source import interpreter_usable
+from .layouts import PLAIN, SWIZZLED, scale_layout_of
 from .plan import BACKENDS, SwigluOutput, available_backends, plan_for, resolve_backend
 from .problem import GroupedProblem, operands_of
 from .quantized_tensor import QuantizedTensor
@@ -141,8 +142,10 @@ def grouped_matmul_swiglu(
                            expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
     out_format = get_format(out_fmt)
     if out_scale_layout is None:
-        out_scale_layout = "swizzled" if out_format.swizzle_capable else "plain"
-    out_form = out_scale_layout if isinstance(out_scale_layout, TokenForm) else None
+        out_layout = SWIZZLED if out_format.swizzle_capable else PLAIN
+    else:
+        out_layout = scale_layout_of(out_scale_layout, "out_scale_layout")
+    out_form = out_layout.form
     plan = plan_for(operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16, backend=backend,
                     swiglu=SwigluOutput(out_format.name, out_form, gate_up_layout, bool(fused)))
     plan.check_values(operands, a_offsets, expert_ids)
@@ -153,11 +156,11 @@ def grouped_matmul_swiglu(
         return launch_fused(
             plan.kernel, plan.problem, None if tokens else operands.a, operands.b,
             None if tokens else operands.a_scales, operands.b_scales, a_offsets, expert_ids, operands.a_scale_offsets,
-            operands.expert_scales, bias, out_fmt=out_fmt, activation=activation, out_scale_layout=out_scale_layout,
+            operands.expert_scales, bias, out_fmt=out_fmt, activation=activation, out_scale_layout=out_layout,
             num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha, limit=limit,
             tokens=tokens, out_form=out_form)
     h = plan.launch(operands, a_offsets, expert_ids, None, _product_buffer(plan.problem, operands.a.device))
     return swiglu_quantize(h, out_fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
                            a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=operands.a_scale_offsets,
-                           scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
+                           scale_layout=out_layout, num_scale_blocks=num_scale_blocks,
                            global_scale=out_global_scale, alpha=alpha, limit=limit)

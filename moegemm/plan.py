@@ -151,7 +151,7 @@ def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dt
     """The key of a call's plan, or None where it is not cached: an argument that is not a tensor
     (validation names it), or a forced config (config.choice_context)."""
     context = choice_context()
-    if context is None or not (type(fmt) is str and type(backend) is str and type(operands.scale_layout) is str):
+    if context is None or not (type(fmt) is str and type(backend) is str):
         return None
     tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids,
                operands.a_scale_offsets, operands.expert_scales, row_scales, out, operands.quantized_a_offsets)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from .formats import Format, get_format
+from .layouts import PLAIN, ScaleLayout, scale_layout_of
 from .quantize import QuantizedTensor
 from .token_forms import TokenForm
 
@@ -21,7 +22,7 @@ __all__ = ["GroupedProblem", "Operands", "operands_of"]
 
 @dataclass(frozen=True)
 class GroupedProblem:
-    """The validated sizes of one grouped matmul call."""
+    """The validated sizes of one grouped matmul call (scale_layout: a ScaleLayout, or its name)."""
 
     fmt: Format
     m: int
@@ -29,10 +30,13 @@ class GroupedProblem:
     k: int
     num_experts: int
     num_groups: int
-    scale_layout: str
+    scale_layout: ScaleLayout
     out_dtype: torch.dtype
     prepacked: bool = False  # b's codes in moegemm.prepack's order
     b_n_major: bool = False  # b [E, N, K] is the transpose(1, 2) of a contiguous [E, K, N] (bf16 only)
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale_layout", scale_layout_of(self.scale_layout, forms=False))
 
     @property
     def num_k_scales(self) -> int:
@@ -53,7 +57,7 @@ class Operands(NamedTuple):
     b: torch.Tensor
     a_scales: torch.Tensor | None
     b_scales: torch.Tensor | None
-    scale_layout: str
+    scale_layout: ScaleLayout  # b's (and a's plain or swizzled scales')
     expert_scales: torch.Tensor | None
     quantized_a_offsets: torch.Tensor | None  # the offsets a's swizzled scales or token form were placed by
     a_form: TokenForm | None = None  # a holds tokens in this form (token_forms.py), a_scales its scales
@@ -65,14 +69,17 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
                 a_scale_offsets=None) -> Operands:
     """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
     scales are used, so a_scales / b_scales must then be None; their format and scale layout must
-    be the call's (scale_layout None: theirs, else "plain"); nvfp4's global scales are folded into
+    be the call's (scale_layout None: theirs, else "plain"; the result holds it as a ScaleLayout,
+    ValueError naming scale_layout for another value); nvfp4's global scales are folded into
     expert_scales (one per expert; ones where not given). Raw tensors pass through unchanged.
     An A operand in a token form (its scale_layout a TokenForm) keeps its form: the call's
     scale_layout is then that of b (and of a swiglu output). a_scale_offsets: the call's, else
     those an A QuantizedTensor made with its swizzled scales (for as many slots as a_offsets has:
     other offsets are named by validation, as placed elsewhere)."""
+    if scale_layout is not None:
+        scale_layout = scale_layout_of(scale_layout, forms=False)
     if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
-        return Operands(a, b, a_scales, b_scales, scale_layout or "plain", expert_scales, None,
+        return Operands(a, b, a_scales, b_scales, scale_layout or PLAIN, expert_scales, None,
                         a_scale_offsets=a_scale_offsets)
     layouts_seen = {}
     a_form = placed_scale_offsets = None
@@ -90,19 +97,20 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
                              f"used), got a {type(scales).__name__}")
         if q.fmt != get_format(fmt).name:
             raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
-        if isinstance(q.scale_layout, TokenForm):
-            a_form, quantized_a_offsets = q.scale_layout, q.a_offsets
+        layout = q.layout
+        if layout.form is not None:
+            a_form, quantized_a_offsets = layout.form, q.a_offsets
             continue
-        layouts_seen[name] = q.scale_layout if q.scales is not None else None
+        layouts_seen[name] = layout if q.scales is not None else None
         if q.global_scale is not None:
             global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
-        if operand == "a" and q.scale_layout == "swizzled":
+        if operand == "a" and layout.swizzled:
             quantized_a_offsets, placed_scale_offsets = q.a_offsets, q.a_scale_offsets
     for name, layout in layouts_seen.items():
         if layout is not None and scale_layout is not None and layout != scale_layout:
             raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
         scale_layout = scale_layout or layout
-    scale_layout = scale_layout or "plain"
+    scale_layout = scale_layout or PLAIN
     if isinstance(a, QuantizedTensor):
         a, a_scales = a.data, a.scales
     b_prepacked = isinstance(b, QuantizedTensor) and b.prepacked

@@ -30,10 +30,11 @@ import torch
 from . import codecs, layouts, prepack
 from .formats import E2M1, E4M3, SWIZZLE_FORMATS, Format, OperandFormat, get_format
 from .quantized_tensor import QuantizedTensor
-from .token_forms import TokenForm, dequantize_tokens
+from .token_forms import dequantize_tokens
 
 __all__ = [
     "check_activations",
+    "check_scale_layout",
     "dequantize",
     "dequantize_operand",
     "prepack_weights",
@@ -140,16 +141,16 @@ def _quantize_fp8_block_weights(w: torch.Tensor, operand: OperandFormat):
     return codecs.encode_e4m3(scaled), scale
 
 
-def _prepared_weights(w, fmt: str, scale_layout: str):
-    """(format, weight operand format, w as fp32, the QuantizedTensor when the weights are
-    unscaled bf16: bf16's) of quantize_weights' checked input [E, N, K]."""
+def _prepared_weights(w, fmt: str, scale_layout):
+    """(format, ScaleLayout, w as fp32, the QuantizedTensor when the weights are unscaled bf16:
+    bf16's) of quantize_weights' checked input [E, N, K]."""
     f = get_format(fmt)
     _check_float_input(w, "w", 3, f, f.b)
-    _check_layout(f, scale_layout)
+    layout = check_scale_layout(f, scale_layout)
     w = w.float()
     if f.b.scale is None:
-        return f, f.b, w, QuantizedTensor(w.to(torch.bfloat16).contiguous(), None, f.name, "b", scale_layout)
-    return f, f.b, w, None
+        return f, layout, w, QuantizedTensor(w.to(torch.bfloat16).contiguous(), None, f.name, "b", layout)
+    return f, layout, w, None
 
 
 def _check_float_input(x: torch.Tensor, name: str, ndim: int, fmt: Format, operand: OperandFormat):
@@ -173,23 +174,24 @@ def _check_global_scale(global_scale, expected_numel: int, device) -> torch.Tens
     return g.reshape(-1) if expected_numel > 1 else g.reshape(())
 
 
-def check_activations(x, fmt: str, scale_layout: str, a_offsets, global_scale) -> tuple[Format, torch.Tensor | None]:
+def check_activations(x, fmt: str, scale_layout, a_offsets,
+                      global_scale) -> tuple[Format, layouts.ScaleLayout, torch.Tensor | None]:
     """The checks of moegemm.quantize's arguments (either backend), in this order: fmt; x
     (activations [M, K] of a floating dtype, K a multiple of the format's); scale_layout;
     a_offsets where swizzled scales need them; nvfp4's global_scale where given. Returns the
-    format and that global scale as a 0-d fp32 tensor on x's device (None where not given or
-    where the format's activations have none)."""
+    format, the ScaleLayout, and that global scale as a 0-d fp32 tensor on x's device (None
+    where not given or where the format's activations have none)."""
     f = get_format(fmt)
     _check_float_input(x, "x", 2, f, f.a)
-    _check_layout(f, scale_layout)
+    layout = check_scale_layout(f, scale_layout)
     if f.a.scale is None:
-        return f, None
-    if scale_layout == "swizzled" and a_offsets is None:
+        return f, layout, None
+    if layout.swizzled and a_offsets is None:
         raise ValueError("a_offsets: required to place activation scales in the swizzled layout (quantize takes "
                          "activations [M, K]; weights [E, N, K] go through quantize_weights)")
     if f.a.global_scale and global_scale is not None:
-        return f, _check_global_scale(global_scale, 1, x.device)
-    return f, None
+        return f, layout, _check_global_scale(global_scale, 1, x.device)
+    return f, layout, None
 
 
 def reference_quantize(
@@ -211,20 +213,20 @@ def reference_quantize(
     `global_scale`). bf16 and the weight-only formats (bf16 activations) return x rounded to
     bf16, without scales.
     """
-    f, given_global = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
+    f, layout, given_global = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
     operand = f.a
     x = x.float()
     if operand.scale is None:
-        return QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, "a", scale_layout)
+        return QuantizedTensor(x.to(torch.bfloat16).contiguous(), None, f.name, "a", layout)
     gscale = None
     if operand.global_scale:
         gscale = nvfp4_global_scale(x) if given_global is None else given_global
     data, scales = _quantize_rows(x, operand, gscale)
-    if scale_layout == "swizzled":
-        scales = layouts.swizzle_a_scales(scales, a_offsets, num_scale_blocks)
-        return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale, a_offsets,
+    if layout.swizzled:
+        scales = layout.a_from_plain(scales, a_offsets, num_scale_blocks)
+        return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", layout, gscale, a_offsets,
                                layouts.a_scale_offsets(a_offsets))
-    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", scale_layout, gscale)
+    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "a", layout, gscale)
 
 
 def quantize_weights(
@@ -240,28 +242,31 @@ def quantize_weights(
     given as [E]). A weight-only format's weights are the bytes of its block format's (bf16_mxfp4
     those of mxfp4, ...).
     """
-    f, operand, w, bf16 = _prepared_weights(w, fmt, scale_layout)
+    f, layout, w, bf16 = _prepared_weights(w, fmt, scale_layout)
     if bf16 is not None:
         return bf16
+    operand = f.b
     if operand.block_n > 1:
         data, scales = _quantize_fp8_block_weights(w, operand)
-        return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", scale_layout)
+        return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", layout)
     gscale = None
     if operand.global_scale:
         e = w.shape[0]
         gscale = (nvfp4_global_scale(w, (1, 2)) if global_scale is None
                   else _check_global_scale(global_scale, e, w.device))
     data, scales = _quantize_rows(w, operand, None if gscale is None else gscale.reshape(-1, 1, 1))
-    if scale_layout == "swizzled":
-        scales = layouts.swizzle_b_scales(scales)
-    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", scale_layout, gscale)
+    scales = layout.b_from_plain(scales)
+    return QuantizedTensor(data.contiguous(), scales.contiguous(), f.name, "b", layout, gscale)
 
 
-def _check_layout(f: Format, scale_layout: str):
-    if scale_layout not in ("plain", "swizzled"):
-        raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
-    if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:
+def check_scale_layout(f: Format, scale_layout, forms: bool = False) -> layouts.ScaleLayout:
+    """The ScaleLayout of a scale_layout argument for format f: "plain", "swizzled" (for the
+    formats that have it), a ScaleLayout, or a TokenForm where `forms` (token_forms checks it
+    further); else ValueError naming scale_layout."""
+    layout = layouts.scale_layout_of(scale_layout, forms=forms)
+    if layout.swizzled and f.scaled and not f.swizzle_capable:
         raise ValueError(f"scale_layout: 'swizzled' is defined for {', '.join(SWIZZLE_FORMATS)}; {f.name} uses 'plain'")
+    return layout
 
 
 def dequantize_operand(
@@ -282,8 +287,9 @@ def dequantize_operand(
     rows outside every slot have no scales and decode to zero.
     """
     f = get_format(fmt)
-    if isinstance(scale_layout, TokenForm):
-        return dequantize_tokens(data, scales, scale_layout, a_offsets, dtype)
+    layout = layouts.scale_layout_of(scale_layout)
+    if layout.form is not None:
+        return dequantize_tokens(data, scales, layout.form, a_offsets, dtype)
     op = f.a if operand == "a" else f.b
     values = _decode_elements(data, op).to(dtype)
     if op.scale is None:
@@ -293,13 +299,10 @@ def dequantize_operand(
     if op.block_n > 1:  # fp8_block weights: [E, nN, nK] -> per element
         s = scales.to(dtype).repeat_interleave(op.block_n, dim=1)[:, : values.shape[1]]
     else:
-        if scale_layout == "swizzled":
-            if operand == "a":
-                s = layouts.unswizzle_a_scales(scales, a_offsets, values.shape[0], nkb, a_scale_offsets)
-            else:
-                s = layouts.unswizzle_b_scales(scales, values.shape[1], nkb)
+        if operand == "a":
+            s = layout.a_to_plain(scales, a_offsets, values.shape[0], nkb, a_scale_offsets)
         else:
-            s = scales
+            s = layout.b_to_plain(scales, values.shape[1], nkb)
         s = _decode_scales(s, op).to(dtype)
     s = s.repeat_interleave(op.block_k, dim=-1)[..., :k]
     out = values * s

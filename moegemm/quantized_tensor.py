@@ -33,7 +33,9 @@ class QuantizedTensor:
     scales:        None for bf16 (and a weight-only format's A); otherwise in `scale_layout`
     scale_layout:  "plain" or "swizzled" (docs/contract.md section 5); for A also a TokenForm,
                    the form an sm90 kernel reads (token_forms.py): data e4m3 or bf16 [M, K],
-                   scales fp32 K-block-major or None, placed by a_offsets
+                   scales fp32 K-block-major or None, placed by a_offsets. Given a ScaleLayout
+                   object, it holds that layout's argument (the name users see); `layout` is the
+                   object
     global_scale:  nvfp4 only (bf16_nvfp4: B only): fp32 scalar (A) or [E] (B); fold into expert_scales
     a_offsets:     swizzled A and token forms: the group offsets the rows were placed by
     a_scale_offsets: swizzled A: where each slot's scale tiles start (layouts.a_scale_offsets of
@@ -52,9 +54,18 @@ class QuantizedTensor:
     a_scale_offsets: torch.Tensor | None = None
     prepacked: bool = False
 
+    def __post_init__(self):
+        if self.scale_layout.__class__ is not str:  # (a layout object made inside: users see its name)
+            object.__setattr__(self, "scale_layout", layouts.scale_layout_of(self.scale_layout).argument)
+
+    @property
+    def layout(self) -> layouts.ScaleLayout:
+        """scale_layout as a ScaleLayout object (ValueError naming scale_layout for another value)."""
+        return layouts.scale_layout_of(self.scale_layout)
+
     @property
     def k(self) -> int:
-        if isinstance(self.scale_layout, TokenForm):
+        if self.layout.form is not None:
             return self.data.shape[-1]
         operand = get_format(self.fmt).a if self.operand == "a" else get_format(self.fmt).b
         return operand.logical_k(self.data.shape[-1])
@@ -129,7 +140,7 @@ def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_of
         scales = scales.view(torch.float8_e8m0fnu)
     elif scales is not None and op.scale == "e4m3":
         scales = scales.view(torch.float8_e4m3fn)
-    layout = "swizzled" if swizzled else "plain"
+    layout = layouts.SWIZZLED if swizzled else layouts.PLAIN
     return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.a.global_scale else None,
                            a_offsets if swizzled else None, a_scale_offsets if swizzled else None)
 
@@ -149,7 +160,7 @@ def quantized_from_op(outputs, fmt: str, swizzled: bool, a_offsets, a_scale_offs
     f = get_format(fmt)
     scales = scales if f.a.scale is not None else None
     global_scale = global_scale if f.a.global_scale else None
-    layout = "swizzled" if swizzled and scales is not None else "plain"
-    placed = layout == "swizzled"
+    placed = swizzled and scales is not None
+    layout = layouts.SWIZZLED if placed else layouts.PLAIN
     return QuantizedTensor(data, scales, f.name, "a", layout, global_scale, a_offsets if placed else None,
                            a_scale_offsets if placed else None)

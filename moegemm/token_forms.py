@@ -34,6 +34,7 @@ import torch
 from . import codecs
 from .config import sm90_mx_config
 from .formats import get_format
+from .layouts import ScaleLayout
 from .sm90_configs import DecodeConfig, E2m1Config
 
 __all__ = ["KernelTokens", "TokenForm", "token_form", "dequantize_tokens"]
@@ -47,14 +48,23 @@ E2M1_TOKEN_EXP = 6
 
 
 @dataclass(frozen=True)
-class TokenForm:
+class TokenForm(ScaleLayout):
     """kind "e4m3" (promotion kernel: exponent, even_odd and the scales' column_block as above) or
-    "bf16" (decoding kernel)."""
+    "bf16" (decoding kernel). A ScaleLayout (layouts.py): the scale_layout of tokens in this form."""
 
     kind: str
     exponent: int = 0
     even_odd: bool = False
     column_block: int = 4
+    name = "token form"
+
+    @property
+    def form(self) -> TokenForm:
+        return self
+
+    @property
+    def argument(self) -> TokenForm:
+        return self
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ import torch
 
 from . import layouts
 from .compile_boundary import traced_as
-from .formats import SWIZZLE_FORMATS, get_format
+from .formats import get_format
 from .gate_up import check_activation, reference_activation, slot_rows
 from .kernels import quantize_kernels as kernels
 from .kernels import tl_source
-from .quantize import check_activations, nvfp4_global_scale, reference_quantize
+from .quantize import check_activations, check_scale_layout, nvfp4_global_scale, reference_quantize
 from .quantized_tensor import QuantizedTensor
 from .token_forms import FORM_FORMATS, TokenForm, kb_major_columns
 
@@ -70,13 +70,12 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
 
 
 def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
+    """(format, ScaleLayout, global scale as a 0-d fp32 tensor or None) of the token quantizers'
+    common arguments, checked."""
     f = get_format(fmt)
-    if isinstance(scale_layout, TokenForm):
-        _check_form(device, f, scale_layout, a_offsets)
-    elif scale_layout not in ("plain", "swizzled"):
-        raise ValueError(f"scale_layout: expected 'plain', 'swizzled' or a TokenForm, got {scale_layout!r}")
-    if scale_layout == "swizzled" and f.a.scale is not None and not f.swizzle_capable:
-        raise ValueError(f"scale_layout: 'swizzled' is defined for {', '.join(SWIZZLE_FORMATS)}; {f.name} uses 'plain'")
+    layout = check_scale_layout(f, scale_layout, forms=True)
+    if layout.form is not None:
+        _check_form(device, f, layout.form, a_offsets)
     _check_index(a_offsets, "a_offsets", device)
     _check_index(expert_ids, "expert_ids", device)
     _check_index(a_scale_offsets, "a_scale_offsets", device)
@@ -85,7 +84,7 @@ def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_of
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale: expected one value, got {global_scale.numel()}")
         global_scale = global_scale.reshape(())  # a tensor-wide scalar, as quantize returns it
-    return f, global_scale
+    return f, layout, global_scale
 
 
 def _check_form(device, f, form: TokenForm, a_offsets):
@@ -138,12 +137,12 @@ def quantize(
     if backend == "reference" or (backend == "auto" and not on_cuda):
         return reference_quantize(x, fmt, scale_layout=scale_layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    f, global_scale = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
+    f, layout, global_scale = check_activations(x, fmt, scale_layout, a_offsets, global_scale)
     if not kernels.kernel_usable(x.device):
         raise ValueError(f"backend: 'triton' runs the kernel on CUDA tensors, or through Triton's interpreter on CPU "
                          f"ones; x is on {x.device}" + tl_source.interpreter_note(x.device))
     x = _kernel_rows(x)
-    swizzled = scale_layout == "swizzled" and f.a.scale is not None
+    swizzled = layout.swizzled and f.a.scale is not None
     if swizzled:
         _check_index(a_offsets, "a_offsets", x.device)
         if a_offsets.numel() < 1:
@@ -152,10 +151,10 @@ def quantize(
         num_scale_blocks = _checked_scale_blocks(num_scale_blocks, a_offsets, x.shape[0])
     else:
         a_offsets = None  # (plain scales are by row: the reference ignores a_offsets there)
-    q = gather_quantize(x, f.name, a_offsets=a_offsets, scale_layout="swizzled" if swizzled else "plain",
+    q = gather_quantize(x, f.name, a_offsets=a_offsets, scale_layout=layouts.SWIZZLED if swizzled else layouts.PLAIN,
                         num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     if f.a.scale is None:  # (unscaled activations keep the layout asked for, as the reference's do)
-        return QuantizedTensor(q.data, None, f.name, "a", scale_layout)
+        return QuantizedTensor(q.data, None, f.name, "a", layout)
     return q
 
 
@@ -208,7 +207,8 @@ def gather_quantize(
     CUDA tensors, or the CPU through Triton's interpreter.
     """
     _check_rows_input(x, "x")
-    f, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
+    f, layout, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets,
+                                              global_scale)
     _check_index(src_rows, "src_rows", x.device)
     k = x.shape[1]
     if k % f.k_multiple:
@@ -218,12 +218,12 @@ def gather_quantize(
     rows = x.shape[0] if src_rows is None else src_rows.numel()
     if not kernels.kernel_usable(x.device):
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
-        return reference_quantize(picked, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
+        return reference_quantize(picked, f.name, scale_layout=layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = kernels.kernel_module(x.device.type != "cuda")
     return kernels.quantize_rows(x, f.name, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
                                  k_out=k, bias=None, a_offsets=a_offsets, expert_ids=None,
-                                 a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
+                                 a_scale_offsets=a_scale_offsets, scale_layout=layout,
                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=1.0, limit=0.0)
 
 
@@ -269,14 +269,15 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
         return gather_quantize(x, f.name, token_of_row(grouped_row), a_offsets=a_offsets,
                                a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    f, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets, global_scale)
+    f, layout, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets,
+                                              global_scale)
     if f.a.global_scale and global_scale is None:
         global_scale = tokens_global_scale(x)  # (over x, as gather_quantize's)
     module = kernels.kernel_module(x.device.type != "cuda")
     return kernels.quantize_rows(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(),
                                  act=module.ACT_NONE.value, concat=False, k_out=x.shape[1], bias=None,
                                  a_offsets=a_offsets, expert_ids=row_slot, a_scale_offsets=a_scale_offsets,
-                                 scale_layout=scale_layout, num_scale_blocks=num_scale_blocks,
+                                 scale_layout=layout, num_scale_blocks=num_scale_blocks,
                                  global_scale=global_scale, alpha=1.0, limit=0.0, topk=grouped_row.shape[1])
 
 
@@ -306,8 +307,8 @@ def swiglu_quantize(
     """
     _check_rows_input(h, "h")
     check_activation(activation, gate_up_layout)
-    f, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,
-                                      global_scale)
+    f, layout, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,
+                                              global_scale)
     if h.shape[1] % 2:
         raise ValueError(f"h: expected an even number of columns (gate and up), got {h.shape[1]}")
     k_out = h.shape[1] // 2
@@ -323,13 +324,13 @@ def swiglu_quantize(
     if not kernels.kernel_usable(h.device):
         if y is None:
             y = reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
-        return reference_quantize(y, f.name, scale_layout=scale_layout, a_offsets=a_offsets,
+        return reference_quantize(y, f.name, scale_layout=layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = kernels.kernel_module(h.device.type != "cuda")
     act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
     return kernels.quantize_rows(h, f.name, rows=h.shape[0], src_rows=None, act=act,
                                  concat=gate_up_layout == "concat", k_out=k_out, bias=bias, a_offsets=a_offsets,
-                                 expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
+                                 expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=layout,
                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=alpha,
                                  limit=limit)
 

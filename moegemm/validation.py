@@ -15,9 +15,10 @@ import math
 import torch
 
 from . import layouts
-from .formats import SWIZZLE_FORMATS, Format, get_format
+from .formats import Format, get_format
 from .prepack import check_prepackable
 from .problem import GroupedProblem
+from .quantize import check_scale_layout
 from .token_forms import TokenForm, kb_major_columns, token_form
 
 __all__ = ["validate_grouped_matmul", "validate_values", "check_no_grad", "readable_weights"]
@@ -86,10 +87,7 @@ def validate_grouped_matmul(
     reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
     tensor values are validate_values' (a plan's run calls them where debug.values_checked says)."""
     f = get_format(fmt)
-    if scale_layout not in ("plain", "swizzled"):
-        raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
-    if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:
-        raise ValueError(f"scale_layout: 'swizzled' is defined for {', '.join(SWIZZLE_FORMATS)}; {f.name} uses 'plain'")
+    scale_layout = check_scale_layout(f, scale_layout)
 
     a = _tensor(a, "a")
     device = a.device
@@ -204,12 +202,12 @@ def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, dev
                                  f"{type(s).__name__}")
     a_scaled = f.a_scaled and not a_form
     nkb = p.num_k_scales
-    if p.scale_layout == "plain":
+    if not p.scale_layout.swizzled:
         a_shape = (p.m, nkb)
         if f.b.block_n > 1:
             b_shape = (p.num_experts, math.ceil(p.n / f.b.block_n), nkb)
         else:
-            b_shape = (p.num_experts, p.n, nkb)
+            b_shape = p.scale_layout.b_shape(p.num_experts, p.n, nkb)
         b_what = "plain layout [E, ceil(N/128), ceil(K/128)]" if f.b.block_n > 1 else "plain layout [E, N, K/vec]"
         if a_scaled:
             _check(a_scales, "a_scales", f.a.accepted_scale_dtypes, device, a_shape, "plain layout [M, K/vec]")
@@ -223,8 +221,8 @@ def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, dev
         if a_scales.dim() != 5 or tuple(a_scales.shape[1:]) != atom:
             raise ValueError(f"a_scales: expected the swizzled shape (row_blocks, {', '.join(map(str, atom))}), got "
                              f"{tuple(a_scales.shape)}")
-    _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device,
-           layouts.swizzled_b_shape(p.num_experts, p.n, nkb), "swizzled layout")
+    _check(b_scales, "b_scales", f.b.accepted_scale_dtypes, device, p.scale_layout.b_shape(p.num_experts, p.n, nkb),
+           "swizzled layout")
     if a_scale_offsets is not None:
         _check(a_scale_offsets, "a_scale_offsets", (torch.int32,), device, (p.num_groups,), "one per group slot")
 
@@ -249,7 +247,7 @@ def validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_s
         raise ValueError(f"expert_ids: expected ids < E={p.num_experts} (or < 0 to skip), got {int(ids.max())}")
     if expert_scales is not None and not bool(torch.isfinite(expert_scales).all()):
         raise ValueError("expert_scales: expected finite values, got NaN or inf")
-    if p.fmt.a_scaled and p.scale_layout == "swizzled" and p.num_groups and a_form is None:
+    if p.fmt.a_scaled and p.scale_layout.swizzled and p.num_groups and a_form is None:
         _, scale_rows, slot = layouts.a_scale_rows(
             a_offsets.cpu(), None if a_scale_offsets is None else a_scale_offsets.cpu()
         )

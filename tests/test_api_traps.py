@@ -61,6 +61,25 @@ def test_quantized_tensor_operands_must_be_consistent():
         moegemm.grouped_matmul(qa, qa, None, None, a_offsets, ids, fmt="mxfp8")
 
 
+def test_a_layout_is_checked_where_it_enters_and_users_see_its_name():
+    """A misspelt layout is refused, named as the argument it came in (dequantize_operand decoded
+    it as plain before; grouped_matmul_swiglu named its quantizer's argument); a QuantizedTensor
+    made with a layout object reads as the name."""
+    from moegemm import layouts
+
+    a_offsets = torch.tensor([0, 8, 20], dtype=torch.int32)
+    qa = moegemm.quantize(torch.randn(20, 64), "mxfp8", scale_layout="swizzled", a_offsets=a_offsets)
+    with pytest.raises(ValueError, match="^scale_layout: expected 'plain', 'swizzled'"):
+        moegemm.dequantize_operand(qa.data, qa.scales, "mxfp8", "a", scale_layout="Swizzled", a_offsets=a_offsets)
+    w = torch.randn(2, 32, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="^out_scale_layout: expected 'plain', 'swizzled'"):
+        moegemm.grouped_matmul_swiglu(torch.zeros(20, 64, dtype=torch.bfloat16), w, None, None, a_offsets,
+                                      torch.tensor([0, 1], dtype=torch.int32), fmt="bf16", out_fmt="mxfp8",
+                                      gate_up_layout="interleaved", out_scale_layout="Swizzled", backend="reference")
+    made = moegemm.QuantizedTensor(qa.data, qa.scales, "mxfp8", "a", layouts.SWIZZLED, None, a_offsets)
+    assert made.scale_layout == "swizzled" and type(made.scale_layout) is str and made.layout is layouts.SWIZZLED
+
+
 # ---- b. swizzled A scales placed for other offsets --------------------------------------
 
 def test_swizzled_scales_for_other_offsets_are_refused():

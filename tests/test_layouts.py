@@ -100,3 +100,36 @@ def test_place_a_scales_equals_swizzle_without_a_host_read(dropped):
     bound = math.ceil(rows / 128) + 4
     got = layouts.place_a_scales(plain, slot, a_offsets, layouts.a_scale_offsets(a_offsets), bound)
     assert torch.equal(got, layouts.swizzle_a_scales(plain[:300], a_offsets, bound))
+
+
+def test_scale_layout_objects_round_trip_and_name_their_argument():
+    """PLAIN and SWIZZLED carry their conversions (the functions above, bit for bit) and shapes;
+    scale_layout_of takes the names, the objects and token forms, and names a bad value."""
+    import copy
+    import pickle
+
+    from moegemm.token_forms import TokenForm
+
+    a_offsets = torch.tensor([0, 100, 100, 357], dtype=torch.int32)
+    a_plain, b_plain = distinct_bytes(357, 5), distinct_bytes(2, 200, 6)
+    for name, layout in (("plain", layouts.PLAIN), ("swizzled", layouts.SWIZZLED)):
+        assert layouts.scale_layout_of(name) is layout and layout.name == name and layout.argument == name
+        assert layout.swizzled == (name == "swizzled") and layout.form is None
+        assert copy.deepcopy(layout) is layout and pickle.loads(pickle.dumps(layout)) is layout
+        a = layout.a_from_plain(a_plain, a_offsets)
+        b = layout.b_from_plain(b_plain)
+        assert tuple(b.shape) == layout.b_shape(2, 200, 6)
+        assert torch.equal(layout.a_to_plain(a, a_offsets, 357, 5), a_plain)
+        assert torch.equal(layout.b_to_plain(b, 200, 6), b_plain)
+    assert torch.equal(layouts.SWIZZLED.a_from_plain(a_plain, a_offsets), layouts.swizzle_a_scales(a_plain, a_offsets))
+    assert torch.equal(layouts.SWIZZLED.b_from_plain(b_plain), layouts.swizzle_b_scales(b_plain))
+    assert {layouts.PLAIN: 1, layouts.SWIZZLED: 2}[layouts.scale_layout_of("swizzled")] == 2  # hashable keys
+    form = TokenForm("e4m3", column_block=16)
+    assert layouts.scale_layout_of(form) is form and form.form is form and form.argument is form
+    with pytest.raises(ValueError, match="^scale_layout: expected 'plain', 'swizzled', got"):
+        layouts.scale_layout_of(form, forms=False)
+    for bad in ("Swizzled", None, ["plain"]):
+        with pytest.raises(ValueError, match="^scale_layout: expected 'plain', 'swizzled' or a TokenForm, got"):
+            layouts.scale_layout_of(bad)
+    with pytest.raises(TypeError, match="^scale_layout:"):
+        form.b_from_plain(b_plain)

@@ -118,3 +118,19 @@ def test_sm90_second_call_plans_nothing_and_gives_the_same_bits(fmt, layout, pat
     check_output(p, out, poisoned, tolerance(fmt, "sm90"))
     valid = p.valid_rows().cuda()
     assert torch.equal(out[valid].view(torch.int16), first[valid].view(torch.int16))
+
+
+def test_a_layout_name_and_its_object_share_one_plan_and_one_result(counted):
+    """scale_layout="swizzled" and layouts.SWIZZLED are one layout: one plan key, the same product."""
+    from moegemm import layouts
+
+    gen = torch.Generator().manual_seed(3)
+    offsets = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    ids = torch.tensor([1, 0, 1], dtype=torch.int32)
+    qa = moegemm.quantize(torch.randn(12, 64, generator=gen), "mxfp8", scale_layout="swizzled", a_offsets=offsets)
+    qw = moegemm.quantize_weights(torch.randn(2, 16, 64, generator=gen), "mxfp8", scale_layout="swizzled")
+    results = [moegemm.grouped_matmul(qa.data, qw.data, qa.scales, qw.scales, offsets, ids, fmt="mxfp8",
+                                      scale_layout=layout, backend="reference")
+               for layout in ("swizzled", layouts.SWIZZLED)]
+    assert counted["plans"] == 1, "the name and its object must give one plan key"
+    assert torch.equal(results[0], results[1])

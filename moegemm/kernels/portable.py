@@ -67,7 +67,7 @@ def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
     return dict(
         A_ELEM=elem_code(f.a.element, module), B_ELEM=elem_code(f.b.element, module),
         A_SCALE=scale_code(f.a.scale, module), B_SCALE=scale_code(f.b.scale, module), VEC=max(f.scale_vec, 1),
-        SWIZZLED=f.scaled and p.scale_layout == "swizzled",
+        SWIZZLED=f.scaled and p.scale_layout.swizzled,
         # The CPU interpreter's bf16 dot multiplies raw bits: it gets fp32 operands, which hold
         # the same (exactly decoded) values.
         DOT_DTYPE=module.tl.float32 if interpret else module.tl.bfloat16,

@@ -21,7 +21,7 @@ import torch
 from .. import layouts
 from ..formats import E2M1, E4M3, get_format
 from ..quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
-from ..token_forms import TokenForm, kb_major_columns
+from ..token_forms import kb_major_columns
 from . import tl_source
 from .compiled_launch import launch
 
@@ -71,16 +71,16 @@ def output_code(fmt_name: str, module) -> tuple[int, int, int]:
 
 def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
                   scale_layout, num_scale_blocks, global_scale, alpha, limit, topk: int = 0) -> QuantizedTensor:
-    """One launch of the activation kernel into fresh storage of fmt's A operand (scale_layout
-    "plain" or "swizzled") or of a token form (scale_layout a TokenForm); the token quantizers
-    have checked the arguments."""
+    """One launch of the activation kernel into fresh storage of fmt's A operand in scale_layout
+    (a ScaleLayout: PLAIN, SWIZZLED, or a TokenForm); the token quantizers have checked the
+    arguments."""
     device = x.device
     module = kernel_module(device.type != "cuda")
     out_code, vec, nb = output_code(fmt_name, module)
     f = get_format(fmt_name)
     op = f.a
-    form = scale_layout if isinstance(scale_layout, TokenForm) else None
-    swizzled = scale_layout == "swizzled" and op.scale is not None
+    form = scale_layout.form
+    swizzled = scale_layout.swizzled and op.scale is not None
     if (swizzled or bias is not None or form is not None) and (
             a_offsets is None or (bias is not None and expert_ids is None)):
         raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")

@@ -53,7 +53,7 @@ class _RowScalesPlan:
             shape, row_stride, kb_stride = (columns, m_pad), 1, m_pad
         else:
             shape, row_stride, kb_stride = (p.m, columns), columns, 1
-        swizzled = p.scale_layout == "swizzled"
+        swizzled = p.scale_layout.swizzled
         block_m = 32
         parts = 0
         if p.num_groups and p.m:
@@ -123,7 +123,7 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
     interpret = device.type == "cpu"
     if kind == "dequantize":
         f = p.fmt
-        swizzled = p.scale_layout == "swizzled"
+        swizzled = p.scale_layout.swizzled
         block_m, block_k = (32, 128) if not interpret else (64, 128)
         # Enough programs to fill the GPU whatever the group sizes: parts per slot.
         parts = 0

@@ -46,7 +46,7 @@ __all__ = ["moe_forward", "moe_forward_local", "moe_forward_received"]
 
 def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
     if isinstance(x, QuantizedTensor):  # tokens already in the format's A operand (expert parallelism)
-        if x.operand != "a" or x.scale_layout != "plain" or x.fmt != getattr(w_gate_up, "fmt", x.fmt):
+        if x.operand != "a" or x.layout is not layouts.PLAIN or x.fmt != getattr(w_gate_up, "fmt", x.fmt):
             raise ValueError(f"x: expected the plain A operand of the weights' format, got {x.fmt} {x.operand} "
                              f"{x.scale_layout}")
         rows, hidden = x.data.shape[0], x.k
@@ -193,14 +193,14 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
                   w_down=w_down.data)
     fmt = w_gate_up.fmt
     check_activation(activation, gate_up_layout)
-    if w_gate_up.scales is not None and (w_gate_up.scale_layout != w_down.scale_layout):
+    if w_gate_up.scales is not None and (w_gate_up.layout != w_down.layout):
         raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
-    layout = w_gate_up.scale_layout if w_gate_up.scales is not None else "plain"  # the tokens follow the weights
+    layout = w_gate_up.layout if w_gate_up.scales is not None else layouts.PLAIN  # the tokens follow the weights
     num_experts = w_gate_up.data.shape[0]
     routing = route(topk_ids, num_experts, topk_weights)
     bound = routing.scale_blocks_bound
     # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
-    aso = routing.a_scale_offsets if layout == "swizzled" and get_format(fmt).a_scaled else None
+    aso = routing.a_scale_offsets if layout.swizzled and get_format(fmt).a_scaled else None
     hidden = w_gate_up.k
     per_expert = routing.num_grouped_rows / max(num_experts, 1) if tokens_per_expert is None else tokens_per_expert
     shapes = (fmt, layout, routing.num_grouped_rows, routing.expert_ids.shape[0], hidden, w_gate_up.data.shape[1],
@@ -228,16 +228,17 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     return unpermute_tokens(c, routing, topk_weights, out_dtype=out_dtype, expert_bias=down_bias)
 
 
-def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: str, a_scale_offsets, bound: int):
+def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: layouts.ScaleLayout, a_scale_offsets,
+                  bound: int):
     """Tokens already in the plain A operand -> the grouped rows of the routing, in `layout` (the
     byte moves of scatter_quantize without its quantization: the same operand; rows of dropped
     choices unwritten, as there)."""
     data = scatter_tokens(tokens.data, routing)
     scales = None if tokens.scales is None else scatter_tokens(tokens.scales, routing)
-    if scales is None or layout == "plain":
-        return QuantizedTensor(data, scales, tokens.fmt, "a", "plain", tokens.global_scale)
+    if scales is None or not layout.swizzled:
+        return QuantizedTensor(data, scales, tokens.fmt, "a", layouts.PLAIN, tokens.global_scale)
     scales = layouts.place_a_scales(scales, row_experts(routing), routing.a_offsets, a_scale_offsets, bound)
-    return QuantizedTensor(data, scales, tokens.fmt, "a", "swizzled", tokens.global_scale, routing.a_offsets,
+    return QuantizedTensor(data, scales, tokens.fmt, "a", layouts.SWIZZLED, tokens.global_scale, routing.a_offsets,
                            a_scale_offsets)
 
 

@@ -183,7 +183,7 @@ class MoE(torch.nn.Module):
         weights.check_sizes(fmt, self.hidden_size, self.intermediate_size)
         self.fmt = fmt
         self.gate_up_layout = weights.gate_up_layout(fmt)
-        self.scale_layout = weights.weight_scale_layout(fmt)
+        self.scale_layout = weights.weight_scale_layout(fmt).name
 
     def _form(self, fmt: str | None = None) -> weights.WeightForm:
         """What the loaders make weights into: this layer's format, or `fmt` (a loader's own)."""

@@ -27,12 +27,12 @@ __all__ = ["EXPERT_WEIGHTS", "STATE_VERSION", "StateChange", "state_change"]
 STATE_VERSION = 1
 _WEIGHT_PARTS = ("data", "scales", "global")
 EXPERT_WEIGHTS = tuple(f"{w}_{part}" for w in ("gate_up", "down") for part in _WEIGHT_PARTS)
-_STATE_CHOICES = {"fmt": tuple(FORMATS), "scale_layout": ("plain", "swizzled"),
+_STATE_CHOICES = {"fmt": tuple(FORMATS), "scale_layout": (layouts.PLAIN.name, layouts.SWIZZLED.name),
                   "gate_up_layout": ("concat", "interleaved"), "gate_up_order": ("plain", "prepacked"),
                   "down_order": ("plain", "prepacked")}
 
 
-def _weight_parts(fmt: str, scale_layout: str, experts: int, n: int, k: int) -> dict:
+def _weight_parts(fmt: str, scale_layout: layouts.ScaleLayout, experts: int, n: int, k: int) -> dict:
     """part ("data", "scales", "global") -> (shape, accepted dtypes) of `experts` experts' weights
     [n, k] in fmt's B operand, scales in `scale_layout`; only the parts the format has."""
     b = get_format(fmt).b
@@ -41,10 +41,8 @@ def _weight_parts(fmt: str, scale_layout: str, experts: int, n: int, k: int) -> 
         k_scales = math.ceil(k / b.block_k)
         if b.block_n > 1:
             shape = (experts, math.ceil(n / b.block_n), k_scales)
-        elif scale_layout == "swizzled":
-            shape = layouts.swizzled_b_shape(experts, n, k_scales)
         else:
-            shape = (experts, n, k_scales)
+            shape = scale_layout.b_shape(experts, n, k_scales)
         parts["scales"] = (tuple(shape), b.accepted_scale_dtypes)
     if b.global_scale:
         parts["global"] = ((experts, ), (torch.float32, ))
@@ -105,8 +103,8 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
     if saved["gate_up_layout"] != gate_up_layout(fmt):
         raise ValueError(f"state_dict: expected gate/up rows {gate_up_layout(fmt)!r} (this layer's order), got "
                          f"{saved['gate_up_layout']!r}")
-    layout = weight_scale_layout(fmt)
-    if saved["scale_layout"] != layout and f.scaled and not f.swizzle_capable:
+    layout, saved_layout = weight_scale_layout(fmt), layouts.scale_layout_of(saved["scale_layout"])
+    if saved_layout != layout and f.scaled and not f.swizzle_capable:
         raise ValueError(f"state_dict: expected scale layout {layout!r} (the only one of {fmt}), got "
                          f"{saved['scale_layout']!r}")
     first, last = layer.expert_range
@@ -121,7 +119,7 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
     e, i, h = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
     tensors, prepacked = {}, {}
     for weight, n, k in (("gate_up", 2 * i, h), ("down", h, i)):
-        parts = _weight_parts(fmt, saved["scale_layout"], e, n, k)
+        parts = _weight_parts(fmt, saved_layout, e, n, k)
         present = [part for part in _WEIGHT_PARTS if f"{weight}_{part}" in given]
         if not present:
             continue
@@ -133,9 +131,8 @@ def state_change(layer, state_dict: dict, prefix: str) -> StateChange | None:
             t = _checked_state(layer, given[name], f"state_dict[{prefix + name!r}]", shape, dtypes, cut)
             if part == "scales":
                 t = t.view(dtypes[0])  # (e8m0 scales may come as their bytes)
-                if saved["scale_layout"] != layout:
-                    t = (layouts.swizzle_b_scales(t) if layout == "swizzled"
-                         else layouts.unswizzle_b_scales(t, n, math.ceil(k / f.b.block_k)))
+                if saved_layout != layout:
+                    t = layout.b_from_plain(saved_layout.b_to_plain(t, n, math.ceil(k / f.b.block_k)))
             elif part == "data":
                 was = saved[f"{weight}_order"] == "prepacked"
                 if was:

@@ -35,9 +35,9 @@ __all__ = ["QUANTIZE_CHUNK", "ExpertWeights", "WeightForm", "check_sizes", "chec
 QUANTIZE_CHUNK = 1 << 23
 
 
-def weight_scale_layout(fmt: str) -> str:
+def weight_scale_layout(fmt: str) -> layouts.ScaleLayout:
     """The scale layout of the layer's weights in fmt: swizzled where the format has it."""
-    return "swizzled" if get_format(fmt).swizzle_capable else "plain"
+    return layouts.SWIZZLED if get_format(fmt).swizzle_capable else layouts.PLAIN
 
 
 def gate_up_layout(fmt: str) -> str:
@@ -231,7 +231,7 @@ def from_mxfp4(*, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate
         layout = weight_scale_layout(form.fmt)
         kept = []
         for data, scales in ((gu_data, gu_scales), (dn_data, dn_scales)):
-            scales = layouts.swizzle_b_scales(scales) if layout == "swizzled" else scales
+            scales = layout.b_from_plain(scales)
             kept.append(form.stored(QuantizedTensor(data, scales.view(torch.float8_e8m0fnu), form.fmt, "b", layout)))
         return ExpertWeights(*kept, *_checked_biases(gate_up_bias, down_bias, sizes, hint))
     gate_up = dequantize_operand(gu_data, gu_scales.view(torch.float8_e8m0fnu), "mxfp4", "b")

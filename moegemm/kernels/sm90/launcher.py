@@ -162,7 +162,7 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     key = (p.key, cfg, not expert_scales, not row_scales, not tokens)
     common = dict(EPI=plain_epilogue_consts(), STAGES=cfg.stages, GROUP_M=cfg.group_m, HAS_EXPERT_SCALES=expert_scales,
                   HAS_ROW_SCALES=row_scales, CONSUMER_REGS=cfg.consumer_regs)
-    swizzled = p.scale_layout == "swizzled"
+    swizzled = p.scale_layout.swizzled
     if isinstance(cfg, DecodeConfig):
         return KernelPlan(p, cfg, _launch_decode, num_programs, False, token_pass, key, dict(
             common, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3", SWIZZLED=swizzled,
@@ -329,7 +329,7 @@ def _weight_scales(p: GroupedProblem, args: LaunchArgs) -> torch.Tensor:
     """The e8m0 weight scales as the promotion kernels read them: bytes, or 32-bit words (a row's
     four K blocks) when swizzled."""
     weight_scales = args.b_scales.view(torch.uint8)
-    return weight_scales.view(torch.int32) if p.scale_layout == "swizzled" else weight_scales
+    return weight_scales.view(torch.int32) if p.scale_layout.swizzled else weight_scales
 
 
 def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> Tma:
@@ -369,7 +369,7 @@ def _launch_e2m1(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
     s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile)
     weight_scales = _weight_scales(p, args)
     ws_desc = w_half_desc = None
-    if p.scale_layout == "swizzled":  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
+    if p.scale_layout.swizzled:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
         ws_desc = Tma(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4], _unswizzled_32bit_layout())
     if cfg.split_k and 0 < p.n % cfg.weight_tile <= cfg.weight_tile // 2:  # (gpt-oss down: 2880 = 22.5 x 128)
         w_half_desc = _descriptor(weight_rows, (cfg.weight_tile // 2, cfg.block_k))
