@@ -52,8 +52,9 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
     e.g. gpt-oss MXFP4 at prefill) is the fused operand decoded, bf16(value * 2^e), on every
     row of a valid slot: what dequantize_rows built from the operand before."""
     from moegemm import fused
-    from moegemm.token_forms import TokenForm
+    from moegemm.kernels import sm90
     from moegemm.problem import GroupedProblem
+    from moegemm.token_forms import TokenForm
 
     counts, ids = FUSED_CASES[case]
     n, k = 256, 256
@@ -65,8 +66,13 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
               num_scale_blocks=None, out_global_scale=None, alpha=1.702, limit=7.0)
     args = (p, a.data, b.data, a.scales, b.scales, offsets, expert_ids, None, torch.rand(e, device="cuda") + 0.5,
             bias)
-    operand = fused.launch_fused(*args, **kw)
-    form = fused.launch_fused(*args, out_form=TokenForm("bf16"), **kw)
+
+    def kernel(out_bytes):  # (the launch ops.grouped_matmul_swiglu plans for this output)
+        return sm90.plan(p, torch.device("cuda"), fused=True, out_bytes=out_bytes, expert_scales=True,
+                         row_scales=False, tokens=False, scale_blocks=0 if a.scales is None else a.scales.shape[0])
+
+    operand = fused.launch_fused(kernel(p.fmt.a.element.storage_dtype.itemsize), *args, **kw)
+    form = fused.launch_fused(kernel(2), *args, out_form=TokenForm("bf16"), **kw)
     assert form.scale_layout == TokenForm("bf16") and form.scales is None and form.data.shape == (m, n // 2)
     assert form.data.dtype == torch.bfloat16
     valid = torch.zeros(m, dtype=torch.bool, device="cuda")
@@ -78,7 +84,7 @@ def test_fused_epilogue_writes_the_bf16_token_form(fmt, case):
     want = moegemm.dequantize(operand).bfloat16()[valid]
     assert torch.equal(_canonical_bf16_bits(form.data[valid]), _canonical_bf16_bits(want))
     with pytest.raises(ValueError, match="out_form"):
-        fused.launch_fused(*args, out_form=TokenForm("e4m3"), **kw)
+        fused.launch_fused(kernel(2), *args, out_form=TokenForm("e4m3"), **kw)
 
 
 @pytest.mark.gpu
