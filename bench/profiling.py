@@ -9,6 +9,8 @@ the layer's steps timed one by one.
                                                          moe_forward of bench/moe_layer.py's models
     python bench/profiling.py layer --steps [--out DIR]    each step of the layer timed alone, and
                                                          the device time of each kernel of one replay
+    python bench/profiling.py host --products [--out DIR]  grouped_matmul at decode size in every format
+                                                         beside torch._grouped_mm
     python bench/profiling.py host --blocks [--out DIR]  grouped_matmul at decode size in every format and
                                                          transformers' MoE blocks (Qwen3-30B-A3B, gpt-oss-20b)
                                                          with each experts backend: eager, host and graph time
@@ -153,6 +155,8 @@ def main(argv=None) -> int:
     p_host.add_argument("--blocks", action="store_true", help="grouped_matmul at decode size in every format beside "
                         "torch._grouped_mm, and transformers' MoE blocks with each experts backend "
                         "(host_time.decode_products, transformers_blocks)")
+    p_host.add_argument("--products", action="store_true", help="only grouped_matmul at decode size in every "
+                        "format beside torch._grouped_mm (host_time.decode_products)")
     for p in (p_kernel, p_layer):
         p.add_argument("--warmup", type=int, default=3)
         p.add_argument("--runs", type=int, default=1)
@@ -164,13 +168,15 @@ def main(argv=None) -> int:
         if args.target == "host":
             import host_time
 
-            if args.blocks:
+            if args.products:
+                rows = host_time.decode_products()
+            elif args.blocks:
                 rows = host_time.decode_products() + host_time.transformers_blocks()
             else:
                 rows = host_time.measure(tuple(args.tokens or (1, 64)), args.model, args.fmt)
             if args.out:
-                _write(args.out, "host-time", "bench/profiling.py host" + (" --blocks" if args.blocks else ""),
-                       dict(rows=rows))
+                flag = " --products" if args.products else " --blocks" if args.blocks else ""
+                _write(args.out, "host-time", "bench/profiling.py host" + flag, dict(rows=rows))
         elif args.target == "kernel":
             kernel(args)
         elif not args.steps:
