@@ -1,5 +1,5 @@
-"""Host side of the row quantizer kernels (_activation_tl.py): compiled for CUDA tensors, Triton's
-interpreter for CPU tensors.
+"""Host side of the row quantizer kernels (_activation_tl.py; the tokens' amax, _amax_tl.py):
+compiled for CUDA tensors, Triton's interpreter for CPU tensors.
 
     quantize_rows(x, fmt, ...)   one launch of activation_quantize_kernel (a gather, a scatter or a
                                  SwiGLU in front of the quantizer) into fresh storage of fmt's A
@@ -26,6 +26,7 @@ from . import tl_source
 from .compiled_launch import launch
 
 _SOURCE = Path(__file__).with_name("_activation_tl.py")
+_AMAX_SOURCE = Path(__file__).with_name("_amax_tl.py")
 # Rows per program of the activation kernel on the GPU (x 128 output columns): 16, and 4 up to
 # 2048 rows, where more programs hide the latency (gpt-oss SwiGLU + MXFP4 at 256 rows: 9.7 ->
 # 8.4 us; 4 rows 3.6 -> 2.8 us; H100).
@@ -48,6 +49,12 @@ SCALE_MOVE_BLOCKS = 32
 def kernel_module(interpret: bool):
     """_activation_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
     return tl_source.load(_SOURCE, interpret)
+
+
+@functools.cache
+def amax_module(interpret: bool):
+    """_amax_tl.py (absolute_max_bits_kernel) compiled or for the CPU interpreter."""
+    return tl_source.load(_AMAX_SOURCE, interpret)
 
 
 def kernel_usable(device: torch.device) -> bool:
@@ -153,7 +160,7 @@ def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_of
 def tokens_amax_bits(x: torch.Tensor) -> torch.Tensor:
     """amax(|x|) of the tokens x [R, K] as fp32 bits (int32 [1]; a NaN wins): one pass of
     absolute_max_bits_kernel, no copy of x."""
-    module = kernel_module(x.device.type != "cuda")
+    module = amax_module(x.device.type != "cuda")
     bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     rows, k = x.shape
     grid = (math.ceil(rows / AMAX_ROWS), math.ceil(k / AMAX_COLUMNS))
