@@ -76,16 +76,17 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 
 
 def validate_grouped_matmul(
-    a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
+    a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt: Format, a_scale_offsets, expert_scales,
     row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, b_prepacked=False,
 ) -> GroupedProblem:
     """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
+    fmt: the call's Format (formats.get_format of its name, looked up by the caller).
     quantized_a_offsets: the a_offsets swizzled A scales (or a token form) were made for (a
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
     reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
     tensor values are validate_values' (a plan's run calls them where debug.values_checked says)."""
-    f = get_format(fmt)
+    f = fmt
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
     if scale_layout == "swizzled" and f.scaled and not f.swizzle_capable:

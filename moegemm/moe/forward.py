@@ -34,12 +34,11 @@ from .. import config, distributed, layouts, token_quantizers
 from ..compile_boundary import traced_as
 from ..formats import get_format
 from ..gate_up import check_activation
-from ..ops import grouped_matmul, grouped_matmul_swiglu
 from ..quantized_tensor import QuantizedTensor
 from ..routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
 from ..validation import check_no_grad
 from . import parallel
-from .plan import plan_layer
+from .plan import call_facts, plan_layer
 
 __all__ = ["moe_forward", "moe_forward_local", "moe_forward_received"]
 
@@ -218,13 +217,14 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
         a = token_quantizers.scatter_quantize(x, fmt, routing.grouped_row, row_experts(routing), a_offsets=routing.a_offsets,
                                  a_scale_offsets=aso, scale_layout=plan.up_form or layout, num_scale_blocks=bound,
                                  global_scale=input_global_scale)
-    mid = grouped_matmul_swiglu(
-        a, w_gate_up, None, None, routing.a_offsets, routing.expert_ids, fmt=fmt, out_fmt=fmt, activation=activation,
-        a_scale_offsets=aso, expert_scales=gate_up_scales, bias=gate_up_bias, scale_layout=layout,
-        out_scale_layout=plan.down_form or layout, num_scale_blocks=bound, out_global_scale=intermediate_global_scale,
-        alpha=alpha, limit=limit, fused=plan.fused, backend=backend, gate_up_layout=gate_up_layout)
-    grouped_matmul(mid, w_down, None, None, routing.a_offsets, routing.expert_ids, fmt=fmt, a_scale_offsets=aso,
-                   expert_scales=down_scales, scale_layout=layout, backend=backend, out=c)
+    facts = call_facts(w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data, w_down.scales,
+                       w_down.global_scale, gate_up_scales, down_scales,
+                       *((x.data, x.scales, x.global_scale) if given else ()))
+    plan.run_products(a, w_gate_up, w_down, routing.a_offsets, routing.expert_ids, c, facts=facts, fmt=fmt,
+                      scale_layout=layout, backend=backend, gate_up_layout=gate_up_layout, activation=activation,
+                      gate_up_bias=gate_up_bias, gate_up_scales=gate_up_scales, down_scales=down_scales,
+                      a_scale_offsets=aso, num_scale_blocks=bound, intermediate_global_scale=intermediate_global_scale,
+                      alpha=alpha, limit=limit)
     return unpermute_tokens(c, routing, topk_weights, out_dtype=out_dtype, expert_bias=down_bias)
 
 

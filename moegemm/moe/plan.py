@@ -6,28 +6,90 @@ options) and cached, then passed down to the steps (forward.py).
     plan.up_form      the gate/up product's A, written by the gather in this token form (or None)
     plan.down_form    the down product's A, written by the gate/up step in this token form (or None)
     plan.fused        whether the gate/up step asks for the fused SwiGLU epilogue
+    plan.product(...) the plan (plan.Plan) of each product for the call's own tensors, built once
+                      by plan.build_plan (which validates them) and run directly by the steps
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from ..config import choice_context
 from ..formats import get_format
 from ..fused import fused_pays, fused_supports
-from ..ops import resolve_backend
-from ..problem import GroupedProblem
+from ..plan import Plan, SwigluOutput, build_plan, resolve_backend
+from ..problem import GroupedProblem, operands_of
 from ..token_forms import TokenForm, token_form
 
-__all__ = ["LayerPlan", "plan_layer"]
+__all__ = ["LayerPlan", "call_facts", "plan_layer"]
+
+# The product plans a layer plan keeps (distinct weights and expert scales of its shapes: few).
+_PRODUCTS_MAX = 64
 
 
-class LayerPlan(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class LayerPlan:
     up_form: TokenForm | None  # the gate/up product's A, written by the gather in this form
     down_form: TokenForm | None  # the down product's A, written by the gate/up step in this form
     fused: bool  # the gate/up step asks for the fused SwiGLU epilogue
+    # (product, call_facts) -> its plan.Plan, filled by product()
+    products: dict = field(default_factory=dict, repr=False)
+
+    def run_products(self, a, w_gate_up, w_down, a_offsets, expert_ids, out, *, facts, fmt, scale_layout, backend,
+                     gate_up_layout, activation, gate_up_bias, gate_up_scales, down_scales, a_scale_offsets,
+                     num_scale_blocks, intermediate_global_scale, alpha, limit) -> torch.Tensor:
+        """The layer's two products on its grouped tokens a (in up_form where given): gate/up and
+        SwiGLU into the down product's A (down_form where given), then the down product into
+        `out`, each through its plan (product), run directly. Returns out."""
+        up_operands = operands_of(a, w_gate_up, None, None, a_offsets, fmt=fmt, scale_layout=scale_layout,
+                                  expert_scales=gate_up_scales, a_scale_offsets=a_scale_offsets)
+        swiglu = SwigluOutput(fmt, self.down_form, gate_up_layout, self.fused)
+        up = self.product("gate_up", facts, lambda: build_plan(
+            up_operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16, backend=backend,
+            swiglu=swiglu))
+        mid = up.run_swiglu(up_operands, a_offsets, expert_ids, gate_up_bias, out_fmt=fmt, activation=activation,
+                            gate_up_layout=gate_up_layout, out_scale_layout=self.down_form or scale_layout,
+                            num_scale_blocks=num_scale_blocks, out_global_scale=intermediate_global_scale,
+                            alpha=alpha, limit=limit)
+        down_operands = operands_of(mid, w_down, None, None, a_offsets, fmt=fmt, scale_layout=scale_layout,
+                                    expert_scales=down_scales, a_scale_offsets=a_scale_offsets)
+        down = self.product("down", facts, lambda: build_plan(
+            down_operands, a_offsets, expert_ids, None, out, fmt=fmt, out_dtype=torch.bfloat16, backend=backend))
+        return down.run(down_operands, a_offsets, expert_ids, None, out)
+
+    def product(self, name: str, facts: tuple | None, build: Callable[[], Plan]) -> Plan:
+        """The plan of product `name` ("gate_up" or "down") for a call of these facts
+        (call_facts; None: not kept): build() (plan.build_plan on the call's operands, which
+        validates them) the first time, the kept plan after."""
+        plan = self.products.get((name, facts)) if facts is not None else None
+        if plan is None:
+            plan = build()
+            if facts is not None:
+                if len(self.products) >= _PRODUCTS_MAX:
+                    self.products.clear()
+                self.products[(name, facts)] = plan
+        return plan
+
+
+def call_facts(*tensors) -> tuple | None:
+    """What the products' plans depend on beyond the layer plan's key: the shapes, dtypes,
+    devices and strides of the tensors the caller gives (weights, their scales and global scales,
+    expert scales, received tokens; None where absent) and the config choice's context. None
+    where nothing may be kept: a forced config (config.choice_context), or an argument that is
+    not a tensor (build_plan's validation names it)."""
+    context = choice_context()
+    if context is None:
+        return None
+    facts = [context]
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
+        facts.append(None if t is None else (t.shape, t.dtype, t.device, t.stride()))
+    return tuple(facts)
 
 
 @functools.lru_cache(maxsize=1024)
