@@ -27,7 +27,6 @@ import torch
 
 from . import reference
 from .config import choice_context
-from .debug import values_checked
 from .formats import get_format
 from .fused import fused_supports, launch_fused
 from .kernels import portable, sm90
@@ -103,21 +102,16 @@ class Plan:
     kernel: object | None
     fused: bool = False  # (grouped_matmul_swiglu) its product runs with the fused SwiGLU epilogue
 
-    def check_values(self, operands: Operands, a_offsets, expert_ids):
-        """The checks that read the call's tensor values, where debug.values_checked says: on the
-        CPU, and on the GPU under MOEGEMM_DEBUG=1 (they synchronize)."""
-        if values_checked(operands.a.device):
-            validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
-                            operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
-
     def run(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
         """grouped_matmul of these operands into `out` (a fresh zeroed one where None): the
-        values checked, then the launch."""
-        self.check_values(operands, a_offsets, expert_ids)
+        no-grad check, the values checked (where debug.values_checked says: on the CPU, and on the
+        GPU under MOEGEMM_DEBUG=1), then the launch."""
         if self.backend != "reference":  # (the reference is torch: autograd runs through it)
             check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
                           b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
                           expert_scales=operands.expert_scales, row_scales=row_scales)
+        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
         if out is None:
             out = torch.zeros(self.problem.m, self.problem.n, dtype=self.problem.out_dtype, device=operands.a.device)
         return self.launch(operands, a_offsets, expert_ids, row_scales, out)
@@ -125,11 +119,12 @@ class Plan:
     def run_swiglu(self, operands: Operands, a_offsets, expert_ids, bias, *, out_fmt, activation, gate_up_layout,
                    out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit) -> QuantizedTensor:
         """grouped_matmul_swiglu of these operands (a plan of swiglu output out_fmt in
-        out_scale_layout): the values checked, then the fused epilogue's launch, or the product
+        out_scale_layout): the checks as run's, then the fused epilogue's launch, or the product
         and token_quantizers.swiglu_quantize."""
-        self.check_values(operands, a_offsets, expert_ids)
         check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
                       b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
+        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
         if self.fused:
             tokens = None if operands.a_form is None else KernelTokens(operands.a_form, operands.a, operands.a_scales)
             return launch_fused(
@@ -209,7 +204,7 @@ def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dt
 def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
              swiglu: SwigluOutput | None = None) -> Plan:
     """The call's plan: built once per key (module docstring). Its tensors' values are checked by
-    the plan's run (check_values)."""
+    the plan's run (validation.validate_values)."""
     key = _key(operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend, swiglu)
     try:
         plan = _PLANS.get(key) if key is not None else None

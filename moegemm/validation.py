@@ -15,7 +15,8 @@ import math
 import torch
 
 from . import layouts
-from .formats import SWIZZLE_FORMATS, Format, get_format
+from .debug import values_checked
+from .formats import SWIZZLE_FORMATS, Format
 from .prepack import check_prepackable
 from .problem import GroupedProblem
 from .token_forms import TokenForm, kb_major_columns, token_form
@@ -85,7 +86,7 @@ def validate_grouped_matmul(
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
     reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
-    tensor values are validate_values' (a plan's run calls them where debug.values_checked says)."""
+    tensor values are validate_values' (a plan's run calls it; it checks where debug.values_checked says)."""
     f = fmt
     if scale_layout not in ("plain", "swizzled"):
         raise ValueError(f"scale_layout: expected 'plain' or 'swizzled', got {scale_layout!r}")
@@ -177,7 +178,7 @@ def _weight_order(b: torch.Tensor, f: Format) -> bool:
 def _validate_form(p: GroupedProblem, form: TokenForm, a_scales, device):
     """Tokens in `form` for problem p: the form its sm90 kernel reads, with its scales."""
     if p.m and p.num_groups:
-        want = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups, p.prepacked)
+        want = token_form(p.fmt, p.n, p.k, p.m, p.num_groups, p.prepacked)
         if form != want:
             raise ValueError(f"a: tokens in {form}, but the sm90 kernel of this problem reads "
                              f"{'no token form' if want is None else want} (token_forms.token_form)")
@@ -233,7 +234,10 @@ def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, dev
 def validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets,
                     quantized_a_offsets=None, a_form: TokenForm | None = None):
     """The checks that read tensor values, for a problem whose shapes validate_grouped_matmul
-    has checked: free on the CPU, debug mode only on the GPU (values_checked)."""
+    has checked, where debug.values_checked says (free on the CPU, debug mode only on the GPU:
+    they synchronize); elsewhere none."""
+    if not values_checked(a_offsets.device):
+        return
     offsets = a_offsets.long().cpu()
     if offsets.numel() and offsets[0] < 0:
         raise ValueError(f"a_offsets: expected a_offsets[0] >= 0, got {int(offsets[0])}")

@@ -197,6 +197,7 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     layout = w_gate_up.scale_layout if w_gate_up.scales is not None else "plain"  # the tokens follow the weights
     num_experts = w_gate_up.data.shape[0]
     routing = route(topk_ids, num_experts, topk_weights)
+    row_slot = row_experts(routing)  # (the slot of each grouped row, for the gather's stores)
     bound = routing.scale_blocks_bound
     # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
     aso = routing.a_scale_offsets if layout == "swizzled" and get_format(fmt).a_scaled else None
@@ -212,9 +213,9 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     # Where both products run on the sm90 block-format kernels, the gather and the activation
     # write the tokens in the form the next kernel reads (token_forms.py): no pre-pass.
     if given:
-        a = _place_tokens(x, routing, layout, aso, bound)
+        a = _place_tokens(x, routing, row_slot, layout, aso, bound)
     else:
-        a = token_quantizers.scatter_quantize(x, fmt, routing.grouped_row, row_experts(routing), a_offsets=routing.a_offsets,
+        a = token_quantizers.scatter_quantize(x, fmt, routing.grouped_row, row_slot, a_offsets=routing.a_offsets,
                                  a_scale_offsets=aso, scale_layout=plan.up_form or layout, num_scale_blocks=bound,
                                  global_scale=input_global_scale)
     facts = call_facts(w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data, w_down.scales,
@@ -228,7 +229,8 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     return unpermute_tokens(c, routing, topk_weights, out_dtype=out_dtype, expert_bias=down_bias)
 
 
-def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: str, a_scale_offsets, bound: int):
+def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, row_slot: torch.Tensor, layout: str,
+                  a_scale_offsets, bound: int):
     """Tokens already in the plain A operand -> the grouped rows of the routing, in `layout` (the
     byte moves of scatter_quantize without its quantization: the same operand; rows of dropped
     choices unwritten, as there)."""
@@ -236,7 +238,7 @@ def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: str, a_
     scales = None if tokens.scales is None else scatter_tokens(tokens.scales, routing)
     if scales is None or layout == "plain":
         return QuantizedTensor(data, scales, tokens.fmt, "a", "plain", tokens.global_scale)
-    scales = layouts.place_a_scales(scales, row_experts(routing), routing.a_offsets, a_scale_offsets, bound)
+    scales = layouts.place_a_scales(scales, row_slot, routing.a_offsets, a_scale_offsets, bound)
     return QuantizedTensor(data, scales, tokens.fmt, "a", "swizzled", tokens.global_scale, routing.a_offsets,
                            a_scale_offsets)
 
