@@ -169,7 +169,7 @@ def run_scatter_check(plan: str, args) -> dict:
         ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices.to(torch.int32)
         route = moegemm.route(ids, e)
         for fmt in ("mxfp8", "mxfp4"):
-            form = token_form(fmt, n, hidden, t * k, e)
+            form = token_form(moegemm.get_format(fmt), n, hidden, t * k, e)
             if form is None or form.kind != "e4m3":
                 continue
             slots = row_experts(route)

@@ -99,7 +99,7 @@ def _two_paths(timer, fmt: str, shape: str, groups: int, nominal: int) -> dict:
     perm = torch.randperm(m, device=device).to(torch.int32)
     grouped = x[perm.long()]  # the two-call path's tokens: already in their groups
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    form = token_form(fmt, n, k, m, groups) if hopper else None
+    form = token_form(moegemm.get_format(fmt), n, k, m, groups) if hopper else None
     swizzled = layout == "swizzled" and moegemm.get_format(fmt).a_scaled
     aso = layouts.a_scale_offsets(inp.a_offsets) if swizzled else None  # (the routing plan's, in the layer)
     bound = math.ceil(m / 128) + groups

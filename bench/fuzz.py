@@ -122,7 +122,6 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     from moegemm.ops import resolve_backend
     from moegemm.prepack import prepack_codes
     from moegemm.sm90_configs import DecodeConfig
-    from moegemm.validation import validate_grouped_matmul
 
     from cases import TokenPattern, check_output, make_problem, poison_like, tolerance
 
@@ -132,7 +131,7 @@ def run_problem(problem: dict, only_backend: str | None = None, device: str = "c
     p = make_problem(problem["fmt"], problem["layout"], pattern, problem["n"], problem["k"], device,
                      with_scales=problem["with_scales"])
     out_dtype = torch.float32 if problem["out"] == "fp32" else torch.bfloat16
-    checked = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=out_dtype)
+    checked = p.problem(out_dtype)
     record = dict(problem, m=p.m, results={})
     valid = p.valid_rows().to(device)
     runs = [(b, b, p.args()) for b in backends_for(device)]

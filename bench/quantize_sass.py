@@ -54,6 +54,14 @@ def _gather_block_m(host, rows: int) -> int:
     return host.CUDA_BLOCK_M if rows > 2048 else host.CUDA_SMALL_BLOCK_M
 
 
+def _compiled_twin(fn, kernel_module):
+    """The compiled build of the interpreted kernel fn, from the tl file that defines it."""
+    from moegemm.kernels import tl_source
+
+    compiled = getattr(kernel_module(False), fn.__name__, None)  # (a revision with one tl file)
+    return compiled or getattr(tl_source.load(Path(fn.fn.__globals__["__file__"]), False), fn.__name__)
+
+
 def launches(rows: int, k: int, slots: int, only=None) -> list[tuple[str, str, object, tuple, dict]]:
     """(format, layout, kernel, args, constexprs and options) of each moegemm.quantize case (those
     (format, layout) in `only` where given)."""
@@ -90,7 +98,7 @@ def launches(rows: int, k: int, slots: int, only=None) -> list[tuple[str, str, o
                     label = layout
                 else:
                     label = f"{layout} ({fn.__name__.split('_kernel')[0]})"
-                cases.append((fmt, label, getattr(kernel_module(False), fn.__name__), args, consts))
+                cases.append((fmt, label, _compiled_twin(fn, kernel_module), args, consts))
     return cases
 
 

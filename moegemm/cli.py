@@ -70,7 +70,7 @@ def demo(args) -> int:
         call_args = (qa.data, qw.data, qa.scales, qw.scales, a_offsets, expert_ids)
         kwargs = dict(fmt=name, scale_layout=layout, expert_scales=expert_scales)
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=device)  # (rows of skipped groups stay zero)
-        problem = validate_grouped_matmul(*call_args, **kwargs, a_scale_offsets=None, row_scales=None, out=out,
+        problem = validate_grouped_matmul(*call_args, **{**kwargs, "fmt": f}, a_scale_offsets=None, row_scales=None, out=out,
                                           out_dtype=torch.bfloat16)
         chosen = ops.resolve_backend(backend, problem, device)
         ms, got = _time_call(lambda: ops.grouped_matmul(*call_args, **kwargs, out=out, backend=backend), device)

@@ -187,9 +187,8 @@ def sm90_mx_config(fmt: Format, n: int, k: int, tokens_per_slot: float, fused: b
     in every regime) are decoded into the wgmma's registers."""
     # e2m1 weights in the plain order run 8-token tiles at the fewest tokens (kernels/sm90/e2m1.py).
     smallest = 8 if fmt.name in ("mxfp4", "w4a8") and not prepacked else 16
-    config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k,
-                                                          _regime(_tokens_per_slot(tokens_per_slot), smallest),
-                                                          prepacked)
+    regime = _regime(_tokens_per_slot(tokens_per_slot), smallest)
+    config = _overrides.get("sm90-mx") or _sm90_mx_config(fmt.name, n, k, regime, prepacked)
     if getattr(config, "prepacked", False) != prepacked:
         raise ValueError(f"config: {config} does not read {'prepacked' if prepacked else 'plain'} weights")
     return _checked(config, fmt, 2, fused)

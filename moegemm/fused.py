@@ -77,7 +77,7 @@ def launch_fused(kernel: sm90.KernelPlan | None, p, a, b, a_scales, b_scales, a_
         swizzled, num_scale_rows = False, 0
         data, scales = torch.empty(p.m, p.n // 2, dtype=torch.bfloat16, device=b.device), None
     else:
-        data, scales, num_scale_rows = allocate_a_operand(f.name, p.m, p.n // 2, swizzled, num_scale_blocks,
+        data, scales, num_scale_rows = allocate_a_operand(f, p.m, p.n // 2, swizzled, num_scale_blocks,
                                                           p.num_groups, b.device)
     nkb = math.ceil(p.n // 2 / vec) if f.a.scale is not None else 0
     if f.a.global_scale:
@@ -100,4 +100,4 @@ def launch_fused(kernel: sm90.KernelPlan | None, p, a, b, a_scales, b_scales, a_
                                         epilogue=epilogue, tokens=tokens))
     if out_form is not None:
         return QuantizedTensor(data, None, f.name, "a", out_form, None, a_offsets)
-    return as_quantized(f.name, data, scales, swizzled, out_global_scale, a_offsets, a_scale_offsets)
+    return as_quantized(f, data, scales, swizzled, out_global_scale, a_offsets, a_scale_offsets)

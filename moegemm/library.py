@@ -40,8 +40,8 @@ __all__: list[str] = []
 def _fake_a_operand(fmt: str, rows: int, k: int, swizzled: bool, num_scale_blocks, num_groups: int, like):
     """Empty outputs with the shapes and dtypes the kernels produce (allocate_a_operand's rules)."""
     f = get_format(fmt)
-    data, scales, _ = allocate_a_operand(f.name, rows, k, swizzled, num_scale_blocks, num_groups, like.device)
-    q = as_quantized(f.name, data, scales, swizzled, like.new_empty((), dtype=torch.float32), None)
+    data, scales, _ = allocate_a_operand(f, rows, k, swizzled, num_scale_blocks, num_groups, like.device)
+    q = as_quantized(f, data, scales, swizzled, like.new_empty((), dtype=torch.float32), None)
     return quantized_to_op(q, like)
 
 

@@ -12,16 +12,13 @@ import torch
 
 from .compile_boundary import traced_as
 from .formats import get_format
-from .fused import launch_fused
 from .gate_up import check_activation
 from .kernels.tl_source import interpreter_usable
 from .layouts import PLAIN, SWIZZLED, scale_layout_of
 from .plan import BACKENDS, SwigluOutput, available_backends, plan_for, resolve_backend
-from .problem import GroupedProblem, operands_of
+from .problem import operands_of
 from .quantized_tensor import QuantizedTensor
-from .token_forms import KernelTokens, TokenForm
-from .token_quantizers import swiglu_quantize
-from .validation import check_no_grad
+from .token_forms import TokenForm
 
 __all__ = ["grouped_matmul", "grouped_matmul_swiglu", "BACKENDS", "available_backends", "interpreter_usable",
            "resolve_backend"]
@@ -75,15 +72,6 @@ def grouped_matmul(
                            expert_scales=expert_scales, a_scale_offsets=a_scale_offsets)
     plan = plan_for(operands, a_offsets, expert_ids, row_scales, out, fmt=fmt, out_dtype=out_dtype, backend=backend)
     return plan.run(operands, a_offsets, expert_ids, row_scales, out)
-
-
-def _product_buffer(problem: GroupedProblem, device: torch.device) -> torch.Tensor:
-    """The unfused chain's bf16 product [M, N]. Its rows outside valid groups are unspecified in
-    the result, so on a GPU it gets no zero fill (84 us of DeepSeek-V3's layer at 4096 tokens,
-    H100); elsewhere zeros, so that Triton's interpreter computes on no uninitialized memory."""
-    if device.type == "cuda":
-        return torch.empty(problem.m, problem.n, dtype=torch.bfloat16, device=device)
-    return torch.zeros(problem.m, problem.n, dtype=torch.bfloat16, device=device)
 
 
 @traced_as("grouped_matmul_swiglu")
@@ -148,19 +136,7 @@ def grouped_matmul_swiglu(
     out_form = out_layout.form
     plan = plan_for(operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16, backend=backend,
                     swiglu=SwigluOutput(out_format.name, out_form, gate_up_layout, bool(fused)))
-    plan.check_values(operands, a_offsets, expert_ids)
-    check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
-                  b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
-    if plan.fused:
-        tokens = None if operands.a_form is None else KernelTokens(operands.a_form, operands.a, operands.a_scales)
-        return launch_fused(
-            plan.kernel, plan.problem, None if tokens else operands.a, operands.b,
-            None if tokens else operands.a_scales, operands.b_scales, a_offsets, expert_ids, operands.a_scale_offsets,
-            operands.expert_scales, bias, out_fmt=out_fmt, activation=activation, out_scale_layout=out_layout,
-            num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha, limit=limit,
-            tokens=tokens, out_form=out_form)
-    h = plan.launch(operands, a_offsets, expert_ids, None, _product_buffer(plan.problem, operands.a.device))
-    return swiglu_quantize(h, out_fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
-                           a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=operands.a_scale_offsets,
-                           scale_layout=out_layout, num_scale_blocks=num_scale_blocks,
-                           global_scale=out_global_scale, alpha=alpha, limit=limit)
+    return plan.run_swiglu(operands, a_offsets, expert_ids, bias, out_fmt=out_fmt, activation=activation,
+                           gate_up_layout=gate_up_layout, out_scale_layout=out_layout,
+                           num_scale_blocks=num_scale_blocks, out_global_scale=out_global_scale, alpha=alpha,
+                           limit=limit)

@@ -8,7 +8,7 @@ returns the call's Plan: the cached one for a key seen before, else `build_plan`
 validates the arguments' shapes (validation.py), resolves the backend and plans its launch (the
 portable kernel's, or the sm90 family's with its config, grid and token pre-pass). `Plan.run`
 does a call's own work: the value checks wherever debug.values_checked says, the output, the
-launches.
+launches (`Plan.run_swiglu`: grouped_matmul_swiglu's, the fused epilogue or the unfused chain).
 
 Backends:
     reference  the fp32 oracle (moegemm.reference), any device; reads offsets on the host
@@ -27,15 +27,16 @@ import torch
 
 from . import reference
 from .config import choice_context
-from .debug import values_checked
 from .formats import get_format
-from .fused import fused_supports
+from .fused import fused_supports, launch_fused
 from .kernels import portable, sm90
 from .kernels.tl_source import interpreter_note, interpreter_usable
 from .prepack import unpack_codes
 from .problem import GroupedProblem, Operands
+from .quantized_tensor import QuantizedTensor
 from .sm90_configs import MX_FORMATS
 from .token_forms import KernelTokens, TokenForm
+from .token_quantizers import swiglu_quantize
 from .validation import check_no_grad, validate_grouped_matmul, validate_values
 
 __all__ = ["BACKENDS", "Plan", "SwigluOutput", "available_backends", "build_plan", "plan_for", "resolve_backend"]
@@ -93,32 +94,51 @@ class SwigluOutput:
 @dataclass(frozen=True, eq=False)
 class Plan:
     """Everything a call of one key needs that depends only on the key: the validated problem,
-    the concrete backend, and its launch planned (kernel: sm90.KernelPlan or portable.PortablePlan;
-    None for the reference, or for an sm90 problem with nothing to launch)."""
+    the concrete backend, and its launch planned (kernel: sm90.KernelPlan, portable.PortablePlan
+    or ReferencePlan; None for an sm90 problem with nothing to launch)."""
 
     problem: GroupedProblem
     backend: str
     kernel: object | None
     fused: bool = False  # (grouped_matmul_swiglu) its product runs with the fused SwiGLU epilogue
 
-    def check_values(self, operands: Operands, a_offsets, expert_ids):
-        """The checks that read the call's tensor values, where debug.values_checked says: on the
-        CPU, and on the GPU under MOEGEMM_DEBUG=1 (they synchronize)."""
-        if values_checked(operands.a.device):
-            validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
-                            operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
-
     def run(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
         """grouped_matmul of these operands into `out` (a fresh zeroed one where None): the
-        values checked, then the launch."""
-        self.check_values(operands, a_offsets, expert_ids)
+        no-grad check, the values checked (where debug.values_checked says: on the CPU, and on the
+        GPU under MOEGEMM_DEBUG=1), then the launch."""
         if self.backend != "reference":  # (the reference is torch: autograd runs through it)
             check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
                           b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
                           expert_scales=operands.expert_scales, row_scales=row_scales)
+        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
         if out is None:
             out = torch.zeros(self.problem.m, self.problem.n, dtype=self.problem.out_dtype, device=operands.a.device)
         return self.launch(operands, a_offsets, expert_ids, row_scales, out)
+
+    def run_swiglu(self, operands: Operands, a_offsets, expert_ids, bias, *, out_fmt, activation, gate_up_layout,
+                   out_scale_layout, num_scale_blocks, out_global_scale, alpha, limit) -> QuantizedTensor:
+        """grouped_matmul_swiglu of these operands (a plan of swiglu output out_fmt in
+        out_scale_layout): the checks as run's, then the fused epilogue's launch, or the product
+        and token_quantizers.swiglu_quantize."""
+        check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
+                      b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
+        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+        if self.fused:
+            tokens = None if operands.a_form is None else KernelTokens(operands.a_form, operands.a, operands.a_scales)
+            return launch_fused(
+                self.kernel, self.problem, None if tokens else operands.a, operands.b,
+                None if tokens else operands.a_scales, operands.b_scales, a_offsets, expert_ids,
+                operands.a_scale_offsets, operands.expert_scales, bias, out_fmt=out_fmt, activation=activation,
+                out_scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
+                out_global_scale=out_global_scale, alpha=alpha, limit=limit, tokens=tokens,
+                out_form=out_scale_layout.form)
+        h = self.launch(operands, a_offsets, expert_ids, None, _product_buffer(self.problem, operands.a.device))
+        return swiglu_quantize(h, out_fmt, activation=activation, gate_up_layout=gate_up_layout, bias=bias,
+                               a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=operands.a_scale_offsets,
+                               scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
+                               global_scale=out_global_scale, alpha=alpha, limit=limit)
 
     def launch(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
         """Run the product into `out` (allocated). Prepacked weights are read as they are by the
@@ -132,13 +152,30 @@ class Plan:
                 tokens=tokens))
         if self.problem.prepacked:
             b = unpack_codes(b)
-        if self.backend == "reference":
-            return reference.grouped_matmul(
-                a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=self.problem.fmt.name,
-                a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
-                scale_layout=self.problem.scale_layout, out=out)
         return self.kernel.run(a, b, a_scales, b_scales, a_offsets, expert_ids, operands.a_scale_offsets,
                                operands.expert_scales, row_scales, out)
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """The reference backend's launch of a problem: moegemm.reference.grouped_matmul (PortablePlan's
+    arguments)."""
+
+    problem: GroupedProblem
+
+    def run(self, a, b, a_scales, b_scales, a_offsets, expert_ids, a_scale_offsets, expert_scales, row_scales, out):
+        return reference.grouped_matmul(
+            a, b, a_scales, b_scales, a_offsets, expert_ids, fmt=self.problem.fmt.name, a_scale_offsets=a_scale_offsets,
+            expert_scales=expert_scales, row_scales=row_scales, scale_layout=self.problem.scale_layout, out=out)
+
+
+def _product_buffer(problem: GroupedProblem, device: torch.device) -> torch.Tensor:
+    """The unfused chain's bf16 product [M, N]. Its rows outside valid groups are unspecified in
+    the result, so on a GPU it gets no zero fill (84 us of DeepSeek-V3's layer at 4096 tokens,
+    H100); elsewhere zeros, so that Triton's interpreter computes on no uninitialized memory."""
+    if device.type == "cuda":
+        return torch.empty(problem.m, problem.n, dtype=torch.bfloat16, device=device)
+    return torch.zeros(problem.m, problem.n, dtype=torch.bfloat16, device=device)
 
 
 # The plans by key (module docstring); cleared when full (a process sees few keys).
@@ -167,7 +204,7 @@ def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dt
 def plan_for(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fmt, out_dtype, backend,
              swiglu: SwigluOutput | None = None) -> Plan:
     """The call's plan: built once per key (module docstring). Its tensors' values are checked by
-    the plan's run (check_values)."""
+    the plan's run (validation.validate_values)."""
     key = _key(operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend, swiglu)
     try:
         plan = _PLANS.get(key) if key is not None else None
@@ -188,7 +225,7 @@ def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fm
     """A call's plan from scratch: the arguments' shapes validated (their values are checked by
     every run), the backend resolved, the launch planned."""
     problem = validate_grouped_matmul(
-        operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=fmt,
+        operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids, fmt=operands.fmt,
         a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
         scale_layout=operands.scale_layout, out=out, out_dtype=out_dtype,
         quantized_a_offsets=operands.quantized_a_offsets, a_form=operands.a_form, b_prepacked=operands.b_prepacked,
@@ -210,7 +247,7 @@ def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fm
                                row_scales=row_scales is not None, a_scale_offsets=operands.a_scale_offsets is not None,
                                scale_blocks=scale_blocks)
     else:
-        kernel = None
+        kernel = ReferencePlan(problem)
     return Plan(problem, chosen, kernel, fused)
 
 

@@ -1,5 +1,5 @@
 """The problem model of a grouped matmul call: its operands as tensors (`operands_of`, which
-unwraps QuantizedTensor arguments) and its validated sizes (`GroupedProblem`, what every plan
+unwraps QuantizedTensor arguments and looks the format up) and its validated sizes (`GroupedProblem`, what every plan
 and launcher takes). The checks that make a GroupedProblem are validation.py's.
 """
 
@@ -53,6 +53,7 @@ class Operands(NamedTuple):
     """A call's operands as tensors: what operands_of made of QuantizedTensor arguments. (A
     NamedTuple: made on every call, and a frozen dataclass costs several times as much to make.)"""
 
+    fmt: Format  # the call's format, looked up once
     a: torch.Tensor
     b: torch.Tensor
     a_scales: torch.Tensor | None
@@ -76,10 +77,11 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
     scale_layout is then that of b (and of a swiglu output). a_scale_offsets: the call's, else
     those an A QuantizedTensor made with its swizzled scales (for as many slots as a_offsets has:
     other offsets are named by validation, as placed elsewhere)."""
+    f = get_format(fmt)
     if scale_layout is not None:
         scale_layout = scale_layout_of(scale_layout, forms=False)
     if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
-        return Operands(a, b, a_scales, b_scales, scale_layout or PLAIN, expert_scales, None,
+        return Operands(f, a, b, a_scales, b_scales, scale_layout or PLAIN, expert_scales, None,
                         a_scale_offsets=a_scale_offsets)
     layouts_seen = {}
     a_form = placed_scale_offsets = None
@@ -95,7 +97,7 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
         if scales is not None:
             raise ValueError(f"{scales_name}: expected None when {name} is a QuantizedTensor (its own scales are "
                              f"used), got a {type(scales).__name__}")
-        if q.fmt != get_format(fmt).name:
+        if q.fmt != f.name:
             raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
         layout = q.layout
         if layout.form is not None:
@@ -125,5 +127,5 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
     if (a_scale_offsets is None and placed_scale_offsets is not None and isinstance(a_offsets, torch.Tensor)
             and a_offsets.shape == (placed_scale_offsets.shape[0] + 1,)):
         a_scale_offsets = placed_scale_offsets
-    return Operands(a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
+    return Operands(f, a, b, a_scales, b_scales, scale_layout, expert_scales, quantized_a_offsets, a_form,
                     a_scale_offsets, b_prepacked)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import layouts
-from .formats import E2M1, E4M3, get_format
+from .formats import E2M1, E4M3, Format, get_format
 from .token_forms import TokenForm
 
 __all__ = ["QuantizedTensor", "allocate_a_operand", "as_quantized", "quantized_from_op", "quantized_to_op"]
@@ -104,12 +104,12 @@ def _expert_index(value, name: str) -> int:
 
 # ---- the A operand as the kernels write it, and as the torch.library ops return it ----------
 
-def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
+def allocate_a_operand(f: Format, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
                        num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
     fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
     number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
-    op = get_format(fmt_name).a
+    op = f.a
     if op.element is E2M1:
         data = torch.empty(rows, k // 2, dtype=torch.uint8, device=device)
     elif op.element is E4M3:
@@ -128,11 +128,10 @@ def allocate_a_operand(fmt_name: str, rows: int, k: int, swizzled: bool, num_sca
     return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
 
 
-def as_quantized(fmt_name: str, data, scales, swizzled: bool, global_scale, a_offsets,
+def as_quantized(f: Format, data, scales, swizzled: bool, global_scale, a_offsets,
                  a_scale_offsets=None) -> QuantizedTensor:
     """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor (swizzled
     scales placed by a_offsets, their slots' tiles starting at a_scale_offsets)."""
-    f = get_format(fmt_name)
     op = f.a
     if op.element is E4M3:
         data = data.view(torch.float8_e4m3fn)

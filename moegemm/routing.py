@@ -138,9 +138,9 @@ def route(
 ) -> RoutingPlan:
     """Sort the T*k router choices by expert (stable: token order within an expert)."""
     _check_route_args(topk_ids, num_experts, topk_weights)
-    if not _use_triton(backend, topk_ids.device):
-        return _route_torch(topk_ids, num_experts, topk_weights)
-    return RoutingPlan(topk_weights=topk_weights, **kernels.route(topk_ids, num_experts))
+    if _use_triton(backend, topk_ids.device):
+        return RoutingPlan(topk_weights=topk_weights, **kernels.route(topk_ids, num_experts))
+    return _route_torch(topk_ids, num_experts, topk_weights)
 
 
 def route_reference(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None) -> RoutingPlan:
@@ -289,9 +289,8 @@ def unpermute_tokens(
     weights = _check_unpermute_args(y, plan, topk_weights, out_dtype, expert_bias)
     if not _use_triton(backend, y.device):
         return _unpermute_torch(y, plan, weights, out_dtype, expert_bias)
-    return kernels.unpermute(y, plan.grouped_row, plan.valid, weights,
-                             row_experts(plan) if expert_bias is not None else None, expert_bias,
-                             out_dtype or y.dtype)
+    experts = row_experts(plan) if expert_bias is not None else None
+    return kernels.unpermute(y, plan.grouped_row, plan.valid, weights, experts, expert_bias, out_dtype or y.dtype)
 
 
 def unpermute_tokens_reference(

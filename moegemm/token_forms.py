@@ -33,7 +33,7 @@ import torch
 
 from . import codecs
 from .config import sm90_mx_config
-from .formats import get_format
+from .formats import Format
 from .layouts import ScaleLayout
 from .sm90_configs import DecodeConfig, E2m1Config
 
@@ -79,14 +79,13 @@ class KernelTokens:
     scales: torch.Tensor | None
 
 
-def token_form(fmt_name: str, n: int, k: int, rows: int, groups: int, prepacked: bool = False) -> TokenForm | None:
-    """The form the sm90 kernel of a product (N, K, rows of A over `groups` slots; `prepacked`
-    weights) reads its tokens in, or None where a token-making kernel cannot write it (other
-    formats, and mxfp8's narrow promotion tiles, which read row-major scales padded by stage:
-    their pre-pass stays)."""
-    if fmt_name not in FORM_FORMATS or rows == 0 or groups == 0 or k % 32:
+def token_form(fmt: Format, n: int, k: int, rows: int, groups: int, prepacked: bool = False) -> TokenForm | None:
+    """The form the sm90 kernel of a product of format fmt (N, K, rows of A over `groups` slots;
+    `prepacked` weights) reads its tokens in, or None where a token-making kernel cannot write it
+    (other formats, and mxfp8's narrow promotion tiles, which read row-major scales padded by
+    stage: their pre-pass stays)."""
+    if fmt.name not in FORM_FORMATS or rows == 0 or groups == 0 or k % 32:
         return None
-    fmt = get_format(fmt_name)
     cfg = sm90_mx_config(fmt, n, k, rows / groups, prepacked=prepacked)
     if isinstance(cfg, DecodeConfig):
         return TokenForm("bf16")

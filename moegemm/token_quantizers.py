@@ -40,10 +40,9 @@ __all__ = ["QUANTIZE_BACKENDS", "gather_quantize", "quantize", "scatter_quantize
 def tokens_global_scale(x: torch.Tensor) -> torch.Tensor:
     """nvfp4's default global scale of the tokens x [R, K] (quantize.nvfp4_global_scale(x)): where
     the kernels run, its amax in one pass of a kernel, no copy of x."""
-    if not x.numel() or not kernels.kernel_usable(x.device):
-        return nvfp4_global_scale(x)
-    bits = kernels.tokens_amax_bits(x)
-    return nvfp4_global_scale(bits.view(torch.float32).reshape(()))  # (the rule, on the amax)
+    if x.numel() and kernels.kernel_usable(x.device):
+        x = kernels.tokens_amax_bits(x).view(torch.float32).reshape(())  # (then the rule, on the amax)
+    return nvfp4_global_scale(x)
 
 
 def _check_rows_input(x: torch.Tensor, name: str):
@@ -70,15 +69,13 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
 
 
 def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
-    """(format, ScaleLayout, global scale as a 0-d fp32 tensor or None) of the token quantizers'
-    common arguments, checked."""
+    _check_index(a_offsets, "a_offsets", device)
+    _check_index(expert_ids, "expert_ids", device)
+    _check_index(a_scale_offsets, "a_scale_offsets", device)
     f = get_format(fmt)
     layout = check_scale_layout(f, scale_layout, forms=True)
     if layout.form is not None:
         _check_form(device, f, layout.form, a_offsets)
-    _check_index(a_offsets, "a_offsets", device)
-    _check_index(expert_ids, "expert_ids", device)
-    _check_index(a_scale_offsets, "a_scale_offsets", device)
     if global_scale is not None:
         global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
         if global_scale.numel() != 1:
@@ -221,7 +218,7 @@ def gather_quantize(
         return reference_quantize(picked, f.name, scale_layout=layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = kernels.kernel_module(x.device.type != "cuda")
-    return kernels.quantize_rows(x, f.name, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
+    return kernels.quantize_rows(x, f, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
                                  k_out=k, bias=None, a_offsets=a_offsets, expert_ids=None,
                                  a_scale_offsets=a_scale_offsets, scale_layout=layout,
                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=1.0, limit=0.0)
@@ -274,7 +271,7 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
     if f.a.global_scale and global_scale is None:
         global_scale = tokens_global_scale(x)  # (over x, as gather_quantize's)
     module = kernels.kernel_module(x.device.type != "cuda")
-    return kernels.quantize_rows(x, f.name, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(),
+    return kernels.quantize_rows(x, f, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(),
                                  act=module.ACT_NONE.value, concat=False, k_out=x.shape[1], bias=None,
                                  a_offsets=a_offsets, expert_ids=row_slot, a_scale_offsets=a_scale_offsets,
                                  scale_layout=layout, num_scale_blocks=num_scale_blocks,
@@ -315,20 +312,21 @@ def swiglu_quantize(
     if k_out % f.k_multiple:
         raise ValueError(f"h: the activation's width {k_out} must be a multiple of {f.k_multiple} for {f.name}")
     bias = _checked_bias(bias, h)
-    y = None  # the activation in torch, computed once if the global scale or the CPU path needs it
-    if f.a.global_scale and global_scale is None:
+    usable = kernels.kernel_usable(h.device)
+    dynamic_global = f.a.global_scale and global_scale is None
+    # The activation in torch, computed once where the global scale or the CPU path needs it.
+    y = None if usable and not dynamic_global else reference_activation(
+        h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+    if dynamic_global:
         # amax over the rows of valid slots only: the others are unspecified (an unfilled h)
-        y = reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
         valid, _ = slot_rows(a_offsets, expert_ids, h.shape[0], h.device)
         global_scale = nvfp4_global_scale(torch.where(valid[:, None], y, torch.zeros_like(y)))
-    if not kernels.kernel_usable(h.device):
-        if y is None:
-            y = reference_activation(h, activation, gate_up_layout, bias, a_offsets, expert_ids, alpha, limit)
+    if not usable:
         return reference_quantize(y, f.name, scale_layout=layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
     module = kernels.kernel_module(h.device.type != "cuda")
     act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
-    return kernels.quantize_rows(h, f.name, rows=h.shape[0], src_rows=None, act=act,
+    return kernels.quantize_rows(h, f, rows=h.shape[0], src_rows=None, act=act,
                                  concat=gate_up_layout == "concat", k_out=k_out, bias=bias, a_offsets=a_offsets,
                                  expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=layout,
                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=alpha,

@@ -15,7 +15,8 @@ import math
 import torch
 
 from . import layouts
-from .formats import Format, get_format
+from .debug import values_checked
+from .formats import Format
 from .prepack import check_prepackable
 from .problem import GroupedProblem
 from .quantize import check_scale_layout
@@ -77,16 +78,17 @@ def _check(x, name: str, dtypes, device, shape=None, what: str = "") -> torch.Te
 
 
 def validate_grouped_matmul(
-    a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt, a_scale_offsets, expert_scales,
+    a, b, a_scales, b_scales, a_offsets, expert_ids, *, fmt: Format, a_scale_offsets, expert_scales,
     row_scales, scale_layout, out, out_dtype, quantized_a_offsets=None, a_form=None, b_prepacked=False,
 ) -> GroupedProblem:
     """Raise TypeError/ValueError naming the first bad argument; return the problem sizes.
+    fmt: the call's Format (formats.get_format of its name, looked up by the caller).
     quantized_a_offsets: the a_offsets swizzled A scales (or a token form) were made for (a
     QuantizedTensor operand's), which must be the call's. a_form: a holds tokens in this token
     form, a_scales their K-block-major scales (or None), the form the problem's sm90 kernel
     reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
-    tensor values are validate_values' (a plan's run calls them where debug.values_checked says)."""
-    f = get_format(fmt)
+    tensor values are validate_values' (a plan's run calls it; it checks where debug.values_checked says)."""
+    f = fmt
     scale_layout = check_scale_layout(f, scale_layout)
 
     a = _tensor(a, "a")
@@ -174,7 +176,7 @@ def _weight_order(b: torch.Tensor, f: Format) -> bool:
 def _validate_form(p: GroupedProblem, form: TokenForm, a_scales, device):
     """Tokens in `form` for problem p: the form its sm90 kernel reads, with its scales."""
     if p.m and p.num_groups:
-        want = token_form(p.fmt.name, p.n, p.k, p.m, p.num_groups, p.prepacked)
+        want = token_form(p.fmt, p.n, p.k, p.m, p.num_groups, p.prepacked)
         if form != want:
             raise ValueError(f"a: tokens in {form}, but the sm90 kernel of this problem reads "
                              f"{'no token form' if want is None else want} (token_forms.token_form)")
@@ -230,7 +232,10 @@ def _validate_scales(p: GroupedProblem, a_scales, b_scales, a_scale_offsets, dev
 def validate_values(p: GroupedProblem, a_offsets, expert_ids, expert_scales, a_scales, a_scale_offsets,
                     quantized_a_offsets=None, a_form: TokenForm | None = None):
     """The checks that read tensor values, for a problem whose shapes validate_grouped_matmul
-    has checked: free on the CPU, debug mode only on the GPU (values_checked)."""
+    has checked, where debug.values_checked says (free on the CPU, debug mode only on the GPU:
+    they synchronize); elsewhere none."""
+    if not values_checked(a_offsets.device):
+        return
     offsets = a_offsets.long().cpu()
     if offsets.numel() and offsets[0] < 0:
         raise ValueError(f"a_offsets: expected a_offsets[0] >= 0, got {int(offsets[0])}")

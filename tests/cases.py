@@ -9,6 +9,7 @@ import torch
 import moegemm
 from moegemm.config import override_config
 from moegemm.formats import FORMATS
+from moegemm.validation import validate_grouped_matmul
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,11 @@ class Problem:
     def kwargs(self):
         return dict(fmt=self.fmt, scale_layout=self.layout, expert_scales=self.expert_scales,
                     row_scales=self.row_scales)
+
+    def problem(self, out_dtype=torch.bfloat16):
+        """The validated GroupedProblem of a call on these operands (validation.validate_grouped_matmul)."""
+        return validate_grouped_matmul(*self.args(), **{**self.kwargs(), "fmt": FORMATS[self.fmt]},
+                                       a_scale_offsets=None, out=None, out_dtype=out_dtype)
 
     def valid_rows(self) -> torch.Tensor:
         mask = torch.zeros(self.m, dtype=torch.bool)

@@ -427,7 +427,8 @@ def test_token_prepass_compiles_for_sm90(fmt):
     f = FORMATS[fmt]
     module = portable.kernel_module(False)
     kernel = module.dequantize_rows_kernel
-    constexprs = dict(A_ELEM=portable.elem_code(f.a.element, module), SCALE=portable.scale_code(f.a.scale, module),
+    codes = portable.format_constexprs(f, True, False, False)
+    constexprs = dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"],
                       VEC=f.scale_vec, SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128)
     signature = {name: ("*bf16" if name == "out_ptr" else "*i32" if name in POINTERS else "*u8")
                  if name.endswith("_ptr") else "i32" for name in kernel.arg_names if name not in constexprs}

@@ -11,7 +11,6 @@ from moegemm.formats import FORMATS
 from moegemm.kernels import tokens as token_passes
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.token_forms import kb_major_column
-from moegemm.validation import validate_grouped_matmul
 
 from cases import TOKEN_PATTERNS, make_problem
 
@@ -30,7 +29,7 @@ on_layouts = pytest.mark.parametrize("layout", ["plain", "swizzled"])
 
 def check_dequantize_rows(fmt, layout, pattern, device):
     p = make_problem(fmt, layout, pattern, 64, 96, device)
-    problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
+    problem = p.problem()
     tokens = token_passes.dequantize_rows(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None)
     # Without nvfp4's global scale: the kernel leaves it to expert_scales.
     expected = moegemm.dequantize_operand(p.a.data, p.a.scales, p.a.fmt, "a", scale_layout=layout,
@@ -52,7 +51,7 @@ def check_decode_row_scales(layout, pattern, device):
     """The mxfp8 promotion kernel's token-scale pre-pass: fp32 values of A's e8m0 scales in the
     plain layout, columns padded to whole stages plus one with 2^-127 (kernels/sm90/mxfp8.py reads them)."""
     p = make_problem("mxfp8", layout, pattern, 64, 608, device)
-    problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
+    problem = p.problem()
     got = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, pad_stages=True)
     plain = p.a.scales if layout == "plain" else layouts.unswizzle_a_scales(p.a.scales, p.a_offsets, problem.m,
                                                                                    problem.num_k_scales)
@@ -144,7 +143,7 @@ def check_token_prepass(layout, pattern, device):
     (K-block-major, 8 blocks a stage) and the same bytes as e2m1_to_e4m3(times 2^6, even_odd),
     on every row the two write (the scales of valid rows; every token row)."""
     p = make_problem("mxfp4", layout, pattern, 64, 608, device)
-    problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None, out_dtype=torch.bfloat16)
+    problem = p.problem()
     kw = dict(pad_stages=False, kb_major=True, stage_blocks=8)
     scales, tokens = token_passes.token_prepass(problem, p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None,
                                             exponent=6, even_odd=True, **kw)

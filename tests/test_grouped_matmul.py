@@ -13,7 +13,6 @@ import moegemm
 from moegemm.config import PortableConfig, override_config
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.ops import resolve_backend
-from moegemm.validation import validate_grouped_matmul
 
 from cases import FORMAT_LAYOUTS, TOKEN_PATTERNS, check_output, make_problem, poison_like, tolerance
 
@@ -31,8 +30,7 @@ def run_case(fmt, layout, pattern, n, k, device, out_dtype=torch.bfloat16, with_
     result = moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, out_dtype=out_dtype, backend=backend)
     assert result is out
     if backend == "auto":  # the tolerance of what auto picks (sm90 on Hopper: its fp8 accumulator for mxfp8)
-        problem = validate_grouped_matmul(*p.args(), **p.kwargs(), a_scale_offsets=None, out=None,
-                                          out_dtype=out_dtype)
+        problem = p.problem(out_dtype)
         backend = resolve_backend("auto", problem, torch.device(device))
     check_output(p, out, poisoned, tolerance(fmt, backend))
 

@@ -530,6 +530,39 @@ def test_load_mxfp4_default_format_needs_its_sizes():
                          down_scales=torch.zeros(e, h, i // 32, dtype=torch.uint8))
 
 
+@needs_interpreter
+def test_moe_forward_plans_its_products_once(monkeypatch):
+    """The layer's products run through the plans its layer plan keeps: a repeated call builds no
+    plan and derives no product key; other expert scales (other call facts) build and validate
+    their own plans."""
+    from moegemm import plan as product_plans
+    from moegemm.moe import plan as layer_plans
+
+    t, h, i, e, k = 5, 64, 64, 4, 2
+    gate, up, down = _layer_weights(e, i, h)
+    layer = moegemm.MoE(h, i, e, k, fmt="mxfp8").load_experts(gate=gate, up=up, down=down)
+    w_gate_up, w_down = layer.weights()
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+
+    def call(**scales):
+        return moegemm.moe_forward(x, ids, None, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
+                                   backend="reference", **scales)
+
+    first = call()
+    built, keyed = [], []
+    real_build, real_key = layer_plans.build_plan, product_plans._key
+    monkeypatch.setattr(layer_plans, "build_plan", lambda *a, **kw: built.append(1) or real_build(*a, **kw))
+    monkeypatch.setattr(product_plans, "_key", lambda *a, **kw: keyed.append(1) or real_key(*a, **kw))
+    assert torch.equal(call(), first)
+    assert built == [] and keyed == []
+    scaled = call(gate_up_scales=torch.ones(e), down_scales=torch.ones(e))  # (exact: scales of 1)
+    assert len(built) == 2 and keyed == []
+    assert torch.equal(scaled, first)
+    with pytest.raises(ValueError, match="expert_scales"):
+        call(gate_up_scales=torch.ones(e + 1))
+
+
 def test_moe_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="router"):
         moegemm.MoE(64, 64, 4, 2, router="nope")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moegemm
+from moegemm import plan as plan_module
 from moegemm import routing
 from moegemm.kernels import routing_kernels
 from moegemm.kernels import tl_source
@@ -244,7 +245,7 @@ def test_triton_on_the_cpu_without_the_interpreter_names_the_cpu_extra(monkeypat
     """Where numpy is too new for Triton's CPU interpreter, asking for the Triton kernels on CPU
     tensors fails naming the fix: moegemm's cpu extra, which pins numpy < 2.4."""
     monkeypatch.setattr(tl_source, "interpreter_usable", lambda: False)
-    monkeypatch.setattr(moegemm.plan, "interpreter_usable", lambda: False)  # (the plan's name for it)
+    monkeypatch.setattr(plan_module, "interpreter_usable", lambda: False)  # (plan.py's name for it)
     ids = torch.zeros(4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="^backend: 'triton' cannot run tensors on cpu") as caught:
         if call == "route":

@@ -155,16 +155,16 @@ def test_token_form_follows_the_kernel_config():
     """mxfp4 at decode: the split-K promotion kernel (e4m3 times 2^6, even/odd); at prefill the
     decoding kernel (bf16). mxfp8: e4m3 on wide tiles (scales in accumulator order), None on
     narrow ones (row-major scales)."""
-    assert token_form("mxfp4", 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=6, even_odd=True)
-    assert token_form("w4a8", 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=0, even_odd=True)
-    assert token_form("mxfp4", 5760, 2880, 16384, 128) == TokenForm("bf16")
-    assert token_form("mxfp8", 4096, 7168, 32768, 256) == TokenForm("e4m3", column_block=16)
-    assert token_form("mxfp8", 4096, 7168, 512, 256) is None
-    assert token_form("nvfp4", 4096, 7168, 32768, 256) is None
-    assert token_form("mxfp4", 5760, 2880, 0, 128) is None
+    assert token_form(get_format("mxfp4"), 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=6, even_odd=True)
+    assert token_form(get_format("w4a8"), 5760, 2880, 256, 128) == TokenForm("e4m3", exponent=0, even_odd=True)
+    assert token_form(get_format("mxfp4"), 5760, 2880, 16384, 128) == TokenForm("bf16")
+    assert token_form(get_format("mxfp8"), 4096, 7168, 32768, 256) == TokenForm("e4m3", column_block=16)
+    assert token_form(get_format("mxfp8"), 4096, 7168, 512, 256) is None
+    assert token_form(get_format("nvfp4"), 4096, 7168, 32768, 256) is None
+    assert token_form(get_format("mxfp4"), 5760, 2880, 0, 128) is None
     for fmt in ("bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8"):  # their A operand is the bf16 tokens already
-        assert token_form(fmt, 5760, 2880, 16384, 128) is None
-        assert token_form(fmt, 5760, 2880, 256, 128) is None
+        assert token_form(get_format(fmt), 5760, 2880, 16384, 128) is None
+        assert token_form(get_format(fmt), 5760, 2880, 256, 128) is None
 
 
 def test_scatter_into_a_token_form_rejects_bad_rows():
@@ -221,7 +221,7 @@ def test_a_token_form_runs_on_sm90_only():
     reads another form, and where the call runs on another backend."""
     offsets, ids = torch.tensor([0, 8], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     w = moegemm.quantize_weights(torch.randn(1, 32, 64), "mxfp4")
-    form = token_form("mxfp4", 32, 64, 8, 1)
+    form = token_form(get_format("mxfp4"), 32, 64, 8, 1)
     assert form.kind == "e4m3"
     scales = torch.ones(2, kb_major_columns(8, 1, form.column_block))
     tokens = moegemm.QuantizedTensor(torch.zeros(8, 64, dtype=torch.float8_e4m3fn), scales, "mxfp4", "a", form, None,
@@ -243,14 +243,14 @@ def test_prepacked_e2m1_weights_take_the_decoding_kernels_form(monkeypatch):
     from moegemm.token_forms import TokenForm, token_form
 
     for fmt in ("mxfp4", "w4a8"):
-        plain = token_form(fmt, 5760, 2880, 256, 128)
+        plain = token_form(get_format(fmt), 5760, 2880, 256, 128)
         assert plain.kind == "e4m3" and plain.even_odd
-        assert token_form(fmt, 5760, 2880, 256, 128, prepacked=True) == TokenForm("bf16")
+        assert token_form(get_format(fmt), 5760, 2880, 256, 128, prepacked=True) == TokenForm("bf16")
         assert not fused_pays(fmt, 5760, 2880, 2.0) and fused_pays(fmt, 5760, 2880, 2.0, prepacked=True)
         monkeypatch.setattr(plan, "resolve_backend", lambda backend, p, device: "sm90")
         shapes = (fmt, "swizzled", 256, 128, 2880, 5760, 128, "interleaved", "auto", torch.device("cpu"), True,
                   False, False, 2.0)
-        up_form, down_form, fused = plan.plan_layer.__wrapped__(*shapes, True, True)
-        assert up_form == down_form == TokenForm("bf16") and fused
-        up_form, down_form, fused = plan.plan_layer.__wrapped__(*shapes, False, True)
-        assert up_form == plain and down_form == TokenForm("bf16") and not fused
+        layer = plan.plan_layer.__wrapped__(*shapes, True, True)
+        assert layer.up_form == layer.down_form == TokenForm("bf16") and layer.fused
+        layer = plan.plan_layer.__wrapped__(*shapes, False, True)
+        assert layer.up_form == plain and layer.down_form == TokenForm("bf16") and not layer.fused

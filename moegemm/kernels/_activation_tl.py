@@ -440,17 +440,3 @@ def kb_major_scales_kernel(scale_bytes_ptr, row_slot_ptr, a_offsets_ptr, out_sca
     scale = codecs.decode_e8m0(tl.load(scale_bytes_ptr + rows.to(tl.int64)[:, None] * NUM_KB + kb[None, :],
                                        mask=mask, other=0))
     tl.store(out_scale_ptr + kb.to(tl.int64)[None, :] * M_PAD + column[:, None], scale, mask=mask)
-
-
-@triton.jit
-def absolute_max_bits_kernel(x_ptr, out_ptr, ROWS, K, X_STRIDE, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 bits of max |x| over x [ROWS, K] (row stride X_STRIDE), into out[0] (int32, zero
-    before) by one atomic max a program. Integer maxima of the magnitudes' bits order them as the
-    values (and put a NaN above inf, where the GPU's float maximum would drop it). Program (i, j):
-    rows [i*BLOCK_R, (i+1)*BLOCK_R), columns [j*BLOCK_K, (j+1)*BLOCK_K)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < ROWS)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * X_STRIDE + cols[None, :], mask=mask, other=0.0)
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(out_ptr, tl.reduce(tl.reduce(bits, 1, _max_abs), 0, _max_abs))

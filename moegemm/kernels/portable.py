@@ -16,7 +16,7 @@ import torch
 
 from .. import layouts
 from ..config import portable_config
-from ..formats import E2M1, E4M3
+from ..formats import E2M1, E4M3, Format
 from ..problem import GroupedProblem
 from . import tl_source
 from .compiled_launch import launch
@@ -28,20 +28,6 @@ _SOURCE = Path(__file__).with_name("_portable_tl.py")
 def kernel_module(interpret: bool):
     """_portable_tl.py compiled (interpret=False) or for the CPU interpreter (kernels/tl_source.py)."""
     return tl_source.load(_SOURCE, interpret)
-
-
-def elem_code(element, module) -> int:
-    if element is E4M3:
-        return module.ELEM_E4M3.value
-    if element is E2M1:
-        return module.ELEM_E2M1.value
-    return module.ELEM_BF16.value
-
-
-def scale_code(scale: str | None, module) -> int:
-    code = {None: module.SCALE_NONE, "fp32": module.SCALE_FP32_BLOCK, "e8m0": module.SCALE_E8M0,
-            "e4m3": module.SCALE_E4M3}[scale]
-    return code.value
 
 
 def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -60,22 +46,32 @@ def num_programs(device: torch.device, upper_bound_tiles: int, programs_per_sm: 
     return max(1, min(_sm_count(device) * programs_per_sm, upper_bound_tiles))
 
 
-def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
-    """The compile-time arguments of one launch (also used by the offline sm_90 compile test)."""
+@functools.cache
+def format_constexprs(f: Format, swizzled: bool, b_n_major: bool, interpret: bool) -> dict:
+    """The compile-time arguments that depend on the format and the operands' layouts: the kernel
+    module's codes (of the token pre-passes' kernels too: A_ELEM, A_SCALE), read once a build."""
     module = kernel_module(interpret)
-    f = p.fmt
+    elements = {E4M3: module.ELEM_E4M3, E2M1: module.ELEM_E2M1}
+    scales = {None: module.SCALE_NONE, "fp32": module.SCALE_FP32_BLOCK, "e8m0": module.SCALE_E8M0,
+              "e4m3": module.SCALE_E4M3}
     return dict(
-        A_ELEM=elem_code(f.a.element, module), B_ELEM=elem_code(f.b.element, module),
-        A_SCALE=scale_code(f.a.scale, module), B_SCALE=scale_code(f.b.scale, module), VEC=max(f.scale_vec, 1),
-        SWIZZLED=f.scaled and p.scale_layout.swizzled,
+        A_ELEM=elements.get(f.a.element, module.ELEM_BF16).value,
+        B_ELEM=elements.get(f.b.element, module.ELEM_BF16).value,
+        A_SCALE=scales[f.a.scale].value, B_SCALE=scales[f.b.scale].value, VEC=max(f.scale_vec, 1),
+        SWIZZLED=swizzled,
         # The CPU interpreter's bf16 dot multiplies raw bits: it gets fp32 operands, which hold
         # the same (exactly decoded) values.
         DOT_DTYPE=module.tl.float32 if interpret else module.tl.bfloat16,
         DOT_PRECISION="ieee",
         INTERPRETED=interpret,
-        B_N_MAJOR=p.b_n_major,  # (bf16 weights read in place as the transpose of [E, K, N])
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        B_N_MAJOR=b_n_major,  # (bf16 weights read in place as the transpose of [E, K, N])
     )
+
+
+def kernel_constexprs(p: GroupedProblem, cfg, interpret: bool) -> dict:
+    """The compile-time arguments of one launch (also used by the offline sm_90 compile test)."""
+    codes = format_constexprs(p.fmt, p.fmt.scaled and p.scale_layout.swizzled, p.b_n_major, interpret)
+    return dict(codes, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,9 +112,10 @@ def plan(p: GroupedProblem, device: torch.device, *, expert_scales: bool, row_sc
     a_scale_offsets say which of those the calls give; scale_blocks: the first dimension of A's
     scales (their 128-row blocks where swizzled)."""
     interpret = device.type == "cpu"
+    swizzled = p.fmt.scaled and p.scale_layout.swizzled
+    codes = format_constexprs(p.fmt, swizzled, p.b_n_major, interpret)
     cfg = portable_config(p.fmt, p.n, p.k, device.type)
-    constexprs = kernel_constexprs(p, cfg, interpret)
-    a_swizzled = constexprs["SWIZZLED"] and p.fmt.a_scaled  # (weight-only: the weights' scales only)
+    a_swizzled = swizzled and p.fmt.a_scaled  # (weight-only: the weights' scales only)
     num_kb = p.num_k_scales
     # Valid tiles <= sum_g ceil(tokens_g / BLOCK_M) * n_tiles <= (ceil(M / BLOCK_M) + G) * n_tiles.
     upper_tiles = (math.ceil(p.m / cfg.block_m) + p.num_groups) * math.ceil(p.n / cfg.block_n)
@@ -127,6 +124,6 @@ def plan(p: GroupedProblem, device: torch.device, *, expert_scales: bool, row_sc
            scale_blocks if a_swizzled else 0, interpret)
     scalars = (p.m, p.n, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
                scale_blocks * 128 if a_swizzled else p.m)
-    kwargs = dict(HAS_EXPERT_SCALES=expert_scales, HAS_ROW_SCALES=row_scales, **constexprs,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kwargs = dict(HAS_EXPERT_SCALES=expert_scales, HAS_ROW_SCALES=row_scales, **codes, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return PortablePlan(p, interpret, key, grid, scalars, kwargs, a_swizzled)

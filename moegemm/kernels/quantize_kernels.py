@@ -1,7 +1,7 @@
-"""Host side of the row quantizer kernels (_activation_tl.py): compiled for CUDA tensors, Triton's
-interpreter for CPU tensors.
+"""Host side of the row quantizer kernels (_activation_tl.py; the tokens' amax, _amax_tl.py):
+compiled for CUDA tensors, Triton's interpreter for CPU tensors.
 
-    quantize_rows(x, fmt, ...)   one launch of activation_quantize_kernel (a gather, a scatter or a
+    quantize_rows(x, f, ...)     one launch of activation_quantize_kernel (a gather, a scatter or a
                                  SwiGLU in front of the quantizer) into fresh storage of fmt's A
                                  operand or of a token form; the scatter form's scales then moved
                                  by kb_major_scales_kernel
@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 
 from .. import layouts
-from ..formats import E2M1, E4M3, get_format
+from ..formats import E2M1, E4M3, Format
 from ..quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
 from ..token_forms import kb_major_columns
 from . import tl_source
 from .compiled_launch import launch
 
 _SOURCE = Path(__file__).with_name("_activation_tl.py")
+_AMAX_SOURCE = Path(__file__).with_name("_amax_tl.py")
 # Rows per program of the activation kernel on the GPU (x 128 output columns): 16, and 4 up to
 # 2048 rows, where more programs hide the latency (gpt-oss SwiGLU + MXFP4 at 256 rows: 9.7 ->
 # 8.4 us; 4 rows 3.6 -> 2.8 us; H100).
@@ -50,14 +51,20 @@ def kernel_module(interpret: bool):
     return tl_source.load(_SOURCE, interpret)
 
 
+@functools.cache
+def amax_module(interpret: bool):
+    """_amax_tl.py (absolute_max_bits_kernel) compiled or for the CPU interpreter."""
+    return tl_source.load(_AMAX_SOURCE, interpret)
+
+
 def kernel_usable(device: torch.device) -> bool:
     """Whether the kernels run on `device`: compiled on CUDA, interpreted on the CPU where usable."""
     return device.type == "cuda" or (device.type == "cpu" and tl_source.interpreter_usable())
 
 
-def output_code(fmt_name: str, module) -> tuple[int, int, int]:
-    """(OUT code, scale block VEC, scale blocks per program NB) of fmt's A operand."""
-    op = get_format(fmt_name).a
+def output_code(f: Format, module) -> tuple[int, int, int]:
+    """(OUT code, scale block VEC, scale blocks per program NB) of format f's A operand."""
+    op = f.a
     if op.scale is None:
         return module.OUT_BF16.value, 32, 4
     if op.scale == "fp32":
@@ -69,15 +76,14 @@ def output_code(fmt_name: str, module) -> tuple[int, int, int]:
     return module.OUT_E2M1_E4M3.value, op.block_k, 8
 
 
-def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
+def quantize_rows(x, f: Format, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
                   scale_layout, num_scale_blocks, global_scale, alpha, limit, topk: int = 0) -> QuantizedTensor:
-    """One launch of the activation kernel into fresh storage of fmt's A operand in scale_layout
+    """One launch of the activation kernel into fresh storage of format f's A operand in scale_layout
     (a ScaleLayout: PLAIN, SWIZZLED, or a TokenForm); the token quantizers have checked the
     arguments."""
     device = x.device
     module = kernel_module(device.type != "cuda")
-    out_code, vec, nb = output_code(fmt_name, module)
-    f = get_format(fmt_name)
+    out_code, vec, nb = output_code(f, module)
     op = f.a
     form = scale_layout.form
     swizzled = scale_layout.swizzled and op.scale is not None
@@ -90,7 +96,7 @@ def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_of
     nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
     form_code, m_pad = 0, 0
     if form is None:
-        data, scales, num_scale_rows = allocate_a_operand(f.name, rows, k_out, swizzled, num_scale_blocks,
+        data, scales, num_scale_rows = allocate_a_operand(f, rows, k_out, swizzled, num_scale_blocks,
                                                           num_groups, device)
     else:
         # (the form's scale columns follow a_offsets; its formats have no global scale)
@@ -147,13 +153,13 @@ def quantize_rows(x, fmt_name, *, rows, src_rows, act, concat, k_out, bias, a_of
         if form.kind == "e4m3":
             data = data.view(torch.float8_e4m3fn)
         return QuantizedTensor(data, scales, f.name, "a", form, None, a_offsets)
-    return as_quantized(f.name, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
+    return as_quantized(f, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
 
 
 def tokens_amax_bits(x: torch.Tensor) -> torch.Tensor:
     """amax(|x|) of the tokens x [R, K] as fp32 bits (int32 [1]; a NaN wins): one pass of
     absolute_max_bits_kernel, no copy of x."""
-    module = kernel_module(x.device.type != "cuda")
+    module = amax_module(x.device.type != "cuda")
     bits = torch.zeros(1, dtype=torch.int32, device=x.device)
     rows, k = x.shape
     grid = (math.ceil(rows / AMAX_ROWS), math.ceil(k / AMAX_COLUMNS))

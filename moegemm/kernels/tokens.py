@@ -24,7 +24,7 @@ from .. import layouts
 from ..problem import GroupedProblem
 from ..token_forms import kb_major_columns
 from .compiled_launch import launch
-from .portable import as_bytes, elem_code, kernel_module, num_programs, scale_code
+from .portable import as_bytes, format_constexprs, kernel_module, num_programs
 
 __all__ = ["TokenPass", "plan_tokens", "dequantize_rows", "decode_row_scales", "token_prepass", "e2m1_to_e4m3",
            "even_odd_k"]
@@ -129,11 +129,11 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
         parts = 0
         if p.num_groups and p.m:
             parts = max(1, min(math.ceil(p.m / block_m), math.ceil(4 * num_programs(device, 1 << 30, 1) / p.num_groups)))
-        module = kernel_module(interpret)
+        codes = format_constexprs(f, swizzled, False, interpret)
         num_kb = p.num_k_scales
         scalars = (p.m, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
                    scale_blocks * 128 if swizzled else p.m)
-        consts = dict(A_ELEM=elem_code(f.a.element, module), SCALE=scale_code(f.a.scale, module), VEC=f.scale_vec,
+        consts = dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"], VEC=f.scale_vec,
                       SWIZZLED=swizzled, INTERPRETED=interpret, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
         return TokenPass(kind, p, interpret, (p.key, scale_blocks, interpret), (p.num_groups, parts), scalars, consts)
     rows = _RowScalesPlan.of(p, scale_blocks, device, pad_stages, kb_major, stage_blocks, column_block)

@@ -34,12 +34,11 @@ from .. import config, distributed, layouts, token_quantizers
 from ..compile_boundary import traced_as
 from ..formats import get_format
 from ..gate_up import check_activation
-from ..ops import grouped_matmul, grouped_matmul_swiglu
 from ..quantized_tensor import QuantizedTensor
 from ..routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
 from ..validation import check_no_grad
 from . import parallel
-from .plan import plan_layer
+from .plan import call_facts, plan_layer
 
 __all__ = ["moe_forward", "moe_forward_local", "moe_forward_received"]
 
@@ -198,6 +197,7 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     layout = w_gate_up.layout if w_gate_up.scales is not None else layouts.PLAIN  # the tokens follow the weights
     num_experts = w_gate_up.data.shape[0]
     routing = route(topk_ids, num_experts, topk_weights)
+    row_slot = row_experts(routing)  # (the slot of each grouped row, for the gather's stores)
     bound = routing.scale_blocks_bound
     # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
     aso = routing.a_scale_offsets if layout.swizzled and get_format(fmt).a_scaled else None
@@ -213,23 +213,24 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     # Where both products run on the sm90 block-format kernels, the gather and the activation
     # write the tokens in the form the next kernel reads (token_forms.py): no pre-pass.
     if given:
-        a = _place_tokens(x, routing, layout, aso, bound)
+        a = _place_tokens(x, routing, row_slot, layout, aso, bound)
     else:
-        a = token_quantizers.scatter_quantize(x, fmt, routing.grouped_row, row_experts(routing), a_offsets=routing.a_offsets,
+        a = token_quantizers.scatter_quantize(x, fmt, routing.grouped_row, row_slot, a_offsets=routing.a_offsets,
                                  a_scale_offsets=aso, scale_layout=plan.up_form or layout, num_scale_blocks=bound,
                                  global_scale=input_global_scale)
-    mid = grouped_matmul_swiglu(
-        a, w_gate_up, None, None, routing.a_offsets, routing.expert_ids, fmt=fmt, out_fmt=fmt, activation=activation,
-        a_scale_offsets=aso, expert_scales=gate_up_scales, bias=gate_up_bias, scale_layout=layout,
-        out_scale_layout=plan.down_form or layout, num_scale_blocks=bound, out_global_scale=intermediate_global_scale,
-        alpha=alpha, limit=limit, fused=plan.fused, backend=backend, gate_up_layout=gate_up_layout)
-    grouped_matmul(mid, w_down, None, None, routing.a_offsets, routing.expert_ids, fmt=fmt, a_scale_offsets=aso,
-                   expert_scales=down_scales, scale_layout=layout, backend=backend, out=c)
+    facts = call_facts(w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data, w_down.scales,
+                       w_down.global_scale, gate_up_scales, down_scales,
+                       *((x.data, x.scales, x.global_scale) if given else ()))
+    plan.run_products(a, w_gate_up, w_down, routing.a_offsets, routing.expert_ids, c, facts=facts, fmt=fmt,
+                      scale_layout=layout, backend=backend, gate_up_layout=gate_up_layout, activation=activation,
+                      gate_up_bias=gate_up_bias, gate_up_scales=gate_up_scales, down_scales=down_scales,
+                      a_scale_offsets=aso, num_scale_blocks=bound, intermediate_global_scale=intermediate_global_scale,
+                      alpha=alpha, limit=limit)
     return unpermute_tokens(c, routing, topk_weights, out_dtype=out_dtype, expert_bias=down_bias)
 
 
-def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: layouts.ScaleLayout, a_scale_offsets,
-                  bound: int):
+def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, row_slot: torch.Tensor, layout: layouts.ScaleLayout,
+                  a_scale_offsets, bound: int):
     """Tokens already in the plain A operand -> the grouped rows of the routing, in `layout` (the
     byte moves of scatter_quantize without its quantization: the same operand; rows of dropped
     choices unwritten, as there)."""
@@ -237,7 +238,7 @@ def _place_tokens(tokens: QuantizedTensor, routing: RoutingPlan, layout: layouts
     scales = None if tokens.scales is None else scatter_tokens(tokens.scales, routing)
     if scales is None or not layout.swizzled:
         return QuantizedTensor(data, scales, tokens.fmt, "a", layouts.PLAIN, tokens.global_scale)
-    scales = layouts.place_a_scales(scales, row_experts(routing), routing.a_offsets, a_scale_offsets, bound)
+    scales = layouts.place_a_scales(scales, row_slot, routing.a_offsets, a_scale_offsets, bound)
     return QuantizedTensor(data, scales, tokens.fmt, "a", layouts.SWIZZLED, tokens.global_scale, routing.a_offsets,
                            a_scale_offsets)
 

@@ -6,28 +6,83 @@ options) and cached, then passed down to the steps (forward.py).
     plan.up_form      the gate/up product's A, written by the gather in this token form (or None)
     plan.down_form    the down product's A, written by the gate/up step in this token form (or None)
     plan.fused        whether the gate/up step asks for the fused SwiGLU epilogue
+    plan.run_products(a, ...)  the two products through their plans (plan.Plan), built once for
+                      the call's own tensors (call_facts) by plan.build_plan, which validates them
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 
+from ..config import choice_context
 from ..formats import get_format
 from ..fused import fused_pays, fused_supports
-from ..ops import resolve_backend
-from ..problem import GroupedProblem
+from ..plan import SwigluOutput, build_plan, resolve_backend
+from ..problem import GroupedProblem, operands_of
 from ..token_forms import TokenForm, token_form
 
-__all__ = ["LayerPlan", "plan_layer"]
+__all__ = ["LayerPlan", "call_facts", "plan_layer"]
+
+# The product plans a layer plan keeps (distinct weights and expert scales of its shapes: few).
+_PRODUCTS_MAX = 64
 
 
-class LayerPlan(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class LayerPlan:
     up_form: TokenForm | None  # the gate/up product's A, written by the gather in this form
     down_form: TokenForm | None  # the down product's A, written by the gate/up step in this form
     fused: bool  # the gate/up step asks for the fused SwiGLU epilogue
+    # (product, call_facts) -> its plan.Plan (plan.build_plan on a call's operands, which validates
+    # them), built at the first call of those facts, run directly after
+    products: dict = field(default_factory=dict, repr=False)
+
+    def run_products(self, a, w_gate_up, w_down, a_offsets, expert_ids, out, *, facts, fmt, scale_layout, backend,
+                     gate_up_layout, activation, gate_up_bias, gate_up_scales, down_scales, a_scale_offsets,
+                     num_scale_blocks, intermediate_global_scale, alpha, limit) -> torch.Tensor:
+        """The layer's two products on its grouped tokens a (in up_form where given): gate/up and
+        SwiGLU into the down product's A (down_form where given), then the down product into
+        `out`, each through its plan (built once for the call's facts, then run directly). Returns out."""
+        up_operands = operands_of(a, w_gate_up, None, None, a_offsets, fmt=fmt, scale_layout=scale_layout,
+                                  expert_scales=gate_up_scales, a_scale_offsets=a_scale_offsets)
+        up = self.products.get(("gate_up", facts))
+        if up is None:
+            up = build_plan(up_operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16,
+                            backend=backend, swiglu=SwigluOutput(fmt, self.down_form, gate_up_layout, self.fused))
+            if facts is not None and len(self.products) < _PRODUCTS_MAX:
+                self.products["gate_up", facts] = up
+        mid = up.run_swiglu(up_operands, a_offsets, expert_ids, gate_up_bias, out_fmt=fmt, activation=activation,
+                            gate_up_layout=gate_up_layout, out_scale_layout=self.down_form or scale_layout,
+                            num_scale_blocks=num_scale_blocks, out_global_scale=intermediate_global_scale,
+                            alpha=alpha, limit=limit)
+        down_operands = operands_of(mid, w_down, None, None, a_offsets, fmt=fmt, scale_layout=scale_layout,
+                                    expert_scales=down_scales, a_scale_offsets=a_scale_offsets)
+        down = self.products.get(("down", facts))
+        if down is None:
+            down = build_plan(down_operands, a_offsets, expert_ids, None, out, fmt=fmt, out_dtype=torch.bfloat16,
+                              backend=backend)
+            if facts is not None and len(self.products) < _PRODUCTS_MAX:
+                self.products["down", facts] = down
+        return down.run(down_operands, a_offsets, expert_ids, None, out)
+
+
+def call_facts(*tensors) -> tuple | None:
+    """What the products' plans depend on beyond the layer plan's key: the shapes, dtypes,
+    devices and strides of the tensors the caller gives (weights, their scales and global scales,
+    expert scales, received tokens; None where absent) and the config choice's context. None
+    where nothing may be kept: a forced config (config.choice_context), or an argument that is
+    not a tensor (build_plan's validation names it)."""
+    context = choice_context()
+    if context is None:
+        return None
+    facts = [context]
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
+        facts.append(None if t is None else (t.shape, t.dtype, t.device, t.stride()))
+    return tuple(facts)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -46,19 +101,19 @@ def plan_layer(fmt: str, layout: str, rows: int, groups: int, hidden: int, two_i
     arrive as the format's operand (expert parallelism), placed as they are: no form of their own.
     up_prepacked, down_prepacked: the weights' order (mxfp4 and w4a8 run another kernel at decode
     on prepacked weights, with another token form)."""
+    fused = fused and fused_pays(fmt, two_i, hidden, tokens_per_expert, up_prepacked)
     f = get_format(fmt)
-    fused = fused and fused_pays(fmt, two_i, hidden, tokens_per_expert, up_prepacked) and (
-        static_intermediate or not f.a.global_scale)
+    fused = fused and (static_intermediate or not f.a.global_scale)
     up = GroupedProblem(f, rows, two_i, hidden, num_experts, groups, layout, torch.bfloat16, up_prepacked)
     down = GroupedProblem(f, rows, hidden, two_i // 2, num_experts, groups, layout, torch.bfloat16, down_prepacked)
     if gate_up_layout != "interleaved" or rows == 0 or groups == 0:
         return LayerPlan(None, None, fused)
     if resolve_backend(backend, up, device) != "sm90" or resolve_backend(backend, down, device) != "sm90":
         return LayerPlan(None, None, fused)
-    up_form = None if tokens_given else token_form(fmt, up.n, up.k, rows, groups, up_prepacked)
+    up_form = None if tokens_given else token_form(f, up.n, up.k, rows, groups, up_prepacked)
     if up_form is None and not tokens_given:
         return LayerPlan(None, None, fused)
-    down_form = token_form(fmt, down.n, down.k, rows, groups, down_prepacked)
+    down_form = token_form(f, down.n, down.k, rows, groups, down_prepacked)
     if down_form is not None and down_form.kind != "bf16" and fused and fused_supports(up, fmt):
         down_form = None
     return LayerPlan(up_form, down_form, fused)
