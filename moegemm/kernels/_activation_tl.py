@@ -95,7 +95,9 @@ def _magnitudes_fast(y, denom):
     steps round as they do on the scaled operands), so it is RN(|y| / d) bit for bit; smaller
     ones stay below 2^-10."""
     f = tl.where(denom < 5.421010862427522e-20, 18446744073709551616.0, 1.0)  # (2^-64, 2^64)
-    d = denom * f
+    # A denom that is not > 0 (zero, or NaN: nvfp4's NaN scale times its global) quotients +0 as
+    # the reference's where does: d = 1 and r = 0 there, so that no NaN reaches the steps.
+    d = tl.where(denom > 0, denom * f, 1.0)
     r0 = _reciprocal_approx(d)
     r = tl.where(denom > 0, tl.fma(r0, tl.fma(-d, r0, 1.0), r0), 0.0)[:, :, None]  # (0: +0 quotients)
     a = tl.abs(y) * f[:, :, None]
