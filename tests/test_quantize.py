@@ -444,7 +444,10 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
 # Instructions an element moegemm.quantize's kernel may issue on its fast path (sm_90 SASS): an
 # H100 issues ~25e12 a second at best, so 28 keep 0.9e12 elements a second, the e2m1 formats'
 # 70% of the copy bandwidth (2.5 bytes an element); the kernels were 25-57 before it was set.
+# nvfp4 divides each element (its e4m3 scale times the global is no power of two, and one
+# reciprocal a block differed from the reference on the GPU): 31.
 QUANTIZE_SASS_BUDGET = 28
+NVFP4_SASS_BUDGET = 31
 
 
 def test_quantize_kernels_fit_their_instruction_budget():
@@ -460,7 +463,8 @@ def test_quantize_kernels_fit_their_instruction_budget():
     rows = quantize_sass.table(4096, 7168, 8, only=heaviest)
     assert {(r["fmt"], r["layout"].split(" (")[0]) for r in rows} == heaviest and len(rows) == 5
     for r in rows:
-        assert r["spills"] == 0 and r["per_element"] <= QUANTIZE_SASS_BUDGET, r
+        budget = NVFP4_SASS_BUDGET if r["fmt"] == "nvfp4" else QUANTIZE_SASS_BUDGET
+        assert r["spills"] == 0 and r["per_element"] <= budget, r
 
 
 @needs_interpreter
