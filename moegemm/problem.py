@@ -14,7 +14,7 @@ import torch
 
 from .formats import Format, get_format
 from .layouts import PLAIN, ScaleLayout, scale_layout_of
-from .quantize import QuantizedTensor
+from .quantize import QuantizedTensor, check_scale_layout
 from .token_forms import TokenForm
 
 __all__ = ["GroupedProblem", "Operands", "operands_of"]
@@ -22,7 +22,8 @@ __all__ = ["GroupedProblem", "Operands", "operands_of"]
 
 @dataclass(frozen=True)
 class GroupedProblem:
-    """The validated sizes of one grouped matmul call (scale_layout: a ScaleLayout, or its name)."""
+    """The validated sizes of one grouped matmul call (scale_layout: a ScaleLayout, or its name;
+    one the format has, else ValueError naming scale_layout)."""
 
     fmt: Format
     m: int
@@ -36,7 +37,7 @@ class GroupedProblem:
     b_n_major: bool = False  # b [E, N, K] is the transpose(1, 2) of a contiguous [E, K, N] (bf16 only)
 
     def __post_init__(self):
-        object.__setattr__(self, "scale_layout", scale_layout_of(self.scale_layout, forms=False))
+        object.__setattr__(self, "scale_layout", check_scale_layout(self.fmt, self.scale_layout))
 
     @property
     def num_k_scales(self) -> int:

@@ -19,7 +19,6 @@ from .debug import values_checked
 from .formats import Format
 from .prepack import check_prepackable
 from .problem import GroupedProblem
-from .quantize import check_scale_layout
 from .token_forms import TokenForm, kb_major_columns, token_form
 
 __all__ = ["validate_grouped_matmul", "validate_values", "check_no_grad", "readable_weights"]
@@ -89,7 +88,6 @@ def validate_grouped_matmul(
     reads. b_prepacked: b holds its codes in moegemm.prepack's order. The checks that read
     tensor values are validate_values' (a plan's run calls it; it checks where debug.values_checked says)."""
     f = fmt
-    scale_layout = check_scale_layout(f, scale_layout)
 
     a = _tensor(a, "a")
     device = a.device
