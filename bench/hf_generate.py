@@ -78,7 +78,8 @@ def _configs(cpu: bool) -> dict:
         "gpt-oss-20b": (lambda n: transformers.GptOssConfig(
             vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
             num_hidden_layers=n or 24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
-            layer_types=["sliding_attention", "full_attention"] * ((n or 24) // 2) + ["sliding_attention"] * ((n or 24) % 2)),
+            layer_types=(["sliding_attention", "full_attention"] * ((n or 24) // 2)
+                         + ["sliding_attention"] * ((n or 24) % 2))),
             ("bf16", "bf16_mxfp4")),
         "Qwen3-30B-A3B": (lambda n: transformers.Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
@@ -177,14 +178,14 @@ def run_model(name, config, formats, args, device, deadline, log) -> list[dict]:
                 model.set_experts_implementation(impl)
             if impl != "batched_mm":
                 with torch.no_grad():
-                    ms = _timed(lambda: model(prefill_ids, use_cache=False), device, args.reps)
+                    ms = _timed(lambda m=model: m(prefill_ids, use_cache=False), device, args.reps)
                 row.update(prefill_ms=round(ms, 2), prefill_tok_s=round(args.prefill / ms * 1e3, 1))
             for mode in args.modes:
                 static = mode == "compiled"
                 for batch in args.batches:
                     prompt = torch.randint(0, config.vocab_size, (batch, 16), device=device)
-                    ms = _timed(lambda: _generate(model, prompt, args.new_tokens, static), device, args.reps)
-                    first = _timed(lambda: _generate(model, prompt, 1, static), device, args.reps)
+                    ms = _timed(lambda m=model: _generate(m, prompt, args.new_tokens, static), device, args.reps)
+                    first = _timed(lambda m=model: _generate(m, prompt, 1, static), device, args.reps)
                     row[f"{mode}_b{batch}_tok_s"] = round(batch * args.new_tokens / ms * 1e3, 1)
                     row[f"{mode}_b{batch}_first_token_ms"] = round(first, 2)
         except Exception as error:  # noqa: BLE001  (recorded, the run goes on)
