@@ -110,8 +110,7 @@ class Plan:
             check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
                           b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
                           expert_scales=operands.expert_scales, row_scales=row_scales)
-        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
-                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+        self._check_values(operands, a_offsets, expert_ids)
         if out is None:
             out = torch.zeros(self.problem.m, self.problem.n, dtype=self.problem.out_dtype, device=operands.a.device)
         return self.launch(operands, a_offsets, expert_ids, row_scales, out)
@@ -123,8 +122,7 @@ class Plan:
         and token_quantizers.swiglu_quantize."""
         check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
                       b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
-        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
-                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+        self._check_values(operands, a_offsets, expert_ids)
         if self.fused:
             tokens = None if operands.a_form is None else KernelTokens(operands.a_form, operands.a, operands.a_scales)
             return launch_fused(
@@ -139,6 +137,11 @@ class Plan:
                                a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=operands.a_scale_offsets,
                                scale_layout=out_scale_layout, num_scale_blocks=num_scale_blocks,
                                global_scale=out_global_scale, alpha=alpha, limit=limit)
+
+    def _check_values(self, operands: Operands, a_offsets, expert_ids) -> None:
+        """The call's values against the problem, where debug.values_checked says."""
+        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
 
     def launch(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
         """Run the product into `out` (allocated). Prepacked weights are read as they are by the
@@ -236,7 +239,8 @@ def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fm
         raise ValueError(f"a: tokens in {operands.a_form} are read by the sm90 kernels only; this call runs on "
                          f"backend {chosen!r}")
     fused = (swiglu is not None and chosen == "sm90" and swiglu.fused and swiglu.gate_up_layout == "interleaved"
-             and (swiglu.out_form is None or swiglu.out_form.kind == "bf16") and fused_supports(problem, swiglu.out_fmt))
+             and (swiglu.out_form is None or swiglu.out_form.kind == "bf16")
+             and fused_supports(problem, swiglu.out_fmt))
     scale_blocks = operands.a_scales.shape[0] if operands.a_scales is not None else 0
     if chosen == "sm90":
         kernel = sm90.plan(problem, device, fused=fused, out_bytes=_out_bytes(problem, swiglu if fused else None),

@@ -20,7 +20,7 @@ import torch
 from ..config import choice_context
 from ..formats import get_format
 from ..fused import fused_pays, fused_supports
-from ..plan import SwigluOutput, build_plan, resolve_backend
+from ..plan import Plan, SwigluOutput, build_plan, resolve_backend
 from ..problem import GroupedProblem, operands_of
 from ..token_forms import TokenForm, token_form
 
@@ -39,6 +39,16 @@ class LayerPlan:
     # them), built at the first call of those facts, run directly after
     products: dict = field(default_factory=dict, repr=False)
 
+    def _product(self, name: str, facts, build) -> Plan:
+        """The plan of product `name` for the call's facts: kept from an earlier call, else built
+        (and kept where the facts are known, up to _PRODUCTS_MAX)."""
+        plan = self.products.get((name, facts))
+        if plan is None:
+            plan = build()
+            if facts is not None and len(self.products) < _PRODUCTS_MAX:
+                self.products[name, facts] = plan
+        return plan
+
     def run_products(self, a, w_gate_up, w_down, a_offsets, expert_ids, out, *, facts, fmt, scale_layout, backend,
                      gate_up_layout, activation, gate_up_bias, gate_up_scales, down_scales, a_scale_offsets,
                      num_scale_blocks, intermediate_global_scale, alpha, limit) -> torch.Tensor:
@@ -47,24 +57,17 @@ class LayerPlan:
         `out`, each through its plan (built once for the call's facts, then run directly). Returns out."""
         up_operands = operands_of(a, w_gate_up, None, None, a_offsets, fmt=fmt, scale_layout=scale_layout,
                                   expert_scales=gate_up_scales, a_scale_offsets=a_scale_offsets)
-        up = self.products.get(("gate_up", facts))
-        if up is None:
-            up = build_plan(up_operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16,
-                            backend=backend, swiglu=SwigluOutput(fmt, self.down_form, gate_up_layout, self.fused))
-            if facts is not None and len(self.products) < _PRODUCTS_MAX:
-                self.products["gate_up", facts] = up
+        up = self._product("gate_up", facts, lambda: build_plan(
+            up_operands, a_offsets, expert_ids, None, None, fmt=fmt, out_dtype=torch.bfloat16, backend=backend,
+            swiglu=SwigluOutput(fmt, self.down_form, gate_up_layout, self.fused)))
         mid = up.run_swiglu(up_operands, a_offsets, expert_ids, gate_up_bias, out_fmt=fmt, activation=activation,
                             gate_up_layout=gate_up_layout, out_scale_layout=self.down_form or scale_layout,
                             num_scale_blocks=num_scale_blocks, out_global_scale=intermediate_global_scale,
                             alpha=alpha, limit=limit)
         down_operands = operands_of(mid, w_down, None, None, a_offsets, fmt=fmt, scale_layout=scale_layout,
                                     expert_scales=down_scales, a_scale_offsets=a_scale_offsets)
-        down = self.products.get(("down", facts))
-        if down is None:
-            down = build_plan(down_operands, a_offsets, expert_ids, None, out, fmt=fmt, out_dtype=torch.bfloat16,
-                              backend=backend)
-            if facts is not None and len(self.products) < _PRODUCTS_MAX:
-                self.products["down", facts] = down
+        down = self._product("down", facts, lambda: build_plan(
+            down_operands, a_offsets, expert_ids, None, out, fmt=fmt, out_dtype=torch.bfloat16, backend=backend))
         return down.run(down_operands, a_offsets, expert_ids, None, out)
 
 
