@@ -212,13 +212,17 @@ def eager_us(fn, reps: int = 60) -> float:
 
 def decode_products() -> list[dict]:
     """grouped_matmul at a decode size (8 slots of one token, N=512, K=1024) in every format, QuantizedTensor
-    operands, beside torch._grouped_mm bf16 on the same groups: host_us and eager_us."""
+    operands, beside torch._grouped_mm bf16 on the same groups: host_us and eager_us, and the floor
+    under host_us: the call's launches through Triton (bare_us) and through the compiled launchers
+    alone (direct_us), and zeros_us, the zeroed output a fresh call starts from (launch_floors)."""
     device = torch.device("cuda")
     experts, n, k = 8, 512, 1024
     a_offsets = torch.arange(experts + 1, dtype=torch.int32, device=device)
     ids = torch.arange(experts, dtype=torch.int32, device=device)
     x, w = torch.randn(experts, k, device=device), torch.randn(experts, n, k, device=device) / 32
     rows = []
+    # (a fresh output is zeros: the floor of every call beside its launches)
+    zeros = round(host_us(lambda: torch.zeros(experts, n, dtype=torch.bfloat16, device=device)), 1)
     for fmt in moegemm.FORMATS:
         layout = "swizzled" if moegemm.get_format(fmt).swizzle_capable else "plain"
         if fmt == "bf16":
@@ -232,7 +236,7 @@ def decode_products() -> list[dict]:
             return moegemm.grouped_matmul(a, b, None, None, a_offsets, ids, fmt=fmt)
 
         rows.append(dict(what="grouped_matmul", fmt=fmt, slots=experts, n=n, k=k, host_us=round(host_us(call), 1),
-                         eager_us=round(eager_us(call), 1)))
+                         eager_us=round(eager_us(call), 1), **launch_floors(call), zeros_us=zeros))
     xb, wb = x.bfloat16(), w.bfloat16()
 
     def torch_grouped():

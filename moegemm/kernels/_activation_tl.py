@@ -217,8 +217,12 @@ def activation_quantize_kernel(
     kernel form the scales go as e8m0 bytes to scale_bytes [M, NUM_KB] (row-major), and
     kb_major_scales_kernel then writes out_scale from them; the operand form stores its scales
     itself, in either layout."""
-    pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    # Column tiles on the grid's first axis, so that the programs that run together read whole
+    # rows of x and write whole rows of the output and of its plain scales (a 32-byte sector of
+    # scales spans 8 column tiles), not one column stripe down all the rows. Row tiles on the
+    # second and third axes (65535 at most each).
+    pid_c = tl.program_id(0)
+    pid_m = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     if TOPK > 0:

@@ -38,6 +38,8 @@ CUDA_SMALL_BLOCK_M = 4
 # 11.1). Not the scatter form, latency-bound, whose programs take tokens (k rows each).
 CUDA_GATHER_BLOCK_M = 32
 CUDA_WARPS = 4
+# CUDA's limit on a grid's second and third dimensions.
+MAX_GRID_Y = 65535
 # Tile of absolute_max_bits_kernel (nvfp4's default global scale): rows x columns.
 AMAX_ROWS, AMAX_COLUMNS = 16, 1024
 # Tile of kb_major_scales_kernel (the scatter form's scale move): rows x scale blocks.
@@ -126,7 +128,8 @@ def quantize_rows(x, f: Format, *, rows, src_rows, act, concat, k_out, bias, a_o
         dummy = data
         block_m = cuda_block_m(rows, act == module.ACT_NONE.value and not topk) if device.type == "cuda" else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
-        grid = (math.ceil((x.shape[0] if topk else rows) / block_m), math.ceil(k_out / (nb * vec)))
+        row_tiles = math.ceil((x.shape[0] if topk else rows) / block_m)
+        grid = (math.ceil(k_out / (nb * vec)), min(row_tiles, MAX_GRID_Y), math.ceil(row_tiles / MAX_GRID_Y))
         sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
         consts = dict(
             ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
