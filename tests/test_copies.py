@@ -10,18 +10,18 @@ needs_interpreter = pytest.mark.skipif(not tl_source.interpreter_usable(),
 
 
 @needs_interpreter
-def test_copy_bytes_kernel_copies_each_pair_and_nothing_past_it():
-    """Three pairs of other sizes (one past a program's block, one empty) on the interpreter:
-    each destination gets its source's bytes and keeps every byte past them."""
+def test_copy_kernel_copies_each_pair_and_nothing_past_it():
+    """Three pairs of other dtypes and sizes (one past a program's block, one empty) on the
+    interpreter: each destination gets its source's elements and keeps every element past them."""
     module = tl_source.load(copies._SOURCE, True)
     sizes = (copies.BLOCK + 37, 5, 0)
-    srcs = [torch.randint(0, 256, (n + 64, ), dtype=torch.uint8) for n in sizes]
-    dsts = [torch.full((n + 64, ), 0xAB, dtype=torch.uint8) for n in sizes]
+    srcs = [torch.randn(sizes[0] + 64).bfloat16(), torch.randint(-9, 9, (sizes[1] + 64, )), torch.rand(sizes[2] + 64)]
+    dsts = [torch.full_like(s, 3) for s in srcs]
     args = [a for d, s, n in zip(dsts, srcs, sizes) for a in (d, s, n)]
-    module.copy_bytes_kernel[(-(-max(sizes) // copies.BLOCK), )](*args, BLOCK=copies.BLOCK)
+    module.copy_kernel[(-(-max(sizes) // copies.BLOCK), )](*args, BLOCK=copies.BLOCK)
     for d, s, n in zip(dsts, srcs, sizes):
         assert torch.equal(d[:n], s[:n])
-        assert bool((d[n:] == 0xAB).all())
+        assert bool((d[n:] == 3).all())
 
 
 def test_copy_into_on_the_cpu_is_copy_():

@@ -2,9 +2,10 @@
 
 A CUDA graph replayed at decode sizes takes its inputs by copy (graphed.py): three copy_ calls
 are three cudaMemcpyAsync of about 11 us of host time each (torch's dispatch included, one H100
-host), a launch of copy_bytes_kernel through its compiled launcher about 6. Pairs of one dtype
-and shape, both contiguous, up to three a launch; anything else (other strides, the CPU) goes
-through copy_.
+host), a launch of copy_kernel through its compiled launcher about 6. The tensors are passed as
+they are (the kernel is specialized for their dtypes): no view is made, each costs host time
+too. Pairs of one dtype and shape, both contiguous CUDA tensors, up to three a launch; anything
+else goes through copy_.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from . import tl_source
 from .compiled_launch import launch
 
 _SOURCE = Path(__file__).with_name("_copy_tl.py")
-BLOCK = 4096  # bytes a program copies of each pair
+BLOCK = 2048  # elements a program copies of each pair
 PAIRS = 3  # pairs a launch copies
 
 
@@ -28,27 +29,32 @@ def _module():
     return tl_source.load(_SOURCE, False)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+def _launchable(d: torch.Tensor, s: torch.Tensor) -> bool:
+    return (d.is_cuda and s.is_cuda and d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous()
+            and s.is_contiguous() and d.numel() > 0)
 
 
 def copy_into(dsts, srcs) -> None:
-    """dst.copy_(src) for each pair of dsts and srcs (same lengths)."""
-    fast = [(d, s) for d, s in zip(dsts, srcs)
-            if d.is_cuda and d.device == s.device and d.dtype == s.dtype and d.shape == s.shape
-            and d.is_contiguous() and s.is_contiguous() and d.numel()]
+    """dst.copy_(src) for each pair of dsts and srcs (same lengths; each pair on one device)."""
+    args, key, most = [], [], 0
     for d, s in zip(dsts, srcs):
-        if not any(d is f for f, _ in fast):
+        if not _launchable(d, s):
             d.copy_(s)
-    for start in range(0, len(fast), PAIRS):
-        pairs = fast[start:start + PAIRS]
-        args, sizes = [], []
-        for d, s in pairs:
-            n = d.numel() * d.element_size()
-            args += [_bytes(d), _bytes(s), n]
-            sizes.append(n)
-        while len(args) < 3 * PAIRS:  # (unused pairs: any pointers, nothing copied)
-            args += [args[0], args[1], 0]
-            sizes.append(0)
-        grid = (math.ceil(max(sizes) / BLOCK), )
-        launch(_module().copy_bytes_kernel, (*sizes, BLOCK), grid, tuple(args), {"BLOCK": BLOCK, "num_warps": 4})
+            continue
+        n = d.numel()
+        args += [d, s, n]
+        key += [d.dtype, n]
+        most = max(most, n)
+        if len(args) == 3 * PAIRS:
+            _launch(args, key, most)
+            args, key, most = [], [], 0
+    if args:
+        _launch(args, key, most)
+
+
+def _launch(args: list, key: list, most: int) -> None:
+    while len(args) < 3 * PAIRS:  # (unused pairs: any pointers, nothing copied)
+        args += [args[0], args[1], 0]
+        key += [args[0].dtype, 0]
+    launch(_module().copy_kernel, (*key, BLOCK), (math.ceil(most / BLOCK), ), tuple(args),
+           {"BLOCK": BLOCK, "num_warps": 4})
