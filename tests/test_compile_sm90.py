@@ -79,10 +79,11 @@ SM90_CASES = [
 ]
 
 
-def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False):
+def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False, dynamic=True):
     """kernels/sm90/dense.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
     the specialization with expert and row scales (a call without them compiles another); n_major:
-    for N-major bf16 weights (their [1, block_k, weight_tile] boxes, launcher._weight_descriptor)."""
+    for N-major bf16 weights (their [1, block_k, weight_tile] boxes, launcher._weight_descriptor);
+    dynamic: the last rounds' tiles claimed (the launcher's choice where the config claims rounds)."""
     from moegemm.kernels.sm90 import dense
 
     dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
@@ -97,12 +98,10 @@ def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, 
                                                                                        "NUM_KB")},
         "epi": EPILOGUE_SIGNATURE,
     }
-    # (the last rounds' tiles claimed as programs free up: what the launcher picks whenever a
-    # program may get two)
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=fmt == "fp8_block",
                       HAS_EXPERT_SCALES=with_scales, HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs,
-                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=True)
+                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=dynamic, SCALE_RING=cfg.scale_ring)
     return offline.gluon_compile_for_sm90(dense.dense_kernel, signature, constexprs, {"num_warps": 4},
                                           aligned=("out_ptr", "N"))
 
