@@ -31,8 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from .pipeline import (WG_ROWS, Output, Producer, Ring, Schedule, StageScales, n_major, optional, produce,
-                       producer_registers, walk)
+from .pipeline import (SCALE_COPY_LANES, WG_ROWS, Output, Producer, Ring, Schedule, StageScales, n_major, optional,
+                       produce, producer_registers, walk)
 from .swiglu import Swiglu
 
 
@@ -344,7 +344,7 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
         scales = StageScales.create(a_scale_ptr, b_scale_ptr, NUM_KB, STAGES, TOK_TILE)
     else:
         scales = None
-    ring = Ring.create(STAGES, 2)
+    ring = Ring.create(STAGES, 2, SCALE_COPY_LANES if SCALE_RING else 0)
     sched = Schedule.create(a_offsets_ptr, expert_ids_ptr, M, N, E, G, tile_counter_ptr, claim_rounds, TOK_TILE,
                             W_TILE, GROUP_M, 2, DYNAMIC=DYNAMIC)
     out = Output(out_ptr, expert_scales_ptr, row_scales_ptr, HAS_EXPERT_SCALES, HAS_ROW_SCALES)

@@ -14,9 +14,10 @@ A kernel of the family is a persistent, warp-specialized Gluon kernel, one CTA p
 Barriers (shared-memory mbarriers):
 
     barrier        count            arrives                               bytes (tx)          phase of use n
-    ready[s]       1                producer: expect(stage bytes), then   the stage's TMA     consumers wait
-                                    TMA completion (StageScales: each     boxes               (n // STAGES) & 1
-                                    lane's cp.async copies first)
+    ready[s]       1 (+32 with      producer: expect(stage bytes), then   the stage's TMA     consumers wait
+                   StageScales)     TMA completion; StageScales: each     boxes               (n // STAGES) & 1
+                                    producer lane once its cp.async
+                                    copies of the stage have landed
     empty[s]       consumer         each consumer warpgroup once its      -                   producer waits
                    warpgroups       wgmmas reading stage s retired                            ((n // STAGES) & 1) ^ 1
     id_ready[i]    1                producer, after storing tile id i%2   -                   (i // 2) & 1
@@ -65,6 +66,7 @@ OPTIONAL_SMEM = (gl.shared_memory_descriptor, gl.constexpr)
 
 WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma
 SLOT_CHUNK = gl.constexpr(31)  # slots a chunked slot walk loads at once (Schedule.slot_chunk)
+SCALE_COPY_LANES = gl.constexpr(32)  # lanes of the producer's warp, each an arrival on ready[s] with StageScales
 
 
 @gluon.constexpr_function
@@ -110,13 +112,14 @@ class Ring:
         self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
-    def create(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    def create(STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COPY_LANES: gl.constexpr = 0):
         """Allocate and initialize the barriers (after the stage buffers: the allocation order
-        fixes the shared-memory offsets)."""
+        fixes the shared-memory offsets). COPY_LANES: producer lanes that also arrive on ready[s]
+        once their cp.async copies of the stage have landed (StageScales)."""
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=1 + COPY_LANES)
             mbarrier.init(empty.index(i), count=CONSUMERS)
         return Ring(ready, empty, STAGES)
 
@@ -445,12 +448,14 @@ class StageScales:
 
     @gluon.jit
     def copy(self, stage, ready, pointers, kk):
-        """Copy K block kk's scales into the stage; `ready` completes only once they have landed
-        (the producer calls this before arming it: each lane's copies add a pending arrival)."""
+        """Copy K block kk's scales into the stage: every lane arrives on `ready` once its copies
+        have landed (ready counts SCALE_COPY_LANES such arrivals beside the producer's expect:
+        Ring.create)."""
+        gl.static_assert(gl.num_warps() * 32 == SCALE_COPY_LANES, "the producer's one warp copies the scales")
         tok_ptrs, tok_ok, w_ptrs, w_ok = pointers
         async_copy.async_copy_global_to_shared(self.tok_bufs.index(stage), tok_ptrs + kk, mask=tok_ok)
         async_copy.async_copy_global_to_shared(self.w_bufs.index(stage), w_ptrs + kk, mask=w_ok)
-        async_copy.mbarrier_arrive(ready)
+        async_copy.mbarrier_arrive(ready, increment_count=False)
 
 
 @aggregate
@@ -568,7 +573,7 @@ class Producer:
         for kk in range(k_steps):
             stage = ring.wait_empty(it)
             ready = ring.ready.index(stage)
-            if self.scales is not None:  # (before the barrier is armed: it waits for them)
+            if self.scales is not None:
                 self.scales.copy(stage, ready, scale_pointers, kk)
             if self.tail_desc is not None:
                 if has_tail:
