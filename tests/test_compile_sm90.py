@@ -177,8 +177,8 @@ def test_scale_ring_config_rules():
     cfg.check(fp8)
     plain = dataclasses.replace(cfg, scale_ring=False)
     assert cfg.smem_bytes(fp8) == plain.smem_bytes(fp8) + 3 * (128 + 2) * 4
-    for bad, f in ((dict(swap=True, block_n=32), fp8), (dict(split_n=True, block_n=128), fp8),
-                   (dict(block_k=64), FORMATS["bf16"])):
+    for bad, f in (({"swap": True, "block_n": 32}, fp8), ({"split_n": True, "block_n": 128}, fp8),
+                   ({"block_k": 64}, FORMATS["bf16"])):
         with pytest.raises(ValueError, match="scale_ring"):
             dataclasses.replace(cfg, **bad).check(f)
 

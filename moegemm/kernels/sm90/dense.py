@@ -31,8 +31,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from .pipeline import (SCALE_COPY_LANES, WG_ROWS, Output, Producer, Ring, Schedule, StageScales, n_major, optional,
-                       produce, producer_registers, walk)
+from .pipeline import (
+    SCALE_COPY_LANES,
+    WG_ROWS,
+    Output,
+    Producer,
+    Ring,
+    Schedule,
+    StageScales,
+    n_major,
+    optional,
+    produce,
+    producer_registers,
+    walk,
+)
 from .swiglu import Swiglu
 
 
