@@ -16,7 +16,8 @@ SHAPES = {"gptoss-up": (5760, 2880), "gptoss-down": (2880, 2880), "dsv3-up": (40
           "n5760-k5760": (5760, 5760), "n11520-k2880": (11520, 2880), "n5760-k1408": (5760, 1408),
           "n2816-k2880": (2816, 2880), "n128-k256": (128, 256), "n128-k2880": (128, 2880),
           # fp8_block prefill against DeepGEMM (moegemm.benchmark_rows.TARGET_SHAPES)
-          "n6144-k7168": (6144, 7168)}
+          "n6144-k7168": (6144, 7168), "n7168-k3072": (7168, 3072), "n4096-k4096": (4096, 4096),
+          "n4096-k2048": (4096, 2048)}
 
 
 def poisson_sizes(groups: int, mean: float, seed: int) -> list[int]:
@@ -182,6 +183,14 @@ def group_m_variants(fmt, n, k, sizes):
     return {f"group_m-{g}": replace(base, group_m=g) for g in (base.group_m, 8, 16, 32)}
 
 
+def scale_ring_variants(fmt, n, k, sizes):
+    """fp8_block's 128 x 256 prefill tiles with the scales staged in the ring by the producer (the
+    default) or loaded by the consumers in the K loop (the previous loop, 232 registers a consumer,
+    its ring as deep as shared memory allows): the same bits."""
+    base = default_config(fmt, n, k, sizes)
+    return {"scale-ring": base, "loaded-scales": _deepest(replace(base, scale_ring=False, consumer_regs=232), fmt)}
+
+
 def _fixed(sizes):
     return lambda: list(sizes)
 
@@ -276,6 +285,16 @@ KERNEL_PLANS = {
     "fp8-block-prefill": ("fp8_block prefill on the largest DeepGEMM target shape (for two revisions)", [
         ("fp8_block", "n6144-k7168", _poisson(4, 8192, 41), library_variant),
         ("fp8_block", "n6144-k7168", _poisson(8, 4096, 42), library_variant),
+    ]),
+    "fp8-block-kloop": ("fp8_block prefill's K loop: scales staged in the ring or loaded (the eight prefill shapes)", [
+        ("fp8_block", "n6144-k7168", _poisson(4, 8192, 41), scale_ring_variants),
+        ("fp8_block", "n6144-k7168", _poisson(8, 4096, 42), scale_ring_variants),
+        ("fp8_block", "n7168-k3072", _poisson(4, 8192, 51), scale_ring_variants),
+        ("fp8_block", "n7168-k3072", _poisson(8, 4096, 52), scale_ring_variants),
+        ("fp8_block", "n4096-k4096", _poisson(4, 8192, 53), scale_ring_variants),
+        ("fp8_block", "n4096-k4096", _poisson(8, 4096, 54), scale_ring_variants),
+        ("fp8_block", "n4096-k2048", _poisson(4, 8192, 55), scale_ring_variants),
+        ("fp8_block", "n4096-k2048", _poisson(8, 4096, 56), scale_ring_variants),
     ]),
     "tile-order": ("prefill tiles in bands of 4 to 32 token blocks (L2 reuse of the weights)", [
         ("fp8_block", "n6144-k7168", _poisson(4, 8192, 41), group_m_variants),

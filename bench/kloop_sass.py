@@ -3,8 +3,9 @@ CPU: which instructions each spends on the same tensor-core work.
 
     python bench/kloop_sass.py [--groups 4 --rows 8192 --n 6144 --k 7168] [--out FILE]
 
-Ours: kernels/sm90/dense.py at the config the library picks (moegemm.config.sm90_config),
-compiled offline (moegemm/kernels/offline.py). DeepGEMM (a peer, never project code; its source
+Ours: kernels/sm90/dense.py at the config the library picks (moegemm.config.sm90_config), as
+launched at these shapes, compiled offline (moegemm/kernels/offline.py); --loaded-scales: with the
+K loop that loads its scales (DenseConfig.scale_ring off). Without peers/DeepGEMM, ours alone. DeepGEMM (a peer, never project code; its source
 with the cutlass and fmt headers it pins in the git-ignored peers/DeepGEMM, SOURCE.txt there):
 `sm90_fp8_gemm_1d2d_impl`, the kernel of `m_grouped_fp8_gemm_nt_contiguous` on Hopper, at the
 config its heuristics pick for the shape (deepgemm_config: a reading of its SM90 layout choice,
@@ -125,7 +126,11 @@ static void __instantiate_kernel() {{
         return cubin_sass(cubin.raw)
 
 
-def ours_sass(n: int, k: int, tokens_per_slot: float):
+def ours_sass(n: int, k: int, tokens_per_slot: float, loaded_scales: bool = False):
+    """Our kernel as the launcher runs it at the prefill shapes (round-robin tiles, no expert or
+    row scales); loaded_scales: the K loop that loads its scales (DenseConfig.scale_ring off)."""
+    from dataclasses import replace
+
     from test_compile_sm90 import sm90_kernel_compiled
 
     from moegemm.config import sm90_config
@@ -133,7 +138,9 @@ def ours_sass(n: int, k: int, tokens_per_slot: float):
     from moegemm.kernels import offline
 
     cfg = sm90_config(FORMATS["fp8_block"], n, k, tokens_per_slot)
-    return cfg, offline.sass(sm90_kernel_compiled("fp8_block", cfg))
+    if loaded_scales:
+        cfg = replace(cfg, scale_ring=False, consumer_regs=232)
+    return cfg, offline.sass(sm90_kernel_compiled("fp8_block", cfg, with_scales=False, dynamic=cfg.claim_rounds > 0))
 
 
 def k_loops(sass: str) -> list[dict]:
@@ -165,16 +172,24 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=6144)
     parser.add_argument("--k", type=int, default=7168)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--loaded-scales", action="store_true",
+                        help="ours with the K loop that loads its scales (DenseConfig.scale_ring off)")
     args = parser.parse_args(argv)
     from moegemm.benchmark import provenance
 
-    cfg, ours = ours_sass(args.n, args.k, float(args.rows))
-    dg_cfg = deepgemm_config(args.groups * args.rows, args.n, args.k)
-    theirs = deepgemm_sass(dg_cfg, args.n, args.k, args.groups)
-    sides = {"moegemm": (str(cfg), k_loops(ours)), "DeepGEMM": (str(dg_cfg), k_loops(theirs))}
+    cfg, ours = ours_sass(args.n, args.k, float(args.rows), args.loaded_scales)
+    sides = {"moegemm": (str(cfg), k_loops(ours))}
+    if DEEPGEMM.exists():
+        dg_cfg = deepgemm_config(args.groups * args.rows, args.n, args.k)
+        theirs = deepgemm_sass(dg_cfg, args.n, args.k, args.groups)
+        sides["DeepGEMM"] = (str(dg_cfg), k_loops(theirs))
+        peer = _deepgemm_source()
+    else:
+        peer = "no DeepGEMM (peers/DeepGEMM absent)"
+    command = f"python bench/kloop_sass.py --groups {args.groups} --rows {args.rows} --n {args.n} --k {args.k}"
     lines = [f"# K loops in sm_90 SASS: {args.groups} x {args.rows} tokens, N {args.n}, K {args.k}",
-             "", f"`python bench/kloop_sass.py --groups {args.groups} --rows {args.rows} --n {args.n} --k {args.k}`"
-             f" ({provenance('bench/kloop_sass.py')['commit'][:7]}); {_deepgemm_source()}",
+             "", f"`{command}{' --loaded-scales' if args.loaded_scales else ''}`"
+             f" ({provenance('bench/kloop_sass.py')['commit'][:7]}); {peer}",
              ""]
     opcodes = collections.Counter()
     for name, (config, loops) in sides.items():
@@ -182,7 +197,8 @@ def main(argv=None) -> int:
         lines.append(f"- {name}: {config}; {len(loops)} consumer loops, the first: {loop['instructions']} "
                      f"instructions for {loop['macs']} multiply-adds, {loop['total_per_million_macs']} a million")
         opcodes.update(loop["ops"])
-    lines += ["", "| opcode | moegemm a million MACs | DeepGEMM a million MACs |", "|---|---|---|"]
+    lines += ["", "| opcode | " + " | ".join(f"{side} a million MACs" for side in sides) + " |",
+              "|---|" + "---|" * len(sides)]
     for op, _ in opcodes.most_common():
         row = [str(sides[s][1][0]["per_million_macs"].get(op, 0)) for s in sides]
         lines.append(f"| {op} | " + " | ".join(row) + " |")

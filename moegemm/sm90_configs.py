@@ -47,6 +47,9 @@ class DenseConfig:
 
     The last claim_rounds * programs tiles of a call are claimed from a counter as programs free
     up, the rest dealt round-robin (kernels/sm90/pipeline.py, schedule); 0: round-robin throughout.
+    scale_ring (fp8_block, normal tiles): the producer stages each K block's token and weight
+    scales in the ring beside its operands (pipeline.StageScales), and the K loop reads them from
+    shared memory (dense._promote_staged); else the consumers load them from global memory.
     """
 
     block_n: int
@@ -57,6 +60,7 @@ class DenseConfig:
     split_n: bool = False
     consumer_regs: int = 232
     claim_rounds: int = 2
+    scale_ring: bool = False
 
     @property
     def token_tile(self) -> int:
@@ -90,6 +94,8 @@ class DenseConfig:
             epilogue = self.fused_scratch()
         else:
             epilogue = 0 if self.swap else 2 * 64 * self.epilogue_n(element == 1) * out_bytes
+        if self.scale_ring:  # fp32 scales of the stage's tokens and of up to 2 weight blocks
+            stage += (self.token_tile + 2) * 4
         return self.stages * (stage + _RING_BARRIERS) + epilogue + _SCHEDULE
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
@@ -100,6 +106,8 @@ class DenseConfig:
         fp8 = fmt.name == "fp8_block"
         if fp8 and (self.block_k != 128 or min(self.epilogue_n(True), self.weight_tile) > 128 and not self.swap):
             raise ValueError(f"config: fp8_block promotes per 128x128 block; an accumulator spans <= 128 weights: {self}")
+        if self.scale_ring and (not fp8 or self.swap or self.split_n):
+            raise ValueError(f"config: scale_ring stages fp8_block scales of normal tiles (not swap or split_n): {self}")
         if self.block_k * (1 if fp8 else 2) != 128:
             raise ValueError(f"config: block_k rows must be 128 bytes (the TMA swizzle), got block_k={self.block_k}")
         _check_smem(self, fmt, out_bytes, fused)

@@ -79,10 +79,11 @@ SM90_CASES = [
 ]
 
 
-def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False):
+def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False, dynamic=True):
     """kernels/sm90/dense.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
     the specialization with expert and row scales (a call without them compiles another); n_major:
-    for N-major bf16 weights (their [1, block_k, weight_tile] boxes, launcher._weight_descriptor)."""
+    for N-major bf16 weights (their [1, block_k, weight_tile] boxes, launcher._weight_descriptor);
+    dynamic: the last rounds' tiles claimed (the launcher's choice where the config claims rounds)."""
     from moegemm.kernels.sm90 import dense
 
     dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
@@ -97,12 +98,10 @@ def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, 
                                                                                        "NUM_KB")},
         "epi": EPILOGUE_SIGNATURE,
     }
-    # (the last rounds' tiles claimed as programs free up: what the launcher picks whenever a
-    # program may get two)
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=fmt == "fp8_block",
                       HAS_EXPERT_SCALES=with_scales, HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs,
-                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=True)
+                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=dynamic, SCALE_RING=cfg.scale_ring)
     return offline.gluon_compile_for_sm90(dense.dense_kernel, signature, constexprs, {"num_warps": 4},
                                           aligned=("out_ptr", "N"))
 
@@ -116,9 +115,10 @@ def check_sm90_plain_kernel(fmt, cfg, out):
     assert ops[mma] > 0, f"no {mma} in the SASS: {ops.most_common(12)}"
     assert ops["UTMALDG"] > 0 and (cfg.swap or ops["UTMASTG"] > 0), "TMA loads (and stores) expected"
     # A 256-wide fp8_block tile holds two accumulators and one block tile (192 of 232
-    # registers): ptxas spills a few tile-setup values (21 LDL/STL, none inside the K loop,
-    # read off the SASS); every other configuration has none.
-    allowed = 32 if (fmt == "fp8_block" and cfg.epilogue_n(True) < cfg.block_n) else 0
+    # registers): with its scales loaded by the consumers ptxas spills a few tile-setup values
+    # (21 LDL/STL, none inside the K loop, read off the SASS); every other configuration, the
+    # scales staged in the ring included, has none.
+    allowed = 32 if (fmt == "fp8_block" and cfg.epilogue_n(True) < cfg.block_n and not cfg.scale_ring) else 0
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
     # The config's estimate bounds what the kernel takes (within the compiler's bookkeeping).
@@ -132,6 +132,55 @@ def test_sm90_kernel_compiles_for_sm90(fmt, tokens_per_slot, out_dtype):
     cfg = sm90_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, 4 if out_dtype == torch.float32 else 2)
     check_sm90_plain_kernel(fmt, cfg, "fp32" if out_dtype == torch.float32 else "bf16")
 
+
+
+def mma_loop_macs(loop: list[str]) -> int:
+    """Multiply-adds of one consumer warpgroup's wgmmas in a loop (a 64 x N x K wgmma: 64 * N * K)."""
+    return sum(64 * int(m.group(1)) * int(m.group(2))
+               for m in (re.search(r"GMMA\.64x(\d+)x(\d+)", t) for t in loop) if m)
+
+
+@pytest.mark.parametrize("with_scales", [False, True])
+def test_fp8_block_prefill_k_loop_budget(with_scales):
+    """The eight prefill shapes of `python -m moegemm bench` (benchmark_rows.TARGET_SHAPES at 4 x
+    8192 and 8 x 4096 tokens) run one fp8_block config: 128 x 256 tiles with the scales in the ring.
+    As launched (round-robin; with and without expert and row scales): no spill anywhere, no
+    global load in the K loops, and at most 95 instructions a million multiply-adds of a consumer
+    warpgroup (a 128-K block's promotion alone is 128 FFMAs, 61 a million; the loop that loaded
+    its scales took 110 and spilled 35 values outside it)."""
+    from moegemm.benchmark_rows import TARGET_SHAPES
+    from moegemm.config import sm90_config
+
+    fmt = FORMATS["fp8_block"]
+    cfg = sm90_config(fmt, 6144, 7168, 8192)
+    assert cfg.scale_ring and cfg.block_n == 256
+    assert {sm90_config(fmt, n, k, tokens) for n, k in TARGET_SHAPES.values() for tokens in (8192, 4096)} == {cfg}
+    sass = wgmma_sass(sm90_kernel_compiled("fp8_block", cfg, with_scales=with_scales, dynamic=False))
+    ops = offline.opcode_counts(sass)
+    assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+    loops = innermost_mma_loops(sass)
+    assert len(loops) == 2, "one K loop a consumer warpgroup"
+    for loop in loops:
+        assert not [t for t in loop if re.search(r"\bLDG\b", t)], "global loads in the K loop"
+        per_million = len(loop) / mma_loop_macs(loop) * 1e6
+        assert per_million <= 95, f"{len(loop)} instructions a 128-K block: {per_million:.1f} a million MACs"
+
+
+def test_scale_ring_config_rules():
+    """scale_ring is fp8_block's, on normal tiles; its stage buffers count in the shared memory."""
+    import dataclasses
+
+    from moegemm.sm90_configs import DenseConfig
+
+    fp8 = FORMATS["fp8_block"]
+    cfg = DenseConfig(block_n=256, block_k=128, stages=3, group_m=4, scale_ring=True)
+    cfg.check(fp8)
+    plain = dataclasses.replace(cfg, scale_ring=False)
+    assert cfg.smem_bytes(fp8) == plain.smem_bytes(fp8) + 3 * (128 + 2) * 4
+    for bad, f in (({"swap": True, "block_n": 32}, fp8), ({"split_n": True, "block_n": 128}, fp8),
+                   ({"block_k": 64}, FORMATS["bf16"])):
+        with pytest.raises(ValueError, match="scale_ring"):
+            dataclasses.replace(cfg, **bad).check(f)
 
 # (tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC)): swapped (16, 40),
 # split-n (130) and normal (8192) tiles of the bf16 kernel, bf16 and mxfp8 out

@@ -46,6 +46,46 @@ def test_sm90_matches_reference(fmt, pattern, arrangement):
     run_sm90(fmt, pattern, n=320, k=576, config=forced_config(fmt, arrangement))
 
 
+# fp8_block's 128 x 256 tiles with the scales staged in the ring (the prefill default), on a ring
+# of 3 stages: the 5 K steps of K=576 start each tile at another stage and phase.
+SCALE_RING_CONFIG = DenseConfig(block_n=256, block_k=128, stages=3, group_m=2, consumer_regs=216, scale_ring=True)
+
+
+@pytest.mark.parametrize("pattern", TOKEN_PATTERNS, ids=[p.name for p in TOKEN_PATTERNS])
+def test_sm90_fp8_block_scale_ring_matches_reference(pattern):
+    # As test_sm90_matches_reference: tokens past M (their scales read as 0), a second weight
+    # block past N, a partial last K block; with expert and row scales.
+    run_sm90("fp8_block", pattern, n=320, k=576, config=SCALE_RING_CONFIG)
+
+
+def test_sm90_fp8_block_scale_ring_fp32_output_without_scales():
+    run_sm90("fp8_block", TOKEN_PATTERNS[3], n=256, k=1024, out_dtype=torch.float32, with_scales=False,
+             config=dataclasses.replace(SCALE_RING_CONFIG, stages=2))
+
+
+@pytest.mark.parametrize("with_scales", [False, True], ids=["unscaled", "scaled"])
+def test_sm90_fp8_block_scale_ring_bits_equal_loaded_scales(with_scales):
+    # The library's prefill config (scales staged in the ring) and the same tiles with the scales
+    # loaded by the consumers (the previous K loop) sum the same products in the same order: the
+    # same bits. ~2 tiles a program (N=1024: 4 weight tiles; 9 K steps on a ring of 4 stages:
+    # tiles start at every stage), groups ending inside a tile and at M.
+    pattern = TokenPattern("prefill", (3000, 2500, 77, 2700), start=5)
+    p = make_problem("fp8_block", "plain", pattern, 1024, 1152, "cuda", with_scales=with_scales)
+    ring = config.sm90_config(FORMATS["fp8_block"], 1024, 1152, p.m / 4)
+    assert ring.scale_ring
+    loaded = dataclasses.replace(ring, scale_ring=False, consumer_regs=232)
+    valid = p.valid_rows().to("cuda")
+    outs = []
+    for cfg in (ring, loaded):
+        poisoned = poison_like(p.m, 1024, torch.bfloat16, "cuda")
+        out = poisoned.clone()
+        with override_config(cfg):
+            moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=out, backend="sm90")
+        check_output(p, out, poisoned, tolerance("fp8_block", "sm90"))
+        outs.append(out[valid].view(torch.int16))
+    assert torch.equal(outs[0], outs[1]), "scales staged in the ring gave other bits than the loaded scales"
+
+
 def mx_config(token_tile: int) -> DecodeConfig:
     # (256-token tiles need 240 registers a consumer: config._sm90_mx_config)
     return DecodeConfig(token_tile=token_tile, stages=4, group_m=1 if token_tile < 128 else 4,
@@ -450,19 +490,20 @@ def test_sm90_rejects_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("fmt,layout,forced", [
-    ("fp8_block", "plain", None), ("bf16", "plain", None), ("mxfp8", "plain", None), ("mxfp8", "swizzled", "narrow"),
+    ("fp8_block", "plain", None), ("fp8_block", "plain", "scale-ring"), ("bf16", "plain", None), ("mxfp8", "plain", None), ("mxfp8", "swizzled", "narrow"),
     ("mxfp8", "swizzled", "tail"), ("mxfp4", "swizzled", None), ("nvfp4", "swizzled", None), ("w4a8", "plain", None)])
 def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, forced):
     # The launch reads no device value: capture once, change offsets and ids, replay. (Swizzled
     # A scales: a_scale_offsets is derived on the device inside the captured call; the new
     # groups need 17 scale blocks of the 18 the tensor has.) forced: the mxfp8 promotion
     # kernel on 32-token tiles and its token-scale pre-pass (its regime is decode), or on
-    # 128-token tiles with tails (the replay's 800-token group ends in a tile of 160).
+    # 128-token tiles with tails (the replay's 800-token group ends in a tile of 160); fp8_block's
+    # 128 x 256 tiles with the scales in the ring (the library takes them from N = 1024).
     pattern = TOKEN_PATTERNS[3]
     p = make_problem(fmt, layout, pattern, 256, 512, "cuda")
     out = torch.zeros(p.m, 256, dtype=torch.bfloat16, device="cuda")
-    config = {None: None, "narrow": mxfp8_promotion_config(32),
-              "tail": mxfp8_tail_config(32)}[forced]
+    config = {None: None, "narrow": mxfp8_promotion_config(32), "tail": mxfp8_tail_config(32),
+              "scale-ring": SCALE_RING_CONFIG}[forced]
 
     def call():
         if config is None:
@@ -490,6 +531,7 @@ def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, forced):
 SCHEDULE_CONFIGS = {
     "fp8_block-normal128": ("fp8_block", forced_config("fp8_block", "normal128")),
     "fp8_block-swapped": ("fp8_block", forced_config("fp8_block", "swapped")),
+    "fp8_block-scale-ring": ("fp8_block", SCALE_RING_CONFIG),
     "bf16-split_n": ("bf16", forced_config("bf16", "split_n")),
     "bf16-normal256": ("bf16", forced_config("bf16", "normal256")),
     "mxfp8-16": ("mxfp8", mxfp8_promotion_config(16)),

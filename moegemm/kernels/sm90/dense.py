@@ -14,6 +14,9 @@ Steady state of one consumer, fp8_block (PROMOTE):
     load sa (1x128 scales of its tokens) and sb (128x128 block scales) of step k+1
     wait ready[s]; part = wgmma(A[s], B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
     acc += part * (sa * sb)[k]       # fp32 promotion per 128-wide K block (docs/contract.md)
+With SCALE_RING (normal tiles) the producer copies each stage's sa and sb into the ring beside
+its A and B boxes (pipeline.StageScales) and the consumer reads them from shared memory after
+the ready wait: the same sums, no global load in the K loop (_promote_staged).
 bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
 
 bf16 weights may also be N-major (B [E, N, K] the transpose of a contiguous [E, K, N], as gpt-oss
@@ -25,10 +28,23 @@ every tile arrangement, with the same instruction shapes and order of sums.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, n_major, produce, producer_registers, walk
+from .pipeline import (
+    SCALE_COPY_LANES,
+    WG_ROWS,
+    Output,
+    Producer,
+    Ring,
+    Schedule,
+    StageScales,
+    n_major,
+    optional,
+    produce,
+    producer_registers,
+    walk,
+)
 from .swiglu import Swiglu
 
 
@@ -101,6 +117,60 @@ def _promote(m_op, n_op, ring, zero, a_scale_rows, tok_mask, b_scale_row, NUM_KB
 
 
 @gluon.jit
+def _stage_scale(buf, j: gl.constexpr):
+    """Element j of a stage's weight-block scales as a scalar (one shared load, every thread)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.sum(buf.slice(j, 1).load(layout), axis=0)
+
+
+@gluon.jit
+def _promote_staged(m_op, n_op, ring, scales, zero, it, k_steps, WG: gl.constexpr, N_SUB: gl.constexpr):
+    """fp8_block main loop of a normal tile whose scales the producer stages in the ring
+    (pipeline.StageScales): the sums of _promote, in the same order and with the same scale
+    products, but each block's scales are read from shared memory after its ready wait (no
+    global load, pointer or prefetched scale held through the loop), and the stage and its
+    phase are counted rather than divided out of `it` each step.
+
+    The second half's wgmma takes the first half's tile as its (ignored, use_acc=False)
+    accumulator: that ties the two to the same registers, so ptxas promotes the first half
+    before issuing the second. Given a fresh tile it kept both partial tiles live (three
+    64x128 fp32 tiles plus the accumulators) and spilled in the loop (SASS)."""
+    SUB_N: gl.constexpr = zero.shape[1]
+    STAGES: gl.constexpr = ring.STAGES
+    row_layout: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
+    acc0 = zero
+    acc1 = zero
+    stage = it % STAGES
+    phase = (it // STAGES) & 1
+    for kk in range(k_steps):
+        mbarrier.wait(ring.ready.index(stage), phase)
+        sa = scales.tok_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).load(row_layout)
+        w_scales = scales.w_bufs.index(stage)
+        sb0 = _stage_scale(w_scales, 0)
+        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, False, SUB_N, False, False)
+        part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+        scale0 = gl.expand_dims(sa * sb0, 1)
+        part = warpgroup_mma_wait(0, deps=(part, ))
+        if N_SUB == 2:
+            sb1 = _stage_scale(w_scales, 1)
+            acc0 = acc0 + part * scale0
+            a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, False, SUB_N, False, False)
+            part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+            scale1 = gl.expand_dims(sa * sb1, 1)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            ring.release(stage)
+            acc1 = acc1 + part * scale1
+        else:
+            ring.release(stage)
+            acc0 = acc0 + part * scale0
+        stage += 1
+        wrap = stage == STAGES
+        stage = gl.where(wrap, 0, stage)
+        phase = phase ^ wrap.to(gl.int32)
+    return acc0, acc1, it + k_steps
+
+
+@gluon.jit
 def _chain(m_op, n_op, ring, zero, it, k_steps, WG: gl.constexpr, SPLIT_N: gl.constexpr, SWAP: gl.constexpr,
            N_MAJOR: gl.constexpr):
     """bf16 main loop: acc = sum_k wgmma(block k), chained with one wgmma in flight; a stage is
@@ -137,6 +207,7 @@ class DenseConsumer:
     swiglu: Swiglu
     a_scale_ptr: gl.tensor
     b_scale_ptr: gl.tensor
+    scales: (StageScales, gl.constexpr)
     K: gl.tensor
     NUM_KB: gl.tensor
     WG: gl.constexpr
@@ -147,8 +218,8 @@ class DenseConsumer:
     N_MAJOR: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ring, a_bufs, b_bufs, c_desc, c_smem, out, swiglu, a_scale_ptr, b_scale_ptr, K, NUM_KB, WG,
-                 SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR):
+    def __init__(self, ring, a_bufs, b_bufs, c_desc, c_smem, out, swiglu, a_scale_ptr, b_scale_ptr, scales, K, NUM_KB,
+                 WG, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR):
         self.ring = ring
         self.a_bufs = a_bufs
         self.b_bufs = b_bufs
@@ -158,6 +229,7 @@ class DenseConsumer:
         self.swiglu = swiglu
         self.a_scale_ptr = a_scale_ptr
         self.b_scale_ptr = b_scale_ptr
+        self.scales = optional(scales)
         self.K = K
         self.NUM_KB = NUM_KB
         self.WG = gl.constexpr(WG)
@@ -203,12 +275,17 @@ class DenseConsumer:
         s = slot.s
         t = slot.t
         e = slot.e
+        if self.scales is not None:  # (the K loop first: none of the epilogue's values is held through it)
+            acc0, acc1, it = _promote_staged(m_op, n_op, self.ring, self.scales, zero, it, k_steps, WG, N_SUB)
         toks = s + tok_block * TOK_TILE + tok_offsets
         tok_mask = toks < t
         ns = w_block * W_TILE + w_offsets  # this warpgroup's first (or only) weight columns
         row0 = s + tok_block * TOK_TILE + (0 if SPLIT_N else WG * WG_ROWS)
         col0 = w_block * W_TILE + (WG * SUB_N if SPLIT_N else 0)
-        if self.PROMOTE:
+        if self.scales is not None:
+            if N_SUB == 2:
+                self.epilogue(acc1, e, toks, tok_mask, ns + SUB_N, N, row0, col0 + SUB_N, t)
+        elif self.PROMOTE:
             n_blocks128 = gl.cdiv(N, 128)
             first_block = col0 // 128 if not SWAP else (w_block * W_TILE) // 128
             b_scale_row = self.b_scale_ptr + (e * n_blocks128 + first_block) * self.NUM_KB
@@ -246,12 +323,13 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
                  expert_scales_ptr, row_scales_ptr, tile_counter_ptr, claim_rounds, M, N, K, E, G, NUM_KB, epi,
                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr, PROMOTE: gl.constexpr,
                  HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 EPI: gl.constexpr, DYNAMIC: gl.constexpr):
+                 EPI: gl.constexpr, DYNAMIC: gl.constexpr, SCALE_RING: gl.constexpr):
     """a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight tiles [W_TILE, BLOCK_K] of B
     viewed as [E*N, K], or for N-major bf16 weights [1, BLOCK_K, W_TILE] boxes of B's [E, K, N]
     storage (pipeline.n_major); c_desc: [64, SUB_N] tiles of C (unused when SWAP). The tile
     arrangement follows from the descriptor shapes: TOK_TILE = 64 is split-n. a_scale_ptr, b_scale_ptr: the
-    fp8_block scales (PROMOTE), NUM_KB K blocks a row. epi, EPI: the fused epilogue (Swiglu.create).
+    fp8_block scales (PROMOTE), NUM_KB K blocks a row; SCALE_RING: staged by the producer into the
+    ring (normal tiles). epi, EPI: the fused epilogue (Swiglu.create).
     DYNAMIC: the last claim_rounds * nprog tiles are claimed from tile_counter_ptr (an int32 that
     is zero at launch), else all are dealt round-robin (pipeline.py, schedule)."""
     TOK_TILE: gl.constexpr = a_desc.block_type.shape[0]
@@ -273,17 +351,22 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
     # memory to the ring.
     c_rows: gl.constexpr = 1 if SWAP else WG_ROWS
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, c_rows, SUB_N], c_desc.layout)
-    ring = Ring.create(STAGES, 2)
+    if SCALE_RING:
+        gl.static_assert(PROMOTE and not SWAP and not SPLIT_N, "scales in the ring: fp8_block, normal tiles")
+        scales = StageScales.create(a_scale_ptr, b_scale_ptr, NUM_KB, STAGES, TOK_TILE)
+    else:
+        scales = None
+    ring = Ring.create(STAGES, 2, SCALE_COPY_LANES if SCALE_RING else 0)
     sched = Schedule.create(a_offsets_ptr, expert_ids_ptr, M, N, E, G, tile_counter_ptr, claim_rounds, TOK_TILE,
                             W_TILE, GROUP_M, 2, DYNAMIC=DYNAMIC)
     out = Output(out_ptr, expert_scales_ptr, row_scales_ptr, HAS_EXPERT_SCALES, HAS_ROW_SCALES)
     swiglu = Swiglu.create(epi, EPI)
     K = gl.to_tensor(K)
     NUM_KB = gl.to_tensor(NUM_KB)
-    consumer0 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(0), out, swiglu, a_scale_ptr, b_scale_ptr, K,
-                              NUM_KB, 0, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
-    consumer1 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(1), out, swiglu, a_scale_ptr, b_scale_ptr, K,
-                              NUM_KB, 1, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
-    producer = Producer.create(ring, a_desc, b_desc, a_bufs, b_bufs, K)
+    consumer0 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(0), out, swiglu, a_scale_ptr, b_scale_ptr,
+                              scales, K, NUM_KB, 0, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
+    consumer1 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(1), out, swiglu, a_scale_ptr, b_scale_ptr,
+                              scales, K, NUM_KB, 1, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
+    producer = Producer.create(ring, a_desc, b_desc, a_bufs, b_bufs, K, scales=scales)
     gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
                        [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

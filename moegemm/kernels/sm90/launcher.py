@@ -179,7 +179,8 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     if p.fmt.name in MX_FORMATS:
         raise TypeError(f"config: no sm90 kernel runs {type(cfg).__name__}")
     return KernelPlan(p, cfg, _launch_dense, num_programs, dynamic, None, key, dict(
-        common, SWAP=cfg.swap, PROMOTE=p.fmt.name == "fp8_block", DYNAMIC=dynamic, num_warps=4))
+        common, SWAP=cfg.swap, PROMOTE=p.fmt.name == "fp8_block", DYNAMIC=dynamic, SCALE_RING=cfg.scale_ring,
+        num_warps=4))
 
 
 def _token_pass(p: GroupedProblem, cfg, device: torch.device, scale_blocks: int) -> TokenPass:

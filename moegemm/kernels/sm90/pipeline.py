@@ -14,8 +14,10 @@ A kernel of the family is a persistent, warp-specialized Gluon kernel, one CTA p
 Barriers (shared-memory mbarriers):
 
     barrier        count            arrives                               bytes (tx)          phase of use n
-    ready[s]       1                producer: expect(stage bytes), then   the stage's TMA     consumers wait
-                                    TMA completion                        boxes               (n // STAGES) & 1
+    ready[s]       1 (+32 with      producer: expect(stage bytes), then   the stage's TMA     consumers wait
+                   StageScales)     TMA completion; StageScales: each     boxes               (n // STAGES) & 1
+                                    producer lane once its cp.async
+                                    copies of the stage have landed
     empty[s]       consumer         each consumer warpgroup once its      -                   producer waits
                    warpgroups       wgmmas reading stage s retired                            ((n // STAGES) & 1) ^ 1
     id_ready[i]    1                producer, after storing tile id i%2   -                   (i // 2) & 1
@@ -54,6 +56,7 @@ by shape across the kernel files; the logic they carry is written once, here.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
@@ -63,6 +66,7 @@ OPTIONAL_SMEM = (gl.shared_memory_descriptor, gl.constexpr)
 
 WG_ROWS = gl.constexpr(64)  # rows of one consumer warpgroup's wgmma
 SLOT_CHUNK = gl.constexpr(31)  # slots a chunked slot walk loads at once (Schedule.slot_chunk)
+SCALE_COPY_LANES = gl.constexpr(32)  # lanes of the producer's warp, each an arrival on ready[s] with StageScales
 
 
 @gluon.constexpr_function
@@ -108,13 +112,14 @@ class Ring:
         self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
-    def create(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    def create(STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COPY_LANES: gl.constexpr = 0):
         """Allocate and initialize the barriers (after the stage buffers: the allocation order
-        fixes the shared-memory offsets)."""
+        fixes the shared-memory offsets). COPY_LANES: producer lanes that also arrive on ready[s]
+        once their cp.async copies of the stage have landed (StageScales)."""
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=1 + COPY_LANES)
             mbarrier.init(empty.index(i), count=CONSUMERS)
         return Ring(ready, empty, STAGES)
 
@@ -397,6 +402,63 @@ def walk(sched, role, PRODUCER: gl.constexpr = False):
 
 
 @aggregate
+class StageScales:
+    """fp8_block's scales copied into each ring stage by the producer (cp.async from their
+    layouts as they are): tok_bufs[stage] holds the TOK_TILE tokens' scales of the stage's K
+    block (tokens past M read 0), w_bufs[stage] the W_TILE / 128 weight blocks' (blocks past N
+    read 0). a_scale_ptr: [M, NUM_KB], b_scale_ptr: [E, ceil(N / 128), NUM_KB], fp32."""
+
+    tok_bufs: gl.shared_memory_descriptor
+    w_bufs: gl.shared_memory_descriptor
+    a_scale_ptr: gl.tensor
+    b_scale_ptr: gl.tensor
+    NUM_KB: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, tok_bufs, w_bufs, a_scale_ptr, b_scale_ptr, NUM_KB):
+        self.tok_bufs = tok_bufs
+        self.w_bufs = w_bufs
+        self.a_scale_ptr = a_scale_ptr
+        self.b_scale_ptr = b_scale_ptr
+        self.NUM_KB = NUM_KB
+
+    @gluon.jit
+    def create(a_scale_ptr, b_scale_ptr, NUM_KB, STAGES: gl.constexpr, TOK_TILE: gl.constexpr):
+        """The stage buffers: [STAGES, TOK_TILE] and [STAGES, 2] fp32."""
+        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        tok_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TOK_TILE], layout)
+        w_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2], layout)
+        return StageScales(tok_bufs, w_bufs, a_scale_ptr, b_scale_ptr, gl.to_tensor(NUM_KB))
+
+    @gluon.jit
+    def tile_pointers(self, sched, slot, tok_block, w_block):
+        """The producer's pointers to K block 0 of a tile's token and weight-block scales, and
+        which exist."""
+        TOK_TILE: gl.constexpr = sched.TOK_TILE
+        W_BLOCKS: gl.constexpr = sched.W_TILE // 128
+        tok_layout: gl.constexpr = gl.BlockedLayout([TOK_TILE // 32], [32], [gl.num_warps()], [0])
+        w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        toks = slot.s + tok_block * TOK_TILE + gl.arange(0, TOK_TILE, layout=tok_layout)
+        n_blocks = gl.cdiv(sched.N, 128)
+        j = gl.arange(0, 2, layout=w_layout)
+        blocks = w_block * W_BLOCKS + j
+        return (self.a_scale_ptr + toks.to(gl.int64) * self.NUM_KB, toks < sched.M,
+                self.b_scale_ptr + (slot.e * n_blocks + blocks).to(gl.int64) * self.NUM_KB,
+                (blocks < n_blocks) & (j < W_BLOCKS))
+
+    @gluon.jit
+    def copy(self, stage, ready, pointers, kk):
+        """Copy K block kk's scales into the stage: every lane arrives on `ready` once its copies
+        have landed (ready counts SCALE_COPY_LANES such arrivals beside the producer's expect:
+        Ring.create)."""
+        gl.static_assert(gl.num_warps() * 32 == SCALE_COPY_LANES, "the producer's one warp copies the scales")
+        tok_ptrs, tok_ok, w_ptrs, w_ok = pointers
+        async_copy.async_copy_global_to_shared(self.tok_bufs.index(stage), tok_ptrs + kk, mask=tok_ok)
+        async_copy.async_copy_global_to_shared(self.w_bufs.index(stage), w_ptrs + kk, mask=w_ok)
+        async_copy.mbarrier_arrive(ready, increment_count=False)
+
+
+@aggregate
 class Producer:
     """The producer warp's loads (Producer.tile). A stage holds one weight box of b_desc (N-major
     bf16 weights: a 3-D box staged [BLOCK_K, W_TILE], n_major) and SUB consecutive token boxes of
@@ -408,7 +470,8 @@ class Producer:
     - b_half_desc: a [W_TILE / 2, ...] weight box, which an expert's last tile loads alone when its
       rows past N are at least half of it (split-K: the consumers of the other half skip it);
     - tail_desc, tail_s_desc: a [TAIL, BLOCK_K] token box and its scales, loaded by a slot's last
-      tile when it has a tail (Schedule.tail_of).
+      tile when it has a tail (Schedule.tail_of);
+    - scales: fp8_block's token and weight-block scales of the stage (StageScales).
     Absent parts are None."""
 
     ring: Ring
@@ -427,12 +490,13 @@ class Producer:
     tail_bufs: OPTIONAL_SMEM
     tail_s_desc: OPTIONAL_DESC
     tail_s_bufs: OPTIONAL_SMEM
+    scales: (StageScales, gl.constexpr)
     SUB: gl.constexpr
     S_COLUMN_BLOCK: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ring, a_desc, b_desc, a_bufs, b_bufs, K, KB4, s_desc, s_bufs, ws_desc, ws_bufs, b_half_desc,
-                 tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, SUB, S_COLUMN_BLOCK):
+                 tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, scales, SUB, S_COLUMN_BLOCK):
         self.ring = ring
         self.a_desc = a_desc
         self.b_desc = b_desc
@@ -449,15 +513,16 @@ class Producer:
         self.tail_bufs = optional(tail_bufs)
         self.tail_s_desc = optional(tail_s_desc)
         self.tail_s_bufs = optional(tail_s_bufs)
+        self.scales = optional(scales)
         self.SUB = gl.constexpr(SUB)
         self.S_COLUMN_BLOCK = gl.constexpr(S_COLUMN_BLOCK)
 
     @gluon.jit
     def create(ring, a_desc, b_desc, a_bufs, b_bufs, K, SUB: gl.constexpr = 1, s_desc=None, s_bufs=None,
                ws_desc=None, ws_bufs=None, KB4=0, b_half_desc=None, tail_desc=None, tail_bufs=None,
-               tail_s_desc=None, tail_s_bufs=None, S_COLUMN_BLOCK: gl.constexpr = 4):
+               tail_s_desc=None, tail_s_bufs=None, S_COLUMN_BLOCK: gl.constexpr = 4, scales=None):
         return Producer(ring, a_desc, b_desc, a_bufs, b_bufs, gl.to_tensor(K), gl.to_tensor(KB4), s_desc, s_bufs,
-                        ws_desc, ws_bufs, b_half_desc, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, SUB,
+                        ws_desc, ws_bufs, b_half_desc, tail_desc, tail_bufs, tail_s_desc, tail_s_bufs, scales, SUB,
                         S_COLUMN_BLOCK)
 
     @gluon.jit
@@ -502,9 +567,14 @@ class Producer:
                      tok_block * TOK_TILE)
         if self.tail_desc is not None:
             has_tail = sched.tail_of(slot, tok_block)
+        if self.scales is not None:
+            gl.static_assert(SUB == 1 and self.tail_desc is None and self.b_half_desc is None, "one K block a stage")
+            scale_pointers = self.scales.tile_pointers(sched, slot, tok_block, w_block)
         for kk in range(k_steps):
             stage = ring.wait_empty(it)
             ready = ring.ready.index(stage)
+            if self.scales is not None:
+                self.scales.copy(stage, ready, scale_pointers, kk)
             if self.tail_desc is not None:
                 if has_tail:
                     mbarrier.expect(ready, tail_stage_bytes)
