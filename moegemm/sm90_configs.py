@@ -120,6 +120,10 @@ class DecodeConfig:
     sub_steps: int = 1
     prepacked: bool = False  # weights in moegemm.prepack's order, decoded into the wgmma's registers
     weight_tile: int = 128  # 256: four consumer warpgroups share each token stage (prepacked, <= 64 tokens)
+    # Prepacked e2m1 on 256-row tiles with swizzled scales: the scales come through the ring (the
+    # producer's TMA copy of the tile's atoms) and e8m0's 2^126 is folded into them; plain scales,
+    # or False, keep the loop that loads them a step ahead (kernels/sm90/decode.py, _staged_chain).
+    staged_scales: bool = False
 
     block_k = 64
     claim_rounds = 0  # (round-robin throughout)
@@ -135,6 +139,8 @@ class DecodeConfig:
         masks)."""
         stage = int((self.token_tile * 2 + self.weight_tile * weight_bytes(fmt)) * self.stage_k)
         operands = 0 if self.prepacked else 2 * 2 * 64 * self.block_k * 2
+        if self.staged_scales and fmt.b.element.packed:  # (a byte a K block of a weight row, a stage)
+            stage += self.weight_tile * self.stage_k // fmt.scale_vec
         # (a 256-token tile stores its two 128-token halves one after the other)
         epilogue = self.weight_tile // 64 * min(self.token_tile, 128) * 64 * 4 if fused else 0
         # (four consumer warpgroups: ~2 KB more of the compiler's own scratch, read off compiles)
@@ -154,6 +160,8 @@ class DecodeConfig:
             raise ValueError(f"config: weight_tile 128 or 256: {self}")
         elif self.token_tile == 256 and self.consumer_regs < 240 or not 192 <= self.consumer_regs <= 240:
             raise ValueError(f"config: consumer_regs 192..240, 240 for 256-token tiles (two accumulators): {self}")
+        if self.staged_scales and not (self.prepacked and self.weight_tile == 256 and self.sub_steps == 2):
+            raise ValueError(f"config: staged_scales are for prepacked 256-row tiles of sub_steps 2: {self}")
         if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
             raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
         _check_smem(self, fmt, out_bytes, fused)

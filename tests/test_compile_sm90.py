@@ -229,7 +229,7 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
 
 def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True, prepacked=False):
     from moegemm.config import sm90_mx_config
-    from moegemm.kernels.sm90 import decode
+    from moegemm.kernels.sm90 import decode, launcher
     from moegemm.sm90_configs import DecodeConfig, weight_bytes, with_epilogue_scratch
 
     f = FORMATS[fmt]
@@ -239,20 +239,32 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, f)
     fp4 = f.b.element.packed
+    constexprs = {}
+    if staged_scales(fmt, cfg, layout):  # the weight scales' atoms through the ring
+        descs = {"ws_desc": offline.tensordesc_signature("i32", [cfg.stage_k // f.scale_vec // 4 * 32, 4],
+                                                         launcher._unswizzled_32bit_layout())}
+    else:
+        descs, constexprs["ws_desc"] = {}, None
     signature = {
         "t_desc": offline.tensordesc_signature("bf16", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4 else "fp8e4nv",
-                                               [cfg.weight_tile, int(cfg.stage_k * weight_bytes(f))]),
+                                               [cfg.weight_tile, int(cfg.stage_k * weight_bytes(f))]), **descs,
         "out_ptr": "*u8" if epilogue else "*bf16", "b_scale_ptr": "*u8", "a_offsets_ptr": "*i32",
         "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
         **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
     }
-    constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
+    constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
                       SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE, PREPACKED=cfg.prepacked)
     return offline.gluon_compile_for_sm90(decode.decode_kernel, signature, constexprs,
                                           {"num_warps": 4})
+
+
+def staged_scales(fmt, cfg, layout) -> bool:
+    """Whether the launcher gives the decoding kernel its weight scales through the ring
+    (launcher.staged_scales)."""
+    return cfg.staged_scales and layout == "swizzled" and FORMATS[fmt].b.element.packed
 
 
 def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False, with_scales=True):

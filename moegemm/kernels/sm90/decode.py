@@ -47,7 +47,19 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.core import _aggregate as aggregate
 
 from ...prepack import E2M1_WORD_TERMS
-from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, producer_registers, scale_row_offsets, walk
+from .pipeline import (
+    OPTIONAL_SMEM,
+    WG_ROWS,
+    Output,
+    Producer,
+    Ring,
+    Schedule,
+    optional,
+    produce,
+    producer_registers,
+    scale_row_offsets,
+    walk,
+)
 from .swiglu import Swiglu
 
 
@@ -77,6 +89,12 @@ _E2M1_TO_BF16_BIASED_PTX = gl.constexpr(_e2m1_to_bf16_ptx(False))
 # multiplies the biased elements by them once: the weights come out 2^-9 small, which the
 # accumulator's one multiply by 2^9 before the epilogue undoes (powers of two: the same bits).
 NV_SCALE_BIAS = gl.constexpr(2.0**117)
+# e8m0 codes b0, b1 (bytes 2h and 2h + 1 of a swizzled scale word) to the bf16 pair 2^(b0-1),
+# 2^(b1-1): the bytes to the halves' low bits (PRMT), then b * 2^7 + (126 << 7), bf16's exponent
+# field b + 126 (exact for b <= 128; _staged_chain takes larger codes another way).
+_FOLDED_E8M0_PTX = gl.constexpr(tuple(
+    f"{{.reg .b32 t; prmt.b32 t, $1, 0, {0x4040 | 2 * h | (2 * h + 1) << 8:#06x}; mad.lo.u32 $0, t, 128, 0x3F003F00;}}"
+    for h in range(2)))
 NV_ACC_FACTOR = gl.constexpr(2.0**9)
 
 
@@ -327,6 +345,142 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     return acc0, acc1, it
 
 
+@gluon.jit
+def _staged_words(ws_stage, WG: gl.constexpr, ATOMS: gl.constexpr, atom: gl.constexpr, row_layout: gl.constexpr):
+    """The swizzled scale words of this warpgroup's 64 weight rows in atom `atom` of the stage's
+    staged scales ([W_TILE / 128 * ATOMS * 32, 4] int32: the atoms of each 128-row block, in K
+    order): a [64] int32 vector, row n's word (its four K blocks' bytes) at [n % 32, (n % 128) // 32]
+    of the atom, so a warpgroup's rows are two of its columns. Each thread loads the words of its
+    own two rows (16w + lane/4 and + 8: the wgmma fragment's), two LDS.32."""
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [0, 1]], block_bases=[], shape=[32, 2])
+    block = ws_stage.slice(((WG // 2) * ATOMS + atom) * 32, 32)
+    words = block.slice(2 * (WG % 2), 2, dim=1).load(words_layout)
+    return gl.convert_layout(gl.reshape(gl.permute(words, (1, 0)), [WG_ROWS]), row_layout)
+
+
+@gluon.jit
+def _has_large_codes(ws_stage, WG: gl.constexpr, ATOMS: gl.constexpr):
+    """Whether any e8m0 code of this warpgroup's 64 rows in the stage is >= 128 (a scale of 2 or
+    more, where 2^126 times the scale leaves bf16's range): a scalar, the same in every warp.
+    Every warp reads all 64 rows' words (replicated across the warps), so the reduction stays
+    within a warp: no barrier."""
+    all_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1]], lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[32, 2])
+    high = gl.zeros([32, 2], gl.int32, all_layout)
+    for atom in gl.static_range(ATOMS):
+        block = ws_stage.slice(((WG // 2) * ATOMS + atom) * 32, 32)
+        high = high | block.slice(2 * (WG % 2), 2, dim=1).load(all_layout)
+    large = gl.where((high & -0x7F7F7F80) != 0, 1, 0)  # (bit 7 of a byte: 0x80808080)
+    return gl.max(gl.max(large, axis=1), axis=0) != 0
+
+
+@gluon.jit
+def _staged_scales(words, byte0: gl.constexpr, NKB: gl.constexpr, scale_layout: gl.constexpr,
+                   NV_SCALE: gl.constexpr, FOLDED: gl.constexpr):
+    """The [64, NKB] bf16 block scales of a step from its rows' staged words (bytes byte0 ..
+    byte0 + NKB - 1). nvfp4: e4m3 times NV_SCALE_BIAS (the decoding leaves 2^-126 in the
+    elements). e8m0 b: FOLDED, 2^(b-1), i.e. 2^(b-127) times the 2^126 the biased decoding left
+    out (exact for b <= 128: bf16's exponent field b + 126); else 2^(b-127) as _load_scales."""
+    kb = gl.arange(0, NKB, layout=gl.SliceLayout(0, scale_layout))
+    shifts = gl.expand_dims(8 * (byte0 + kb), 0)
+    raw = (gl.expand_dims(gl.convert_layout(words, gl.SliceLayout(1, scale_layout)), 1) >> shifts) & 0xFF
+    if NV_SCALE:
+        return (raw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * NV_SCALE_BIAS).to(gl.bfloat16)
+    if FOLDED:
+        gl.static_assert(NKB == 2, "folded e8m0 scales: two K blocks a step")
+        # (one PRMT and one IMAD for the step's two scales, the halves of one register, which
+        # the multiplies read as .H0_H0 and .H1_H1)
+        pair = gl.inline_asm_elementwise(_FOLDED_E8M0_PTX[byte0 // 2], "=r,r", [words], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return gl.convert_layout(gl.join(lo, hi), scale_layout)
+    bits = gl.where(raw == 0, 0x40, raw << 7)
+    bits = gl.where(raw == 255, 0x7FC0, bits)
+    return bits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _staged_step(w_bufs, t_bufs, stage, j: gl.constexpr, words, large, acc0, acc1, WG: gl.constexpr,
+                 NKB: gl.constexpr, BYTES: gl.constexpr, HALVES: gl.constexpr, raw_layout: gl.constexpr,
+                 scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
+    """_register_step (SUB = 2) with the step's scales from the stage's staged words: nvfp4 as
+    always biased; e8m0 decoded biased with 2^126 folded into its scales, or, where the stage
+    has a code >= 128 (`large`, the same in the whole warpgroup), as before."""
+    TOK_HALF: gl.constexpr = t_bufs.shape[1] // HALVES
+    acc_layout: gl.constexpr = acc0.type.layout
+    raw = w_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
+    byte0: gl.constexpr = (j * NKB) % 4
+    if NV_SCALE:
+        scales = _staged_scales(words, byte0, NKB, scale_layout, True, False)
+        operand = _decode_fragment(raw, scales, raw_layout, NKB, True, True)
+    elif large:
+        scales = _staged_scales(words, byte0, NKB, scale_layout, False, False)
+        operand = _decode_fragment(raw, scales, raw_layout, NKB, True, False)
+    else:
+        scales = _staged_scales(words, byte0, NKB, scale_layout, False, True)
+        operand = _decode_fragment(raw, scales, raw_layout, NKB, True, True)
+    operand = gl.convert_layout(operand, gl.DotOperandLayout(0, acc_layout, 2))
+    tokens = t_bufs.index(stage * 2 + j)
+    acc0 = warpgroup_mma(operand, tokens.slice(0, TOK_HALF).permute((1, 0)), acc0, is_async=True)
+    if HALVES == 2:
+        acc1 = warpgroup_mma(operand, tokens.slice(TOK_HALF, TOK_HALF).permute((1, 0)), acc1, is_async=True)
+    return acc0, acc1, operand
+
+
+@gluon.jit
+def _staged_chain(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, WG: gl.constexpr, NKB: gl.constexpr,
+                  BYTES: gl.constexpr, HALVES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr,
+                  NV_SCALE: gl.constexpr):
+    """_upcast_chain of prepacked e2m1 (SUB = 2: a stage is 128 K, two 64-wide steps) with the
+    weight scales staged in the ring (the producer's TMA copy of the tile's swizzled atoms, ws_bufs):
+    the loop issues no global load. A last stage that ends at its first step (K % 128 == 64) runs
+    that step alone, so no scale past NUM_KB (padding, or the next row block's atom) is read.
+    Waits as _upcast_chain: none of the wgmmas is in flight across the back edge."""
+    ATOMS: gl.constexpr = 2 * NKB // 4  # atoms (4 K blocks of 128 rows) a stage
+    row_layout: gl.constexpr = gl.SliceLayout(1, scale_layout)
+    acc0 = zero
+    acc1 = zero
+    for kk in range(K // 128):
+        stage = ring.wait_ready(it)
+        ws_stage = ws_bufs.index(stage)
+        if NV_SCALE:
+            large = False
+        else:
+            large = _has_large_codes(ws_stage, WG, ATOMS)
+        words = _staged_words(ws_stage, WG, ATOMS, 0, row_layout)
+        for j in gl.static_range(2):
+            if ATOMS == 2 and j == 1:  # (nvfp4: an atom a step)
+                words = _staged_words(ws_stage, WG, ATOMS, 1, row_layout)
+            acc0, acc1, operand = _staged_step(w_bufs, t_bufs, stage, j, words, large, acc0, acc1, WG, NKB, BYTES,
+                                               HALVES, raw_layout, scale_layout, NV_SCALE)
+            # (the operand stays a dependency of the wait that retires its wgmmas, _upcast_chain)
+            if j == 0:
+                acc0, acc1, operand = warpgroup_mma_wait(HALVES, deps=(acc0, acc1, operand))
+            else:
+                acc0, acc1, operand, previous = warpgroup_mma_wait(0, deps=(acc0, acc1, operand, previous))  # noqa: F821
+            previous = operand  # noqa: F841
+        ring.release(stage)
+        it += 1
+    if K % 128 != 0:  # (K is a multiple of 64: a last half stage)
+        stage = ring.wait_ready(it)
+        ws_stage = ws_bufs.index(stage)
+        if NV_SCALE:
+            large = False
+        else:
+            large = _has_large_codes(ws_stage, WG, ATOMS)
+        words = _staged_words(ws_stage, WG, ATOMS, 0, row_layout)
+        acc0, acc1, operand = _staged_step(w_bufs, t_bufs, stage, 0, words, large, acc0, acc1, WG, NKB, BYTES,
+                                           HALVES, raw_layout, scale_layout, NV_SCALE)
+        acc0, acc1, operand = warpgroup_mma_wait(0, deps=(acc0, acc1, operand))
+        ring.release(stage)
+        it += 1
+    return acc0, acc1, it
+
+
 @aggregate
 class DecodeConsumer:
     """Consumer warpgroup WG: acc [64, TOK_TILE], rows its weight rows, columns the tile's
@@ -336,6 +490,7 @@ class DecodeConsumer:
     t_bufs: gl.shared_memory_descriptor
     w_bufs: gl.shared_memory_descriptor
     a_bufs: gl.shared_memory_descriptor
+    ws_bufs: OPTIONAL_SMEM
     out: Output
     swiglu: Swiglu
     b_scale_ptr: gl.tensor
@@ -350,12 +505,13 @@ class DecodeConsumer:
     PREPACKED: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, WG, SUB, VEC, NV_SCALE,
-                 SWIZZLED, PREPACKED):
+    def __init__(self, ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, WG, SUB, VEC,
+                 NV_SCALE, SWIZZLED, PREPACKED):
         self.ring = ring
         self.t_bufs = t_bufs
         self.w_bufs = w_bufs
         self.a_bufs = a_bufs
+        self.ws_bufs = optional(ws_bufs)
         self.out = out
         self.swiglu = swiglu
         self.b_scale_ptr = b_scale_ptr
@@ -398,9 +554,15 @@ class DecodeConsumer:
         scale_rows = self.b_scale_ptr + scale_row_offsets(slot.e, ns_op, N, self.NUM_KB, self.KB4, self.SWIZZLED)
         # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
         BIASED: gl.constexpr = self.PREPACKED and FP4 and self.NV_SCALE
-        acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
-                                       self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
-                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, self.PREPACKED, BIASED)
+        if self.ws_bufs is not None:  # (prepacked e2m1, SUB == 2: the scales staged in the ring)
+            scale_layout: gl.constexpr = gl.SliceLayout(2, pair_fragment_layout(NKB, 32 // NKB))
+            acc0, acc1, it = _staged_chain(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero, self.K, it, WG, NKB,
+                                           BYTES, HALVES, raw_layout, scale_layout, self.NV_SCALE)
+        else:
+            acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows,
+                                           ns_op < N, self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4,
+                                           self.NV_SCALE, self.SWIZZLED, HALVES, raw_layout, dec_layout,
+                                           self.PREPACKED, BIASED)
         if BIASED:  # (the weights came out 2^-9 small)
             acc0 = acc0 * NV_ACC_FACTOR
             acc1 = acc1 * NV_ACC_FACTOR
@@ -429,7 +591,7 @@ def _consume(consumer, sched):
 
 
 @gluon.jit
-def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
+def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                   row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                   VEC: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                   HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
@@ -438,6 +600,9 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     [W_TILE (128, or 256 prepacked), SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of
     B viewed as [E*N, K or K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr:
     the weight scales (e8m0, or e4m3 for nvfp4: NV_SCALE), plain or SWIZZLED, VEC K elements each.
+    ws_desc (None: the consumers load the scales from b_scale_ptr a step ahead): swizzled scales of
+    prepacked e2m1 seen as [atoms * 32, 4] int32 (a 128 x 4 atom is 32 x 4 words), a box of one
+    128-row block's atoms of a stage, W_TILE / 128 boxes a stage, read from the ring (_staged_chain).
     epi, EPI: the fused epilogue (Swiglu.create)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
@@ -458,6 +623,12 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     else:
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, WG_ROWS, BLOCK_K],
                                            gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.bfloat16))
+    if ws_desc is not None:
+        gl.static_assert(PREPACKED and FP4 and SUB == 2 and SWIZZLED, "staged scales: prepacked e2m1, swizzled, SUB 2")
+        ws_bufs = gl.allocate_shared_memory(ws_desc.dtype, [STAGES, W_TILE // 128 * ws_desc.block_type.shape[0], 4],
+                                            ws_desc.layout)
+    else:
+        ws_bufs = None
     ring = Ring.create(STAGES, CONSUMERS)
     sched = Schedule.create(a_offsets_ptr, expert_ids_ptr, M, N, E, G, a_offsets_ptr, 0, TOK_TILE, W_TILE, GROUP_M,
                             CONSUMERS)
@@ -466,18 +637,19 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     K = gl.to_tensor(K)
     NUM_KB = gl.to_tensor(NUM_KB)
     KB4 = gl.to_tensor(KB4)
-    consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 0, SUB, VEC,
+    consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 0, SUB, VEC,
                                NV_SCALE, SWIZZLED, PREPACKED)
-    consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
+    consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
                                NV_SCALE, SWIZZLED, PREPACKED)
-    producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB)
+    producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB, ws_desc=ws_desc, ws_bufs=ws_bufs,
+                               KB4=KB4)
     # Every consumer gets CONSUMER_REGS (pipeline.producer_registers). (A 256-token tile with the
     # producer at 120 left consumer 0 152: it spilled its accumulator in the K loop and ptxas
     # serialized every HGMMA, C7512.)
     if CONSUMERS == 4:
-        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SUB,
+        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SUB,
                                    VEC, NV_SCALE, SWIZZLED, PREPACKED)
-        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
+        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
                                    VEC, NV_SCALE, SWIZZLED, PREPACKED)
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),

@@ -316,13 +316,23 @@ def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
     weights = args.b.view(torch.uint8) if p.fmt.b.element.packed else args.b
     w_desc = _descriptor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
                          (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt))))
+    ws_desc = None
+    if staged_scales(p, cfg):  # a stage's atoms of each 128-row block, [32, 4] words an atom
+        words = args.b_scales.view(torch.uint8).view(torch.int32).reshape(-1, 4)
+        ws_desc = Tma(words, [cfg.stage_k // p.fmt.scale_vec // 4 * 32, 4], _unswizzled_32bit_layout())
     dummy = args.a_offsets
     epi, key, kwargs = _epilogue(kernel, args)
     launch_kernel(decode_kernel, key, (kernel.num_programs, ), (
-        t_desc, w_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
+        t_desc, w_desc, ws_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), kwargs)
     return out
+
+
+def staged_scales(p: GroupedProblem, cfg: DecodeConfig) -> bool:
+    """Whether the decoding kernel takes the weight scales through the ring (DecodeConfig.staged_scales;
+    the producer copies the swizzled layout's atoms: plain scales are loaded by the consumers)."""
+    return cfg.staged_scales and p.scale_layout.swizzled and p.fmt.b.element.packed
 
 
 def _weight_scales(p: GroupedProblem, args: LaunchArgs) -> torch.Tensor:
