@@ -124,6 +124,9 @@ class DecodeConfig:
     # producer's TMA copy of the tile's atoms) and e8m0's 2^126 is folded into them; plain scales,
     # or False, keep the loop that loads them a step ahead (kernels/sm90/decode.py, _staged_chain).
     staged_scales: bool = False
+    # 128: two consumer warpgroups on a 256-row tile, each with two 64-row accumulators (staged
+    # scales only; consumer_regs 192..240), an iteration's fixed cost spread over twice the rows.
+    consumer_rows: int = 64
 
     block_k = 64
     claim_rounds = 0  # (round-robin throughout)
@@ -147,12 +150,28 @@ class DecodeConfig:
         partitions = 2048 if self.weight_tile == 256 else 0
         return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + partitions + _SCHEDULE
 
+    def step_ahead(self, fmt: Format, fused: bool = False) -> DecodeConfig:
+        """This config with the weight scales loaded by the consumers a step ahead, where the
+        scales cannot be staged (plain ones, or e4m3 weights): four consumer warpgroups of 64 rows
+        on 256-row tiles, the ring as deep as it then fits."""
+        if not self.staged_scales:
+            return self
+        wide = dict(consumer_regs=112) if self.consumer_rows == 128 else {}
+        return deepest_ring(replace(self, staged_scales=False, consumer_rows=64, stages=2, **wide), fmt, fused=fused)
+
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
         if fmt.name not in MX_FORMATS:
             raise ValueError(f"config: DecodeConfig runs the block formats {MX_FORMATS}, not {fmt.name}")
         if self.token_tile not in (16, 32, 64, 128, 256):
             raise ValueError(f"config: token_tile must be 16..256 (powers of two): {self}")
-        if self.weight_tile == 256:
+        if self.consumer_rows not in (64, 128) or self.consumer_rows == 128 and not (
+                self.staged_scales and self.weight_tile == 256 and 192 <= self.consumer_regs <= 240):
+            raise ValueError(f"config: consumer_rows 64, or 128 with staged_scales on 256-row tiles and consumer_regs "
+                             f"192..240: {self}")
+        if self.weight_tile == 256 and self.consumer_rows == 128:
+            if self.token_tile > 64:
+                raise ValueError(f"config: 256-row tiles take up to 64 tokens: {self}")
+        elif self.weight_tile == 256:
             if not self.prepacked or self.token_tile > 64 or not 96 <= self.consumer_regs <= 112:
                 raise ValueError(f"config: 256-row tiles (four consumer warpgroups) take prepacked weights, up to 64 "
                                  f"tokens and consumer_regs 96..112 (the producer keeps 480 - 4 x that): {self}")

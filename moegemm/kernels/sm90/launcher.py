@@ -156,6 +156,8 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return None
     cfg = _config(p, fused, out_bytes if p.fmt.name not in MX_FORMATS else 2)
+    if isinstance(cfg, DecodeConfig) and not staged_scales(p, cfg):
+        cfg = cfg.step_ahead(p.fmt, fused)
     num_programs, upper_tiles = _grid(p, cfg, device)
     dynamic = not isinstance(cfg, DecodeConfig) and _dynamic(cfg, upper_tiles, num_programs)
     token_pass = None if tokens or p.fmt.name not in MX_FORMATS else _token_pass(p, cfg, device, scale_blocks)
@@ -166,7 +168,7 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     if isinstance(cfg, DecodeConfig):
         return KernelPlan(p, cfg, _launch_decode, num_programs, False, token_pass, key, dict(
             common, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3", SWIZZLED=swizzled,
-            PREPACKED=cfg.prepacked, num_warps=4))
+            PREPACKED=cfg.prepacked, CONSUMER_ROWS=cfg.consumer_rows, num_warps=4))
     key = (*key, not dynamic)
     if isinstance(cfg, Mxfp8Config):
         return KernelPlan(p, cfg, _launch_mxfp8, num_programs, dynamic, token_pass, key, dict(
