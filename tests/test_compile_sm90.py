@@ -727,32 +727,36 @@ def test_register_hazard_check_finds_an_early_accumulator_read():
 
 
 # The prepacked e2m1 K loop with its weight scales staged in the ring (DecodeConfig.staged_scales):
-# instructions one iteration issues an element of a thread (64 rows x 128 K of a warpgroup over
-# 128 threads), on its path without a code >= 128 (the longer one decodes as the step-ahead loop
-# does), read off the sm_90 SASS. The step-ahead loop: 3.80 with 2 LDG (bf16_mxfp4, 16 tokens a
-# slot), 3.67-3.75 with 4 (nvfp4, whose staged e4m3 scales convert as before: no fewer).
-STAGED_BUDGETS = {("bf16_mxfp4", 16): 2.95, ("bf16_mxfp4", 32): 3.0, ("mxfp4", 16): 2.95, ("w4a8", 32): 3.0,
-                  ("nvfp4", 16): 3.8, ("bf16_nvfp4", 32): 3.8}
+# instructions one iteration issues an element of a thread (a warpgroup's 64 or 128 rows x 128 K
+# over its 128 threads), on its path without an e8m0 code >= 128 (the longer one decodes as the
+# step-ahead loop does), read off the sm_90 SASS. The step-ahead loop: 3.80 with 2 LDG
+# (bf16_mxfp4, 16 tokens a slot), 3.67-3.75 with 4 (nvfp4, whose staged e4m3 scales convert as
+# before). (fmt, tokens a slot, consumer rows) -> bound.
+STAGED_BUDGETS = {("bf16_mxfp4", 16, 64): 2.95, ("bf16_mxfp4", 32, 64): 3.0, ("mxfp4", 16, 64): 2.95,
+                  ("w4a8", 32, 64): 3.0, ("nvfp4", 16, 64): 3.8, ("bf16_nvfp4", 32, 64): 3.8,
+                  ("bf16_mxfp4", 16, 128): 2.55, ("bf16_mxfp4", 32, 128): 2.55, ("w4a8", 16, 128): 2.55,
+                  ("nvfp4", 32, 128): 3.4}
 
 
-def staged_config(fmt, tokens_per_slot, staged=True):
-    """The prepacked default config of the regime (4096 x 7168) with staged_scales set, its ring
-    as deep as it then fits."""
+def staged_config(fmt, tokens_per_slot, staged=True, consumer_rows=64):
+    """The prepacked default config of the regime (4096 x 7168) with staged_scales set (and
+    consumer_rows: 128 with 232 registers a consumer), its ring as deep as it then fits."""
     import dataclasses
 
     from moegemm.config import sm90_mx_config
     from moegemm.sm90_configs import deepest_ring
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, prepacked=True)
-    return deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2), FORMATS[fmt])
+    wide = dict(consumer_rows=128, consumer_regs=232) if consumer_rows == 128 else {}
+    return deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2, **wide), FORMATS[fmt])
 
 
-@pytest.mark.parametrize("fmt,tokens_per_slot", sorted(STAGED_BUDGETS))
-def test_staged_scales_k_loop_issues_no_global_load(fmt, tokens_per_slot):
+@pytest.mark.parametrize("fmt,tokens_per_slot,consumer_rows", sorted(STAGED_BUDGETS))
+def test_staged_scales_k_loop_issues_no_global_load(fmt, tokens_per_slot, consumer_rows):
     from moegemm.config import override_config
     from moegemm.sm90_configs import SM90_SMEM_BYTES
 
-    cfg = staged_config(fmt, tokens_per_slot)
+    cfg = staged_config(fmt, tokens_per_slot, consumer_rows=consumer_rows)
     with override_config(cfg):
         compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=True)
     sass = wgmma_sass(compiled)
@@ -760,21 +764,29 @@ def test_staged_scales_k_loop_issues_no_global_load(fmt, tokens_per_slot):
     # two token boxes, the weights and one box of scale atoms for each 128-row block
     assert ops["UTMALDG"] == 5
     loops = offline.innermost_loops(sass)
-    assert len(loops) == 4, "a K loop a consumer warpgroup"
+    assert len(loops) == 256 // consumer_rows, "a K loop a consumer warpgroup"
+    units = 2 * consumer_rows // 64  # (a step of a 64-row block: four k16 wgmmas)
     for body in loops:
         texts = [t for _, t in body]
         assert not [t for t in texts if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in the K loop"
         fast, _ = offline.loop_paths(body)
         gmmas = [t for t in fast if "HGMMA" in t]
-        assert len(gmmas) == 8, "two 64-wide steps of four k16 wgmmas an iteration"
-        # the first step's wgmmas stay in flight while the second decodes; none across the back edge
-        assert [t.split()[-1] for t in fast if "DEPBAR" in t] == ["0x1", "0x0"]
+        assert len(gmmas) == 4 * units, "two 64-wide steps of four k16 wgmmas a 64-row block"
+        # each unit's wgmmas stay in flight while the next decodes; none across the back edge
+        assert [t.split()[-1] for t in fast if "DEPBAR" in t] == ["0x1"] * (units - 1) + ["0x0"]
         per_element = len(fast) / (8 * len(gmmas))
-        assert per_element <= STAGED_BUDGETS[fmt, tokens_per_slot], f"{len(fast)} instructions for {8 * len(gmmas)}"
-    # (64-token tiles: two setup values stored before the partitions start, loaded once by each)
+        assert per_element <= STAGED_BUDGETS[fmt, tokens_per_slot, consumer_rows], \
+            f"{len(fast)} instructions for {8 * len(gmmas)} elements"
+    assert wgmma_overlaps(sass), "every wgmma is serialized"
+    # (64-token tiles: up to two setup values stored before the partitions start, loaded once by
+    # each; none in a K loop)
     allowed = 0 if cfg.token_tile < 64 else 16
     assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
     assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(FORMATS[fmt]))
+    # every consumer gets the config's registers, the producer what they leave
+    consumers = 256 // consumer_rows
+    assert {cfg.consumer_regs, {2: 504, 4: 480}[consumers] - consumers * cfg.consumer_regs} <= \
+        setmaxnreg_values(compiled)
 
 
 def test_staged_scales_config_rules():
@@ -787,12 +799,19 @@ def test_staged_scales_config_rules():
     assert not any(sm90_mx_config(FORMATS[fmt], 5760, 2880, tps, prepacked=True).staged_scales
                    for fmt in ("bf16_mxfp4", "nvfp4", "mxfp4") for tps in (2, 16, 40))
     staged = staged_config("bf16_mxfp4", 16)
-    assert staged.stages < staged_config("bf16_mxfp4", 16, staged=False).stages or \
-        staged.smem_bytes(FORMATS["bf16_mxfp4"]) > dataclasses.replace(staged, staged_scales=False).smem_bytes(
-            FORMATS["bf16_mxfp4"])  # (a byte a K block of each weight row, a stage)
+    assert staged.smem_bytes(FORMATS["bf16_mxfp4"]) > dataclasses.replace(staged, staged_scales=False).smem_bytes(
+        FORMATS["bf16_mxfp4"])  # (a byte a K block of each weight row, a stage)
+    fields = dict(token_tile=16, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
+                  weight_tile=256, staged_scales=True)
+    DecodeConfig(**fields).check(FORMATS["bf16_mxfp4"])
+    DecodeConfig(**fields | dict(consumer_rows=128, consumer_regs=232)).check(FORMATS["bf16_mxfp4"])
     for bad in (dict(prepacked=False, weight_tile=128, consumer_regs=192), dict(weight_tile=128, consumer_regs=192),
-                dict(sub_steps=4)):
-        fields = dict(token_tile=16, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
-                      weight_tile=256, staged_scales=True) | bad
-        with pytest.raises(ValueError, match="staged_scales"):
-            DecodeConfig(**fields).check(FORMATS["bf16_mxfp4"])
+                dict(sub_steps=4), dict(consumer_rows=128), dict(consumer_rows=128, consumer_regs=232, token_tile=128),
+                dict(consumer_rows=128, consumer_regs=232, staged_scales=False), dict(consumer_rows=96)):
+        with pytest.raises(ValueError, match="staged_scales|consumer_rows|up to 64 tokens"):
+            DecodeConfig(**fields | bad).check(FORMATS["bf16_mxfp4"])
+    # where the scales cannot be staged, the launcher steps back to four 64-row consumers
+    wide = staged_config("bf16_mxfp4", 16, consumer_rows=128)
+    back = wide.step_ahead(FORMATS["bf16_mxfp4"])
+    assert (back.staged_scales, back.consumer_rows, back.consumer_regs) == (False, 64, 112)
+    back.check(FORMATS["bf16_mxfp4"])
