@@ -22,8 +22,9 @@ so only the normalized counts compare.
 
 The decoding kernel (kernels/sm90/decode.py) on prepacked e2m1 weights at decode, 4096 x 7168,
 16 and 32 tokens a slot (256-row tiles, 32- and 64-token tiles), its K loop with the weight
-scales loaded a step ahead and staged in the ring (DecodeConfig.staged_scales): instructions one
-iteration issues an element of a thread (a warpgroup's 64 rows x 128 K over 128 threads; on a
+scales loaded a step ahead and staged in the ring (DecodeConfig.staged_scales; four consumer
+warpgroups of 64 rows, or two of 128): instructions one iteration issues an element of a thread
+(a warpgroup's 64 or 128 rows x 128 K over 128 threads; on a
 loop with two paths, the path without a large e8m0 code, and the other), by opcode class, the
 global loads and spills in the loop, its wgmma waits, the highest register it names and the
 partitions' setmaxnreg counts.
@@ -183,8 +184,9 @@ def _opcode_class(opcode: str) -> str:
     return "other"
 
 
-def decode_loop(fmt: str, tokens_per_slot: float, staged: bool) -> dict:
-    """The decoding kernel's K loop on prepacked weights (module docstring), of consumer 0."""
+def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: int = 64) -> dict:
+    """The decoding kernel's K loop on prepacked weights (module docstring), of consumer 0;
+    consumer_rows 128: two staged-scale consumers of 128 rows (232 registers)."""
     import dataclasses
 
     from test_compile_sm90 import mx_kernel_compiled, setmaxnreg_values
@@ -195,7 +197,8 @@ def decode_loop(fmt: str, tokens_per_slot: float, staged: bool) -> dict:
     from moegemm.sm90_configs import deepest_ring
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, prepacked=True)
-    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2), FORMATS[fmt])
+    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
+    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2, **wide), FORMATS[fmt])
     with override_config(cfg):
         compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=True)
     sass = offline.sass(compiled)
@@ -226,9 +229,10 @@ def decode_report(fmts) -> str:
              "waits | highest register | setmaxnreg |", "|" + "---|" * (11 + len(DECODE_CLASSES))]
     for fmt in fmts:
         for tokens_per_slot in (16, 32):
-            for staged in (False, True):
-                r = decode_loop(fmt, tokens_per_slot, staged)
-                lines.append(f"| {fmt} | {tokens_per_slot} | {'staged' if staged else 'step ahead'} | "
+            for staged, rows in ((False, 64), (True, 64), (True, 128)):
+                r = decode_loop(fmt, tokens_per_slot, staged, rows)
+                scales = f"staged, {rows} rows a consumer" if staged else "step ahead"
+                lines.append(f"| {fmt} | {tokens_per_slot} | {scales} | "
                              f"{r['per_element']} | {r['slow_path_per_element']} | "
                              + " | ".join(str(r["classes"].get(name, 0)) for name, _ in DECODE_CLASSES)
                              + f" | {r['classes'].get('other', 0)} | {r['ldg_in_loop']} | {r['spills']} "

@@ -39,6 +39,11 @@ Steady state of one consumer (an iteration: one stage of SUB steps, or two stage
               wait until the step's wgmmas are left in flight (the next decode overlaps them),
               or, after the iteration's last step, until none is (_upcast_chain says why)
     arrive empty[s] for the iteration's stages
+
+Prepacked e2m1 with swizzled scales may take them through the ring instead (DecodeConfig.staged_scales,
+_staged_chain): the producer copies the tile's scale atoms with each stage, the consumers read
+their rows' words from it (no global load in the loop) and fold e8m0's 2^126 into the scales;
+consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile.
 """
 
 from triton.experimental import gluon
