@@ -815,3 +815,45 @@ def test_staged_scales_config_rules():
     back = wide.step_ahead(FORMATS["bf16_mxfp4"])
     assert (back.staged_scales, back.consumer_rows, back.consumer_regs) == (False, 64, 112)
     back.check(FORMATS["bf16_mxfp4"])
+
+
+def test_loop_paths_take_the_short_and_long_branch():
+    # A loop whose body branches over a slow block: the fast path skips it, the slow path runs
+    # it; the branch out of the loop (an mbarrier wait's retry) counts as not taken.
+    body = ("/*0010*/ SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R1], R2 ;\n"
+            "/*0020*/ @!P1 BRA 0x0900 ;\n"
+            "/*0030*/ @!P2 BRA 0x0070 ;\n"
+            "/*0040*/ HMUL2 R3, R3, R4 ;\n"
+            "/*0050*/ HMUL2 R5, R5, R4 ;\n"
+            "/*0060*/ BRA 0x0080 ;\n"
+            "/*0070*/ HMUL2 R3, R3, R6 ;\n"
+            "/*0080*/ HGMMA.64x32x16.F32.BF16 R24, R3, gdesc[UR4], R24, gsb0 ;\n"
+            "/*0090*/ @P0 BRA 0x0010 ;\n"
+            "/*0900*/ BRA 0x0010 ;\n")
+    loops = offline.innermost_loops(body)
+    assert len(loops) == 1 and [a for a, _ in loops[0]] == list(range(0x10, 0xa0, 0x10))
+    fast, slow = offline.loop_paths(loops[0])
+    assert len(fast) == 6 and "HMUL2 R3, R3, R6" in fast and "HMUL2 R5, R5, R4" not in fast
+    assert len(slow) == 8 and "HMUL2 R5, R5, R4" in slow and "HMUL2 R3, R3, R6" not in slow
+
+
+def test_folded_e8m0_scales_are_two_to_the_code_less_one():
+    # decode._FOLDED_E8M0_PTX (PRMT of two code bytes into the halves, then t * 128 + c): bf16
+    # 2^(b-1) in each half, i.e. the e8m0 scale 2^(b-127) times the 2^126 that the biased e2m1
+    # decoding leaves out, for every code the staged loop takes this way (0..127).
+    import struct
+
+    from moegemm.kernels.sm90.decode import _FOLDED_E8M0_PTX
+
+    def bf16(bits):
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+    for h, ptx in enumerate(_FOLDED_E8M0_PTX.value):
+        selector = int(re.search(r"prmt\.b32 t, \$1, 0, (0x[0-9a-f]+);", ptx).group(1), 16)
+        scale, add = (int(v, 0) for v in re.search(r"mad\.lo\.u32 \$0, t, (\w+), (\w+);", ptx).groups())
+        for b0, b1 in ((0, 127), (1, 126), (126, 1), (127, 0), (64, 96)):
+            word = (b0 << 16 * h) | (b1 << 8 + 16 * h) | (0xFF << 16 * (1 - h)) | (0xEE << 8 + 16 * (1 - h))
+            source = word.to_bytes(4, "little") + bytes(4)  # (prmt's second operand: 0)
+            t = int.from_bytes(bytes(source[(selector >> 4 * i) & 7] for i in range(4)), "little")
+            out = (t * scale + add) & 0xFFFFFFFF
+            assert (bf16(out & 0xFFFF), bf16(out >> 16)) == (2.0 ** (b0 - 1), 2.0 ** (b1 - 1))
