@@ -465,7 +465,7 @@ def _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc0, acc1, STEPS: gl.constexp
                 acc0, operand = _staged_step(w_bufs, t_bufs, stage, j, Q0, words0, large, acc0, NKB, BYTES,
                                              raw_layout, scale_layout, NV_SCALE)
             else:
-                acc1, operand = _staged_step(w_bufs, t_bufs, stage, j, Q0 + 1, words1, large, acc1, NKB,  # noqa: F821
+                acc1, operand = _staged_step(w_bufs, t_bufs, stage, j, Q0 + 1, words1, large, acc1, NKB,
                                              BYTES, raw_layout, scale_layout, NV_SCALE)
             # (the operand stays a dependency of the wait that retires its wgmmas, _upcast_chain)
             if j * M_BLOCKS + m == 0:
@@ -674,20 +674,20 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
     K = gl.to_tensor(K)
     NUM_KB = gl.to_tensor(NUM_KB)
     KB4 = gl.to_tensor(KB4)
-    consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 0, SUB, VEC,
-                               NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
-    consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
-                               NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+    consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                               KB4, 0, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+    consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                               KB4, 1, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
     producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB, ws_desc=ws_desc, ws_bufs=ws_bufs,
                                KB4=KB4)
     # Every consumer gets CONSUMER_REGS (pipeline.producer_registers). (A 256-token tile with the
     # producer at 120 left consumer 0 152: it spilled its accumulator in the K loop and ptxas
     # serialized every HGMMA, C7512.)
     if CONSUMERS == 4:
-        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SUB,
-                                   VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
-        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
-                                   VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                                   KB4, 2, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                                   KB4, 3, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
                             (produce, (producer, sched))],
