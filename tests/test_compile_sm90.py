@@ -857,3 +857,21 @@ def test_folded_e8m0_scales_are_two_to_the_code_less_one():
             t = int.from_bytes(bytes(source[(selector >> 4 * i) & 7] for i in range(4)), "little")
             out = (t * scale + add) & 0xFFFFFFFF
             assert (bf16(out & 0xFFFF), bf16(out >> 16)) == (2.0 ** (b0 - 1), 2.0 ** (b1 - 1))
+
+
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("fmt,epilogue", [("bf16_mxfp4", (2, 0, False, True, 32, False)),
+                                          ("nvfp4", (1, 4, True, False, 16, False))])
+def test_staged_scales_fused_epilogue_compiles_for_sm90(fmt, epilogue, consumer_rows):
+    """The fused SwiGLU epilogue on staged-scale tiles (a 128-row consumer stores its two 64-row
+    blocks one after the other): it fits shared memory, no spill in a K loop, wgmmas in flight."""
+    from moegemm.config import override_config
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
+
+    with override_config(staged_config(fmt, 16, consumer_rows=consumer_rows)):
+        compiled = mx_kernel_compiled(fmt, 16, "swizzled", epilogue, prepacked=True)
+    sass = wgmma_sass(compiled)
+    assert wgmma_overlaps(sass)
+    for body in offline.innermost_loops(sass):
+        assert not [t for _, t in body if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in a K loop"
+    assert compiled.metadata.shared <= SM90_SMEM_BYTES

@@ -480,6 +480,20 @@ def test_sm90_staged_scales_at_model_shapes(fmt, n, k, pattern, consumer_rows):
 
 
 @gpu
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("fmt", E2M1_PREPACK_FORMATS)
+def test_sm90_staged_scales_fused(fmt, consumer_rows):
+    # The fused SwiGLU epilogue on staged-scale tiles: the step-ahead loop's bytes.
+    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 2 * 640, 1024, "cuda")
+    w = moegemm.prepack_weights(p.w)
+    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
+    staged = deepest_ring(dataclasses.replace(_forced(16, True, 256, 2), staged_scales=True, stages=2, **wide),
+                          FORMATS[fmt], fused=True)
+    step_ahead, ours = _fused_outputs(p, fmt, ((w, _forced(16, True, 256)), (w, staged)))
+    assert torch.equal(step_ahead, ours)
+
+
+@gpu
 def test_sm90_staged_config_on_plain_scales_steps_back():
     # A staged config given plain scales (which the producer cannot stage) runs the step-ahead loop.
     p = make_problem("bf16_mxfp4", "plain", MODEL_SMALL_GROUPS_FEW, 320, 576, "cuda")
