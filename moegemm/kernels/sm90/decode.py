@@ -488,7 +488,9 @@ def _staged_chain(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, 
     swizzled atoms, ws_bufs): the loop issues no global load. The warpgroup's M_BLOCKS 64-row
     blocks from Q0 go to acc0 and acc1. A last stage that ends at its first step (K % 128 == 64)
     runs that step alone, so no scale past NUM_KB (padding, or the next row block's atom) is
-    read. Waits as _upcast_chain: no wgmma is in flight across the back edge."""
+    read. Waits as _upcast_chain: no wgmma is in flight across the back edge (with the last
+    unit's left in flight, its register operand carried by the loop and its stage released a
+    wait later, ptxas serialized every wgmma, C7512, at 232 and 240 registers a consumer)."""
     acc0 = zero
     acc1 = zero
     for kk in range(K // 128):
