@@ -430,7 +430,7 @@ STAGED_PATTERNS = [p for p in TOKEN_PATTERNS if p.name in ("ragged", "tiny")]
 @gpu
 @pytest.mark.parametrize("consumer_rows", [64, 128])
 @pytest.mark.parametrize("k", [576, 640], ids=["half_last_stage", "whole_stages"])
-@pytest.mark.parametrize("token_tile", [16, 32, 64])
+@pytest.mark.parametrize("token_tile", [16, 64])  # (32: the model shapes' default tiles, below)
 @pytest.mark.parametrize("pattern", STAGED_PATTERNS, ids=[p.name for p in STAGED_PATTERNS])
 @pytest.mark.parametrize("fmt", E2M1_PREPACK_FORMATS)
 def test_sm90_staged_scales_match_the_step_ahead_loop(fmt, pattern, token_tile, k, consumer_rows):
