@@ -875,3 +875,13 @@ def test_staged_scales_fused_epilogue_compiles_for_sm90(fmt, epilogue, consumer_
     for body in offline.innermost_loops(sass):
         assert not [t for _, t in body if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in a K loop"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES
+
+
+@pytest.mark.parametrize("fmt,tokens_per_slot,consumer_rows", [("bf16_mxfp4", 32, 128), ("nvfp4", 16, 64)])
+def test_staged_scales_unscaled_specialization_reads_no_accumulator_in_flight(fmt, tokens_per_slot, consumer_rows):
+    # (the specialization without expert and row scales, where ptxas once moved the decoding
+    # kernel's epilogue reads above its last wait: test_unscaled_specialization_...)
+    from moegemm.config import override_config
+
+    with override_config(staged_config(fmt, tokens_per_slot, consumer_rows=consumer_rows)):
+        wgmma_sass(mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", with_scales=False, prepacked=True))
