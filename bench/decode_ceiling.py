@@ -209,18 +209,26 @@ def run(regimes, fmts, out_dir: Path):
     print(f"wrote {path}")
 
 
-# Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs).
-REGISTER_VARIANTS = {"w128_s2": (128, 2, 192), "w256_s2": (256, 2, 112), "w256_s4": (256, 4, 112)}
+# Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs,
+# staged_scales, consumer_rows): the scales loaded a step ahead, or staged in the ring (e2m1 on
+# swizzled scales) with four consumer warpgroups of 64 rows or two of 128.
+REGISTER_VARIANTS = {"w128_s2": (128, 2, 192, False, 64), "w256_s2": (256, 2, 112, False, 64),
+                     "w256_s4": (256, 4, 112, False, 64), "w256_staged": (256, 2, 112, True, 64),
+                     "w256_staged_r128": (256, 2, 232, True, 128)}
 # (groups, nominal tokens a group): the decode regimes of the issue's targets, and gpt-oss's own
 # (128 experts, ~2 tokens each), where mxfp4 and w4a8 on the plain order run the e2m1 kernel
 FP4_REGIMES = ((256, 16), (32, 32), (128, 2))
 
 
-def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int, regs: int):
+def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int, regs: int, staged: bool = False,
+                    consumer_rows: int = 64):
     """The register path's config for a variant, its ring as deep as it fits; None where the
-    variant does not apply (a stage over 128 bytes of a weight row, 256-row tiles past 64 tokens)."""
+    variant does not apply (a stage over 128 bytes of a weight row, 256-row tiles past 64 tokens,
+    staged scales of e4m3 weights)."""
+    if staged and not FORMATS[fmt].b.element.packed:
+        return None
     cfg = DecodeConfig(token_tile=token_tile, stages=2, group_m=1, consumer_regs=regs, sub_steps=sub_steps,
-                       prepacked=True, weight_tile=weight_tile)
+                       prepacked=True, weight_tile=weight_tile, staged_scales=staged, consumer_rows=consumer_rows)
     try:
         cfg = deepest_ring(cfg, FORMATS[fmt])
         cfg.check(FORMATS[fmt])
@@ -229,11 +237,12 @@ def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int,
     return cfg
 
 
-def run_few_tokens(fmts, out_dir: Path):
+def run_few_tokens(fmts, out_dir: Path, variants=(), regimes=FP4_REGIMES):
     """Decode regimes of the prepacked register path: as run, each REGISTER_VARIANTS config with
     and without its decode (REGISTER_DECODE_LINES: the data path alone), fp8_block and torch bf16
     beside them, and triton_kernels' matmul_ogs on bf16_mxfp4 where bench/peer_triton_kernels.py
-    finds it; every variant's bits against the default config's."""
+    finds it; every variant's bits against the default config's. `variants`: only those of
+    REGISTER_VARIANTS (all when empty); `regimes`: (groups, nominal tokens) pairs."""
     device = torch.device("cuda")
     ceilings = benchmark.measure_ceilings(device)
     env = {**benchmark.provenance("bench/decode_ceiling.py --few-tokens"),
@@ -250,7 +259,7 @@ def run_few_tokens(fmts, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"few-tokens-{env['gpu'].replace(' ', '-')}.json"
     rows = []
-    for groups, nominal in FP4_REGIMES:
+    for groups, nominal in regimes:
         for shape, (n, k) in SHAPES.items():
             sizes = benchmark_rows.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
             tokens = sum(sizes)
@@ -270,8 +279,10 @@ def run_few_tokens(fmts, out_dir: Path):
                     reference = inp.out.clone()
                     row["prepacked_ms"] = timed(call)
                     keys.append("prepacked_ms")
-                    for name, (weight_tile, sub, regs) in REGISTER_VARIANTS.items():
-                        cfg = _variant_config(fmt, default.token_tile, weight_tile, sub, regs)
+                    for name, variant in REGISTER_VARIANTS.items():
+                        if variants and name not in variants:
+                            continue
+                        cfg = _variant_config(fmt, default.token_tile, *variant)
                         if cfg is None:
                             continue
                         packed = FORMATS[fmt].b.element.packed  # (the stubbed decode is e2m1's)
@@ -324,11 +335,15 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default=",".join(MX_FORMATS))
     parser.add_argument("--few-tokens", action="store_true",
                         help="the prepacked register path's configs at few tokens a slot (run_few_tokens)")
+    parser.add_argument("--variants", default="", help="--few-tokens: only these REGISTER_VARIANTS (comma-separated)")
+    parser.add_argument("--few-regimes", default="",
+                        help="--few-tokens: GROUPSxTOKENS pairs, comma-separated (default: 256x16,32x32,128x2)")
     args = parser.parse_args(argv)
     start = time.time()
     fmts = [f for f in args.formats.split(",") if f in FORMATS]
     if args.few_tokens:
-        run_few_tokens(fmts, Path(args.out))
+        regimes = tuple(tuple(int(v) for v in r.split("x")) for r in args.few_regimes.split(",") if r) or FP4_REGIMES
+        run_few_tokens(fmts, Path(args.out), tuple(v for v in args.variants.split(",") if v), regimes)
     else:
         run(args.regimes.split(","), fmts, Path(args.out))
     print(f"# {time.time() - start:.0f} s")

@@ -18,6 +18,17 @@ Each innermost loop around a wgmma is counted by opcode and normalized by its te
 instructions per million multiply-adds of one consumer warpgroup (a 64 x N x 32 wgmma is 64 * N *
 32 of them). The kernels unroll differently (ours one 128-K block an iteration, DeepGEMM several),
 so only the normalized counts compare.
+
+    python bench/kloop_sass.py --decode [--formats bf16_mxfp4,nvfp4] [--out FILE]
+
+The decoding kernel (kernels/sm90/decode.py) on prepacked e2m1 weights at decode, 4096 x 7168,
+16 and 32 tokens a slot (256-row tiles, 32- and 64-token tiles), its K loop with the weight
+scales loaded a step ahead and staged in the ring (DecodeConfig.staged_scales; four consumer
+warpgroups of 64 rows, or two of 128): instructions one iteration issues an element of a thread
+(a warpgroup's 64 or 128 rows x 128 K over 128 threads; on a
+loop with two paths, the path without a large e8m0 code, and the other), by opcode class, the
+global loads and spills in the loop, its wgmma waits, the highest register it names and the
+partitions' setmaxnreg counts.
 """
 
 from __future__ import annotations
@@ -165,8 +176,82 @@ def _deepgemm_source() -> str:
     return f"DeepGEMM {match.group(1) if match else 'of unknown commit'}"
 
 
+# Opcode classes of the decoding kernel's K loop (the first word of the opcode).
+DECODE_CLASSES = (("decode", ("SHF", "LOP3", "HMUL2", "PRMT", "LEA", "F2FP", "HADD2", "I2F", "F2F")),
+                  ("wgmma", ("HGMMA", "WARPGROUP")), ("barriers", ("BAR", "SYNCS")),
+                  ("shared loads", ("LDS",)), ("global loads", ("LDG",)), ("spills", ("LDL", "STL")),
+                  ("uniform", ("U",)), ("branches", ("BRA", "REDUX", "VOTE")))
+
+
+def _opcode_class(opcode: str) -> str:
+    head = opcode.split(".")[0]
+    for name, prefixes in DECODE_CLASSES:
+        if any(head == p or (p == "U" and head.startswith("U")) for p in prefixes):
+            return name
+    return "other"
+
+
+def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: int = 64) -> dict:
+    """The decoding kernel's K loop on prepacked weights (module docstring), of consumer 0;
+    consumer_rows 128: two staged-scale consumers of 128 rows (232 registers)."""
+    import dataclasses
+
+    from test_compile_sm90 import mx_kernel_compiled, setmaxnreg_values
+
+    from moegemm.config import override_config, sm90_mx_config
+    from moegemm.formats import FORMATS
+    from moegemm.kernels import offline
+    from moegemm.sm90_configs import deepest_ring
+
+    cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, prepacked=True)
+    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
+    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2, **wide), FORMATS[fmt])
+    with override_config(cfg):
+        compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=True)
+    sass = offline.sass(compiled)
+    body = offline.innermost_loops(sass)[0]
+    fast, slow = offline.loop_paths(body)
+    elements = 8 * sum("GMMA" in t for t in fast)  # (a k16 wgmma of 64 rows: 8 elements a thread)
+    classes = collections.Counter(_opcode_class(offline.opcode(t)) for t in fast)
+    ops = offline.opcode_counts(sass)
+    registers = [int(r) for _, t in body for r in re.findall(r"\bR(\d+)\b", t)]
+    return {"config": str(cfg), "elements": elements, "instructions": len(fast),
+            "per_element": round(len(fast) / elements, 2), "slow_path_per_element": round(len(slow) / elements, 2),
+            "classes": {name: round(n / elements, 2) for name, n in classes.most_common()},
+            "ldg_in_loop": sum(bool(re.search(r"\bLDG\b", t)) for _, t in body),
+            "spills_in_loop": sum(bool(re.search(r"\b(LDL|STL)\b", t)) for _, t in body),
+            "spills": ops["LDL"] + ops["STL"], "waits": [t.split()[-1] for t in fast if "DEPBAR" in t],
+            "highest_register": max(registers), "setmaxnreg": sorted(setmaxnreg_values(compiled)),
+            "hazards": len(offline.wgmma_register_hazards(sass)), "shared": compiled.metadata.shared}
+
+
+def decode_report(fmts) -> str:
+    from moegemm.benchmark import provenance
+
+    lines = ["# The decoding kernel's K loop on prepacked weights, sm_90 SASS (4096 x 7168)", "",
+             f"`python bench/kloop_sass.py --decode --formats {','.join(fmts)}` "
+             f"({provenance('bench/kloop_sass.py')['commit'][:7]})", "",
+             "| format | tokens a slot | scales | instructions an element | (other path) | "
+             + " | ".join(name for name, _ in DECODE_CLASSES) + " | other | LDG in loop | spills (in loop) | "
+             "waits | highest register | setmaxnreg |", "|" + "---|" * (11 + len(DECODE_CLASSES))]
+    for fmt in fmts:
+        for tokens_per_slot in (16, 32):
+            for staged, rows in ((False, 64), (True, 64), (True, 128)):
+                r = decode_loop(fmt, tokens_per_slot, staged, rows)
+                scales = f"staged, {rows} rows a consumer" if staged else "step ahead"
+                lines.append(f"| {fmt} | {tokens_per_slot} | {scales} | "
+                             f"{r['per_element']} | {r['slow_path_per_element']} | "
+                             + " | ".join(str(r["classes"].get(name, 0)) for name, _ in DECODE_CLASSES)
+                             + f" | {r['classes'].get('other', 0)} | {r['ldg_in_loop']} | {r['spills']} "
+                             f"({r['spills_in_loop']}) | {' '.join(r['waits'])} | R{r['highest_register']} | "
+                             f"{r['setmaxnreg']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode", action="store_true", help="the decoding kernel's K loop on prepacked weights")
+    parser.add_argument("--formats", default="bf16_mxfp4,nvfp4", help="--decode: formats")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--rows", type=int, default=8192, help="tokens a group")
     parser.add_argument("--n", type=int, default=6144)
@@ -176,6 +261,13 @@ def main(argv=None) -> int:
                         help="ours with the K loop that loads its scales (DenseConfig.scale_ring off)")
     args = parser.parse_args(argv)
     from moegemm.benchmark import provenance
+
+    if args.decode:
+        text = decode_report(args.formats.split(","))
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return 0
 
     cfg, ours = ours_sass(args.n, args.k, float(args.rows), args.loaded_scales)
     sides = {"moegemm": (str(cfg), k_loops(ours))}

@@ -128,6 +128,13 @@ class DecodeConfig:
     sub_steps: int = 1
     prepacked: bool = False  # weights in moegemm.prepack's order, decoded into the wgmma's registers
     weight_tile: int = 128  # 256: four consumer warpgroups share each token stage (prepacked, <= 64 tokens)
+    # Prepacked e2m1 on 256-row tiles with swizzled scales: the scales come through the ring (the
+    # producer's TMA copy of the tile's atoms) and e8m0's 2^126 is folded into them; plain scales,
+    # or False, keep the loop that loads them a step ahead (kernels/sm90/decode.py, _staged_chain).
+    staged_scales: bool = False
+    # 128: two consumer warpgroups on a 256-row tile, each with two 64-row accumulators (staged
+    # scales only; consumer_regs 192..240), an iteration's fixed cost spread over twice the rows.
+    consumer_rows: int = 64
 
     block_k = 64
     claim_rounds = 0  # (round-robin throughout)
@@ -143,18 +150,36 @@ class DecodeConfig:
         masks)."""
         stage = int((self.token_tile * 2 + self.weight_tile * weight_bytes(fmt)) * self.stage_k)
         operands = 0 if self.prepacked else 2 * 2 * 64 * self.block_k * 2
+        if self.staged_scales and fmt.b.element.packed:  # (a byte a K block of a weight row, a stage)
+            stage += self.weight_tile * self.stage_k // fmt.scale_vec
         # (a 256-token tile stores its two 128-token halves one after the other)
         epilogue = self.weight_tile // 64 * min(self.token_tile, 128) * 64 * 4 if fused else 0
         # (four consumer warpgroups: ~2 KB more of the compiler's own scratch, read off compiles)
         partitions = 2048 if self.weight_tile == 256 else 0
         return self.stages * (stage + _RING_BARRIERS) + operands + epilogue + partitions + _SCHEDULE
 
+    def step_ahead(self, fmt: Format, fused: bool = False) -> DecodeConfig:
+        """This config with the weight scales loaded by the consumers a step ahead, where the
+        scales cannot be staged (plain ones, or e4m3 weights): four consumer warpgroups of 64 rows
+        on 256-row tiles, the ring as deep as it then fits."""
+        if not self.staged_scales:
+            return self
+        wide = dict(consumer_regs=112) if self.consumer_rows == 128 else {}
+        return deepest_ring(replace(self, staged_scales=False, consumer_rows=64, stages=2, **wide), fmt, fused=fused)
+
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
         if fmt.name not in MX_FORMATS:
             raise ValueError(f"config: DecodeConfig runs the block formats {MX_FORMATS}, not {fmt.name}")
         if self.token_tile not in (16, 32, 64, 128, 256):
             raise ValueError(f"config: token_tile must be 16..256 (powers of two): {self}")
-        if self.weight_tile == 256:
+        if self.consumer_rows not in (64, 128) or self.consumer_rows == 128 and not (
+                self.staged_scales and self.weight_tile == 256 and 192 <= self.consumer_regs <= 240):
+            raise ValueError(f"config: consumer_rows 64, or 128 with staged_scales on 256-row tiles and consumer_regs "
+                             f"192..240: {self}")
+        if self.weight_tile == 256 and self.consumer_rows == 128:
+            if self.token_tile > 64:
+                raise ValueError(f"config: 256-row tiles take up to 64 tokens: {self}")
+        elif self.weight_tile == 256:
             if not self.prepacked or self.token_tile > 64 or not 96 <= self.consumer_regs <= 112:
                 raise ValueError(f"config: 256-row tiles (four consumer warpgroups) take prepacked weights, up to 64 "
                                  f"tokens and consumer_regs 96..112 (the producer keeps 480 - 4 x that): {self}")
@@ -162,6 +187,8 @@ class DecodeConfig:
             raise ValueError(f"config: weight_tile 128 or 256: {self}")
         elif self.token_tile == 256 and self.consumer_regs < 240 or not 192 <= self.consumer_regs <= 240:
             raise ValueError(f"config: consumer_regs 192..240, 240 for 256-token tiles (two accumulators): {self}")
+        if self.staged_scales and not (self.prepacked and self.weight_tile == 256 and self.sub_steps == 2):
+            raise ValueError(f"config: staged_scales are for prepacked 256-row tiles of sub_steps 2: {self}")
         if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
             raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
         _check_smem(self, fmt, out_bytes, fused)

@@ -278,7 +278,7 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
 
 def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True, prepacked=False):
     from moegemm.config import sm90_mx_config
-    from moegemm.kernels.sm90 import decode
+    from moegemm.kernels.sm90 import decode, launcher
     from moegemm.sm90_configs import DecodeConfig, weight_bytes, with_epilogue_scratch
 
     f = FORMATS[fmt]
@@ -288,20 +288,33 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
     if epilogue is not None:
         cfg = with_epilogue_scratch(cfg, f)
     fp4 = f.b.element.packed
+    constexprs = {}
+    if staged_scales(fmt, cfg, layout):  # the weight scales' atoms through the ring
+        descs = {"ws_desc": offline.tensordesc_signature("i32", [cfg.stage_k // f.scale_vec // 4 * 32, 4],
+                                                         launcher._unswizzled_32bit_layout())}
+    else:
+        descs, constexprs["ws_desc"] = {}, None
     signature = {
         "t_desc": offline.tensordesc_signature("bf16", [cfg.token_tile, cfg.block_k]),
         "w_desc": offline.tensordesc_signature("u8" if fp4 else "fp8e4nv",
-                                               [cfg.weight_tile, int(cfg.stage_k * weight_bytes(f))]),
+                                               [cfg.weight_tile, int(cfg.stage_k * weight_bytes(f))]), **descs,
         "out_ptr": "*u8" if epilogue else "*bf16", "b_scale_ptr": "*u8", "a_offsets_ptr": "*i32",
         "expert_ids_ptr": "*i32", "expert_scales_ptr": "*fp32", "row_scales_ptr": "*fp32",
         **{name: "i32" for name in ("M", "N", "K", "E", "G", "NUM_KB", "KB4")}, "epi": EPILOGUE_SIGNATURE,
     }
-    constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
+    constexprs.update(STAGES=cfg.stages, GROUP_M=cfg.group_m, VEC=f.scale_vec, NV_SCALE=f.b.scale == "e4m3",
                       SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None,
-                      CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE, PREPACKED=cfg.prepacked)
+                      CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE, PREPACKED=cfg.prepacked,
+                      CONSUMER_ROWS=cfg.consumer_rows)
     return offline.gluon_compile_for_sm90(decode.decode_kernel, signature, constexprs,
                                           {"num_warps": 4})
+
+
+def staged_scales(fmt, cfg, layout) -> bool:
+    """Whether the launcher gives the decoding kernel its weight scales through the ring
+    (launcher.staged_scales)."""
+    return cfg.staged_scales and layout == "swizzled" and FORMATS[fmt].b.element.packed
 
 
 def mxfp8_kernel_compiled(cfg, layout, epilogue=None, fmt="mxfp8", half_tiles=False, with_scales=True):
@@ -760,3 +773,164 @@ def test_register_hazard_check_finds_an_early_accumulator_read():
             "/*0070*/ F2FP.BF16.F32.PACK_AB R41, R37, R36 ;\n"
             "/*0080*/ IMAD R56, R57, R58, RZ ;\n")
     assert offline.wgmma_register_hazards(body) == [("0050", "F2FP.BF16.F32.PACK_AB R40, R39, R38")]
+
+
+# The prepacked e2m1 K loop with its weight scales staged in the ring (DecodeConfig.staged_scales):
+# instructions one iteration issues an element of a thread (a warpgroup's 64 or 128 rows x 128 K
+# over its 128 threads), on its path without an e8m0 code >= 128 (the longer one decodes as the
+# step-ahead loop does), read off the sm_90 SASS. The step-ahead loop: 3.80 with 2 LDG
+# (bf16_mxfp4, 16 tokens a slot), 3.67-3.75 with 4 (nvfp4, whose staged e4m3 scales convert as
+# before). (fmt, tokens a slot, consumer rows) -> bound.
+STAGED_BUDGETS = {("bf16_mxfp4", 16, 64): 2.95, ("bf16_mxfp4", 32, 64): 3.0, ("mxfp4", 16, 64): 2.95,
+                  ("w4a8", 32, 64): 3.0, ("nvfp4", 16, 64): 3.8, ("bf16_nvfp4", 32, 64): 3.8,
+                  ("bf16_mxfp4", 16, 128): 2.55, ("bf16_mxfp4", 32, 128): 2.55, ("w4a8", 16, 128): 2.55,
+                  ("nvfp4", 32, 128): 3.4}
+
+
+def staged_config(fmt, tokens_per_slot, staged=True, consumer_rows=64):
+    """The prepacked default config of the regime (4096 x 7168) with staged_scales set (and
+    consumer_rows: 128 with 232 registers a consumer), its ring as deep as it then fits."""
+    import dataclasses
+
+    from moegemm.config import sm90_mx_config
+    from moegemm.sm90_configs import deepest_ring
+
+    cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, prepacked=True)
+    wide = dict(consumer_rows=128, consumer_regs=232) if consumer_rows == 128 else {}
+    return deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2, **wide), FORMATS[fmt])
+
+
+@pytest.mark.parametrize("fmt,tokens_per_slot,consumer_rows", sorted(STAGED_BUDGETS))
+def test_staged_scales_k_loop_issues_no_global_load(fmt, tokens_per_slot, consumer_rows):
+    from moegemm.config import override_config
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
+
+    cfg = staged_config(fmt, tokens_per_slot, consumer_rows=consumer_rows)
+    with override_config(cfg):
+        compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=True)
+    sass = wgmma_sass(compiled)
+    ops = offline.opcode_counts(sass)
+    # two token boxes, the weights and one box of scale atoms for each 128-row block
+    assert ops["UTMALDG"] == 5
+    loops = offline.innermost_loops(sass)
+    assert len(loops) == 256 // consumer_rows, "a K loop a consumer warpgroup"
+    units = 2 * consumer_rows // 64  # (a step of a 64-row block: four k16 wgmmas)
+    for body in loops:
+        texts = [t for _, t in body]
+        assert not [t for t in texts if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in the K loop"
+        fast, _ = offline.loop_paths(body)
+        gmmas = [t for t in fast if "HGMMA" in t]
+        assert len(gmmas) == 4 * units, "two 64-wide steps of four k16 wgmmas a 64-row block"
+        # each unit's wgmmas stay in flight while the next decodes; none across the back edge
+        assert [t.split()[-1] for t in fast if "DEPBAR" in t] == ["0x1"] * (units - 1) + ["0x0"]
+        per_element = len(fast) / (8 * len(gmmas))
+        assert per_element <= STAGED_BUDGETS[fmt, tokens_per_slot, consumer_rows], \
+            f"{len(fast)} instructions for {8 * len(gmmas)} elements"
+    assert wgmma_overlaps(sass), "every wgmma is serialized"
+    # (64-token tiles: up to two setup values stored before the partitions start, loaded once by
+    # each; none in a K loop)
+    allowed = 0 if cfg.token_tile < 64 else 16
+    assert ops["LDL"] + ops["STL"] <= allowed, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+    assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(FORMATS[fmt]))
+    # every consumer gets the config's registers, the producer what they leave
+    consumers = 256 // consumer_rows
+    assert {cfg.consumer_regs, {2: 504, 4: 480}[consumers] - consumers * cfg.consumer_regs} <= \
+        setmaxnreg_values(compiled)
+
+
+def test_staged_scales_config_rules():
+    import dataclasses
+
+    from moegemm.config import sm90_mx_config
+    from moegemm.sm90_configs import DecodeConfig
+
+    # opt-in: the defaults load the scales a step ahead
+    assert not any(sm90_mx_config(FORMATS[fmt], 5760, 2880, tps, prepacked=True).staged_scales
+                   for fmt in ("bf16_mxfp4", "nvfp4", "mxfp4") for tps in (2, 16, 40))
+    staged = staged_config("bf16_mxfp4", 16)
+    assert staged.smem_bytes(FORMATS["bf16_mxfp4"]) > dataclasses.replace(staged, staged_scales=False).smem_bytes(
+        FORMATS["bf16_mxfp4"])  # (a byte a K block of each weight row, a stage)
+    fields = dict(token_tile=16, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
+                  weight_tile=256, staged_scales=True)
+    DecodeConfig(**fields).check(FORMATS["bf16_mxfp4"])
+    DecodeConfig(**fields | dict(consumer_rows=128, consumer_regs=232)).check(FORMATS["bf16_mxfp4"])
+    for bad in (dict(prepacked=False, weight_tile=128, consumer_regs=192), dict(weight_tile=128, consumer_regs=192),
+                dict(sub_steps=4), dict(consumer_rows=128), dict(consumer_rows=128, consumer_regs=232, token_tile=128),
+                dict(consumer_rows=128, consumer_regs=232, staged_scales=False), dict(consumer_rows=96)):
+        with pytest.raises(ValueError, match="staged_scales|consumer_rows|up to 64 tokens"):
+            DecodeConfig(**fields | bad).check(FORMATS["bf16_mxfp4"])
+    # where the scales cannot be staged, the launcher steps back to four 64-row consumers
+    wide = staged_config("bf16_mxfp4", 16, consumer_rows=128)
+    back = wide.step_ahead(FORMATS["bf16_mxfp4"])
+    assert (back.staged_scales, back.consumer_rows, back.consumer_regs) == (False, 64, 112)
+    back.check(FORMATS["bf16_mxfp4"])
+
+
+def test_loop_paths_take_the_short_and_long_branch():
+    # A loop whose body branches over a slow block: the fast path skips it, the slow path runs
+    # it; the branch out of the loop (an mbarrier wait's retry) counts as not taken.
+    body = ("/*0010*/ SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R1], R2 ;\n"
+            "/*0020*/ @!P1 BRA 0x0900 ;\n"
+            "/*0030*/ @!P2 BRA 0x0070 ;\n"
+            "/*0040*/ HMUL2 R3, R3, R4 ;\n"
+            "/*0050*/ HMUL2 R5, R5, R4 ;\n"
+            "/*0060*/ BRA 0x0080 ;\n"
+            "/*0070*/ HMUL2 R3, R3, R6 ;\n"
+            "/*0080*/ HGMMA.64x32x16.F32.BF16 R24, R3, gdesc[UR4], R24, gsb0 ;\n"
+            "/*0090*/ @P0 BRA 0x0010 ;\n"
+            "/*0900*/ BRA 0x0010 ;\n")
+    loops = offline.innermost_loops(body)
+    assert len(loops) == 1 and [a for a, _ in loops[0]] == list(range(0x10, 0xa0, 0x10))
+    fast, slow = offline.loop_paths(loops[0])
+    assert len(fast) == 6 and "HMUL2 R3, R3, R6" in fast and "HMUL2 R5, R5, R4" not in fast
+    assert len(slow) == 8 and "HMUL2 R5, R5, R4" in slow and "HMUL2 R3, R3, R6" not in slow
+
+
+def test_folded_e8m0_scales_are_two_to_the_code_less_one():
+    # decode._FOLDED_E8M0_PTX (PRMT of two code bytes into the halves, then t * 128 + c): bf16
+    # 2^(b-1) in each half, i.e. the e8m0 scale 2^(b-127) times the 2^126 that the biased e2m1
+    # decoding leaves out, for every code the staged loop takes this way (0..127).
+    import struct
+
+    from moegemm.kernels.sm90.decode import _FOLDED_E8M0_PTX
+
+    def bf16(bits):
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+    for h, ptx in enumerate(_FOLDED_E8M0_PTX.value):
+        selector = int(re.search(r"prmt\.b32 t, \$1, 0, (0x[0-9a-f]+);", ptx).group(1), 16)
+        scale, add = (int(v, 0) for v in re.search(r"mad\.lo\.u32 \$0, t, (\w+), (\w+);", ptx).groups())
+        for b0, b1 in ((0, 127), (1, 126), (126, 1), (127, 0), (64, 96)):
+            word = (b0 << 16 * h) | (b1 << 8 + 16 * h) | (0xFF << 16 * (1 - h)) | (0xEE << 8 + 16 * (1 - h))
+            source = word.to_bytes(4, "little") + bytes(4)  # (prmt's second operand: 0)
+            t = int.from_bytes(bytes(source[(selector >> 4 * i) & 7] for i in range(4)), "little")
+            out = (t * scale + add) & 0xFFFFFFFF
+            assert (bf16(out & 0xFFFF), bf16(out >> 16)) == (2.0 ** (b0 - 1), 2.0 ** (b1 - 1))
+
+
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("fmt,epilogue", [("bf16_mxfp4", (2, 0, False, True, 32, False)),
+                                          ("nvfp4", (1, 4, True, False, 16, False))])
+def test_staged_scales_fused_epilogue_compiles_for_sm90(fmt, epilogue, consumer_rows):
+    """The fused SwiGLU epilogue on staged-scale tiles (a 128-row consumer stores its two 64-row
+    blocks one after the other): it fits shared memory, no spill in a K loop, wgmmas in flight."""
+    from moegemm.config import override_config
+    from moegemm.sm90_configs import SM90_SMEM_BYTES
+
+    with override_config(staged_config(fmt, 16, consumer_rows=consumer_rows)):
+        compiled = mx_kernel_compiled(fmt, 16, "swizzled", epilogue, prepacked=True)
+    sass = wgmma_sass(compiled)
+    assert wgmma_overlaps(sass)
+    for body in offline.innermost_loops(sass):
+        assert not [t for _, t in body if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in a K loop"
+    assert compiled.metadata.shared <= SM90_SMEM_BYTES
+
+
+@pytest.mark.parametrize("fmt,tokens_per_slot,consumer_rows", [("bf16_mxfp4", 32, 128), ("nvfp4", 16, 64)])
+def test_staged_scales_unscaled_specialization_reads_no_accumulator_in_flight(fmt, tokens_per_slot, consumer_rows):
+    # (the specialization without expert and row scales, where ptxas once moved the decoding
+    # kernel's epilogue reads above its last wait: test_unscaled_specialization_...)
+    from moegemm.config import override_config
+
+    with override_config(staged_config(fmt, tokens_per_slot, consumer_rows=consumer_rows)):
+        wgmma_sass(mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", with_scales=False, prepacked=True))

@@ -14,12 +14,12 @@ from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, pois
 
 import moegemm
 from moegemm import codecs
-from moegemm.config import override_config
-from moegemm.formats import PREPACK_FORMATS
+from moegemm.config import override_config, sm90_mx_config
+from moegemm.formats import FORMATS, PREPACK_FORMATS
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.kernels.sm90.decode import _e2m1_to_bf16_ptx
 from moegemm.prepack import E2M1_WORD_TERMS, prepack_codes, unpack_codes
-from moegemm.sm90_configs import DecodeConfig
+from moegemm.sm90_configs import DecodeConfig, deepest_ring
 
 needs_interpreter = pytest.mark.skipif(not interpreter_usable(), reason="Triton's CPU interpreter needs numpy < 2.4")
 
@@ -395,3 +395,109 @@ def test_sm90_prepacked_e2m1_formats_at_decode(fmt, n, k):
         out_prepacked, out_plain = (layer(x).float() for layer in layers)
     scale = out_plain.abs().max()
     assert ((out_prepacked - out_plain).abs().max() / scale).item() < 0.05
+
+
+E2M1_PREPACK_FORMATS = tuple(f for f in PREPACK_FORMATS if f != "bf16_mxfp8")
+
+
+def _staged_pair(p, fmt: str, n: int, k: int, token_tile: int | None, consumer_rows: int = 64):
+    """The prepacked product with the scales loaded a step ahead and with them staged in the ring
+    (DecodeConfig.staged_scales; consumer_rows 128: two consumer warpgroups of 128 rows), each into a
+    poisoned output: (step-ahead, staged, poisoned). token_tile None: the regime's default config."""
+    a, w = (dataclasses.replace(q, global_scale=None) for q in (p.a, p.w))
+    w = moegemm.prepack_weights(w)
+    if token_tile is None:
+        base = sm90_mx_config(FORMATS[fmt], n, k, p.m / len(p.expert_ids), prepacked=True)
+    else:
+        base = _forced(token_tile, True, 256, 2)
+    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
+    outs = []
+    for staged in (False, True):
+        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
+        out = poisoned.clone()
+        cfg = dataclasses.replace(base, staged_scales=True, stages=2, **wide) if staged else \
+            dataclasses.replace(base, stages=2)
+        with override_config(deepest_ring(cfg, FORMATS[fmt])):
+            moegemm.grouped_matmul(a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
+                                   expert_scales=p.expert_scales, row_scales=p.row_scales, out=out, backend="sm90")
+        outs.append(out)
+    return outs[0], outs[1], poisoned
+
+
+STAGED_PATTERNS = [p for p in TOKEN_PATTERNS if p.name in ("ragged", "tiny")]
+
+
+@gpu
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("k", [576, 640], ids=["half_last_stage", "whole_stages"])
+@pytest.mark.parametrize("token_tile", [16, 64])  # (32: the model shapes' default tiles, below)
+@pytest.mark.parametrize("pattern", STAGED_PATTERNS, ids=[p.name for p in STAGED_PATTERNS])
+@pytest.mark.parametrize("fmt", E2M1_PREPACK_FORMATS)
+def test_sm90_staged_scales_match_the_step_ahead_loop(fmt, pattern, token_tile, k, consumer_rows):
+    # The weight scales through the ring (swizzled atoms by TMA, e8m0's 2^126 folded into them):
+    # against the reference (rows outside the slots untouched) and bit for bit the loop that
+    # loads them a step ahead. N=320: a whole 256-row tile and a partial one (its second 128-row
+    # block is the next expert's, or past the scales); K=576: a last stage of one step.
+    p = make_problem(fmt, "swizzled", pattern, 320, k, "cuda")
+    step_ahead, staged, poisoned = _staged_pair(p, fmt, 320, k, token_tile, consumer_rows)
+    check_output(p, staged, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(staged[valid].view(torch.int16), step_ahead[valid].view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "mxfp4", "w4a8"))
+def test_sm90_staged_scales_take_large_e8m0_codes(fmt, consumer_rows):
+    # e8m0 codes >= 128 (scales >= 2, where 2^126 folded into the scale leaves bf16) in some
+    # stages: those stages decode as the step-ahead loop does, so both agree bit for bit and with
+    # the reference on the same (modified) weights.
+    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 320, 576, "cuda")
+    codes = p.w.scales.view(torch.uint8).clone()
+    flat = codes.view(-1)
+    flat[::37] = torch.randint(128, 140, flat[::37].shape, dtype=torch.uint8, device=flat.device)
+    p = dataclasses.replace(p, w=dataclasses.replace(p.w, scales=codes.view(p.w.scales.dtype)))
+    step_ahead, staged, poisoned = _staged_pair(p, fmt, 320, 576, 16, consumer_rows)
+    check_output(p, staged, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(staged[valid].view(torch.int16), step_ahead[valid].view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("pattern", (MODEL_SMALL_GROUPS, MODEL_SMALL_GROUPS_FEW), ids=lambda p: p.name)
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (5760, 2880), (2880, 2880)],
+                         ids=["dsv3-up", "dsv3-down", "gptoss-up", "gptoss-down"])
+@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "nvfp4"))
+def test_sm90_staged_scales_at_model_shapes(fmt, n, k, pattern, consumer_rows):
+    # The four decode shapes at the default regime's tiles, staged or not; decode_256x16 has more
+    # tiles than SMs (a program's next tiles continue the ring's phases).
+    p = make_problem(fmt, "swizzled", pattern, n, k, "cuda")
+    step_ahead, staged, poisoned = _staged_pair(p, fmt, n, k, None, consumer_rows)
+    check_output(p, staged, poisoned, tolerance(fmt, "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(staged[valid].view(torch.int16), step_ahead[valid].view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("consumer_rows", [64, 128])
+@pytest.mark.parametrize("fmt", E2M1_PREPACK_FORMATS)
+def test_sm90_staged_scales_fused(fmt, consumer_rows):
+    # The fused SwiGLU epilogue on staged-scale tiles: the step-ahead loop's bytes.
+    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 2 * 640, 1024, "cuda")
+    w = moegemm.prepack_weights(p.w)
+    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
+    staged = deepest_ring(dataclasses.replace(_forced(16, True, 256, 2), staged_scales=True, stages=2, **wide),
+                          FORMATS[fmt], fused=True)
+    step_ahead, ours = _fused_outputs(p, fmt, ((w, _forced(16, True, 256)), (w, staged)))
+    assert torch.equal(step_ahead, ours)
+
+
+@gpu
+def test_sm90_staged_config_on_plain_scales_steps_back():
+    # A staged config given plain scales (which the producer cannot stage) runs the step-ahead loop.
+    p = make_problem("bf16_mxfp4", "plain", MODEL_SMALL_GROUPS_FEW, 320, 576, "cuda")
+    step_ahead, staged, poisoned = _staged_pair(p, "bf16_mxfp4", 320, 576, 16, 128)
+    check_output(p, staged, poisoned, tolerance("bf16_mxfp4", "sm90"))
+    valid = p.valid_rows().to("cuda")
+    assert torch.equal(staged[valid].view(torch.int16), step_ahead[valid].view(torch.int16))

@@ -147,3 +147,52 @@ def tensordesc_signature(dtype_name: str, block: list[int], layout=None) -> str:
              "i32": gl.int32}[dtype_name]
     layout = layout or gl.NVMMASharedLayout.get_default_for(block, dtype)
     return "tensordesc<%s[%s],%s>" % (dtype_name, ", ".join(map(str, block)), layout)
+
+
+def _instructions(sass_text: str) -> list[tuple[int, str]]:
+    return [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text)]
+
+
+def innermost_loops(sass_text: str, opcode: str = "GMMA") -> list[list[tuple[int, str]]]:
+    """(address, instruction) of every loop (a backward branch's span) that holds `opcode` and
+    no other loop: the K loops of a kernel's consumers."""
+    instructions = _instructions(sass_text)
+    spans = []
+    for address, text in instructions:
+        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            spans.append((int(target.group(1), 16), address))
+    loops = []
+    for lo, hi in spans:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
+            continue
+        body = [(a, t) for a, t in instructions if lo <= a <= hi]
+        if any(opcode in t for _, t in body):
+            loops.append(body)
+    return loops
+
+
+def loop_paths(body: list[tuple[int, str]]) -> tuple[list[str], list[str]]:
+    """The (shortest, longest) lists of instructions one iteration of a loop body (innermost_loops)
+    issues from its head to its back edge, over its forward branches (a branch out of the loop,
+    such as an mbarrier wait's retry, counts as not taken): where a loop has a fast and a slow
+    path, what each iteration of each issues."""
+    index = {address: i for i, (address, _) in enumerate(body)}
+    shortest: list[list[str]] = [[] for _ in range(len(body) + 1)]
+    longest: list[list[str]] = [[] for _ in range(len(body) + 1)]
+    for i in range(len(body) - 1, -1, -1):
+        address, text = body[i]
+        branch = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        target = int(branch.group(1), 16) if branch else None
+        if i < len(body) - 1 and target in index and target > address:
+            nexts = [index[target]] + ([i + 1] if text.startswith("@") else [])
+        else:
+            nexts = [i + 1]
+        shortest[i] = [text] + min((shortest[j] for j in nexts), key=len)
+        longest[i] = [text] + max((longest[j] for j in nexts), key=len)
+    return shortest[0], longest[0]
+
+
+def opcode(instruction: str) -> str:
+    """An instruction's opcode with its modifiers, predicate stripped."""
+    return instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]

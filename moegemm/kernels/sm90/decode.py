@@ -39,6 +39,11 @@ Steady state of one consumer (an iteration: one stage of SUB steps, or two stage
               wait until the step's wgmmas are left in flight (the next decode overlaps them),
               or, after the iteration's last step, until none is (_upcast_chain says why)
     arrive empty[s] for the iteration's stages
+
+Prepacked e2m1 with swizzled scales may take them through the ring instead (DecodeConfig.staged_scales,
+_staged_chain): the producer copies the tile's scale atoms with each stage, the consumers read
+their rows' words from it (no global load in the loop) and fold e8m0's 2^126 into the scales;
+consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile.
 """
 
 from triton.experimental import gluon
@@ -47,7 +52,19 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.core import _aggregate as aggregate
 
 from ...prepack import E2M1_WORD_TERMS
-from .pipeline import WG_ROWS, Output, Producer, Ring, Schedule, produce, producer_registers, scale_row_offsets, walk
+from .pipeline import (
+    OPTIONAL_SMEM,
+    WG_ROWS,
+    Output,
+    Producer,
+    Ring,
+    Schedule,
+    optional,
+    produce,
+    producer_registers,
+    scale_row_offsets,
+    walk,
+)
 from .swiglu import Swiglu
 
 
@@ -77,6 +94,12 @@ _E2M1_TO_BF16_BIASED_PTX = gl.constexpr(_e2m1_to_bf16_ptx(False))
 # multiplies the biased elements by them once: the weights come out 2^-9 small, which the
 # accumulator's one multiply by 2^9 before the epilogue undoes (powers of two: the same bits).
 NV_SCALE_BIAS = gl.constexpr(2.0**117)
+# e8m0 codes b0, b1 (bytes 2h and 2h + 1 of a swizzled scale word) to the bf16 pair 2^(b0-1),
+# 2^(b1-1): the bytes to the halves' low bits (PRMT), then b * 2^7 + (126 << 7), bf16's exponent
+# field b + 126 (exact for b <= 128; _staged_chain takes larger codes another way).
+_FOLDED_E8M0_PTX = gl.constexpr(tuple(
+    f"{{.reg .b32 t; prmt.b32 t, $1, 0, {0x4040 | 2 * h | (2 * h + 1) << 8:#06x}; mad.lo.u32 $0, t, 128, 0x3F003F00;}}"
+    for h in range(2)))
 NV_ACC_FACTOR = gl.constexpr(2.0**9)
 
 
@@ -327,6 +350,164 @@ def _upcast_chain(w_bufs, t_bufs, a_bufs, ring, zero, scale_rows, row_ok, NUM_KB
     return acc0, acc1, it
 
 
+@gluon.jit
+def _staged_words(ws_stage, Q: gl.constexpr, ATOMS: gl.constexpr, atom: gl.constexpr, row_layout: gl.constexpr):
+    """The swizzled scale words of the tile's 64-row block Q (weight rows 64Q..64Q+63) in atom
+    `atom` of the stage's staged scales ([W_TILE / 128 * ATOMS * 32, 4] int32: the atoms of each
+    128-row block, in K order): a [64] int32 vector, row n's word (its four K blocks' bytes) at
+    [n % 32, (n % 128) // 32] of the atom, so a 64-row block is two of its columns. Each thread
+    loads the words of its own two rows (16w + lane/4 and + 8: the wgmma fragment's), two LDS.32."""
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [0, 1]], block_bases=[], shape=[32, 2])
+    block = ws_stage.slice(((Q // 2) * ATOMS + atom) * 32, 32)
+    words = block.slice(2 * (Q % 2), 2, dim=1).load(words_layout)
+    return gl.convert_layout(gl.reshape(gl.permute(words, (1, 0)), [WG_ROWS]), row_layout)
+
+
+@gluon.jit
+def _has_large_codes(ws_stage, Q0: gl.constexpr, M_BLOCKS: gl.constexpr, ATOMS: gl.constexpr):
+    """Whether any e8m0 code of the 64-row blocks Q0..Q0+M_BLOCKS-1 in the stage is >= 128 (a
+    scale of 2 or more, where 2^126 times the scale leaves bf16's range): a scalar, the same in
+    every warp. Every warp reads all the rows' words (replicated across the warps), so the
+    reduction stays within a warp: no barrier."""
+    COLUMNS: gl.constexpr = 2 * M_BLOCKS
+    if COLUMNS == 2:
+        all_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1]], lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[32, 2])
+    else:
+        all_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2]], lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[32, 4])
+    high = gl.zeros([32, COLUMNS], gl.int32, all_layout)
+    for atom in gl.static_range(ATOMS):
+        block = ws_stage.slice(((Q0 // 2) * ATOMS + atom) * 32, 32)
+        high = high | block.slice(2 * (Q0 % 2), COLUMNS, dim=1).load(all_layout)
+    large = gl.where((high & -0x7F7F7F80) != 0, 1, 0)  # (bit 7 of a byte: 0x80808080)
+    return gl.max(gl.max(large, axis=1), axis=0) != 0
+
+
+@gluon.jit
+def _staged_scales(words, byte0: gl.constexpr, NKB: gl.constexpr, scale_layout: gl.constexpr,
+                   NV_SCALE: gl.constexpr, FOLDED: gl.constexpr):
+    """The [64, NKB] bf16 block scales of a step from its rows' staged words (bytes byte0 ..
+    byte0 + NKB - 1). nvfp4: e4m3 times NV_SCALE_BIAS (the decoding leaves 2^-126 in the
+    elements). e8m0 b: FOLDED, 2^(b-1), i.e. 2^(b-127) times the 2^126 the biased decoding left
+    out (exact for b <= 128: bf16's exponent field b + 126); else 2^(b-127) as _load_scales."""
+    kb = gl.arange(0, NKB, layout=gl.SliceLayout(0, scale_layout))
+    shifts = gl.expand_dims(8 * (byte0 + kb), 0)
+    raw = (gl.expand_dims(gl.convert_layout(words, gl.SliceLayout(1, scale_layout)), 1) >> shifts) & 0xFF
+    if NV_SCALE:
+        return (raw.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * NV_SCALE_BIAS).to(gl.bfloat16)
+    if FOLDED:
+        gl.static_assert(NKB == 2, "folded e8m0 scales: two K blocks a step")
+        # (one PRMT and one IMAD for the step's two scales, the halves of one register, which
+        # the multiplies read as .H0_H0 and .H1_H1)
+        pair = gl.inline_asm_elementwise(_FOLDED_E8M0_PTX[byte0 // 2], "=r,r", [words], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return gl.convert_layout(gl.join(lo, hi), scale_layout)
+    bits = gl.where(raw == 0, 0x40, raw << 7)
+    bits = gl.where(raw == 255, 0x7FC0, bits)
+    return bits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _staged_step(w_bufs, t_bufs, stage, j: gl.constexpr, Q: gl.constexpr, words, large, acc, NKB: gl.constexpr,
+                 BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
+    """_register_step (SUB = 2, one token half) of the tile's 64-row block Q, its scales from
+    the stage's staged words: nvfp4 as always biased; e8m0 decoded biased with 2^126 folded into
+    its scales, or, where the stage has a code >= 128 (`large`, the same in the whole
+    warpgroup), as the step-ahead loop does."""
+    acc_layout: gl.constexpr = acc.type.layout
+    raw = w_bufs.index(stage).slice(Q * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
+    byte0: gl.constexpr = (j * NKB) % 4
+    if NV_SCALE:
+        scales = _staged_scales(words, byte0, NKB, scale_layout, True, False)
+        operand = _decode_fragment(raw, scales, raw_layout, NKB, True, True)
+    elif large:
+        scales = _staged_scales(words, byte0, NKB, scale_layout, False, False)
+        operand = _decode_fragment(raw, scales, raw_layout, NKB, True, False)
+    else:
+        scales = _staged_scales(words, byte0, NKB, scale_layout, False, True)
+        operand = _decode_fragment(raw, scales, raw_layout, NKB, True, True)
+    operand = gl.convert_layout(operand, gl.DotOperandLayout(0, acc_layout, 2))
+    acc = warpgroup_mma(operand, t_bufs.index(stage * 2 + j).permute((1, 0)), acc, is_async=True)
+    return acc, operand
+
+
+@gluon.jit
+def _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc0, acc1, STEPS: gl.constexpr, Q0: gl.constexpr,
+                  M_BLOCKS: gl.constexpr, NKB: gl.constexpr, BYTES: gl.constexpr, raw_layout: gl.constexpr,
+                  scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
+    """The first STEPS (2, or 1 for a last half stage) 64-wide steps of a ring stage for the
+    warpgroup's M_BLOCKS 64-row blocks (acc0: block Q0, acc1: block Q0 + 1): a unit (a step of
+    a block) is decoded while the unit before it runs, and none is left in flight at the end."""
+    ATOMS: gl.constexpr = NKB // 2  # atoms (4 K blocks of 128 rows) a stage
+    row_layout: gl.constexpr = gl.SliceLayout(1, scale_layout)
+    ws_stage = ws_bufs.index(stage)
+    if NV_SCALE:
+        large = False
+    else:
+        large = _has_large_codes(ws_stage, Q0, M_BLOCKS, ATOMS)
+    words0 = _staged_words(ws_stage, Q0, ATOMS, 0, row_layout)
+    if M_BLOCKS == 2:
+        words1 = _staged_words(ws_stage, Q0 + 1, ATOMS, 0, row_layout)
+    for j in gl.static_range(STEPS):
+        if ATOMS == 2 and j == 1:  # (nvfp4: an atom a step)
+            words0 = _staged_words(ws_stage, Q0, ATOMS, 1, row_layout)
+            if M_BLOCKS == 2:
+                words1 = _staged_words(ws_stage, Q0 + 1, ATOMS, 1, row_layout)
+        for m in gl.static_range(M_BLOCKS):
+            if m == 0:
+                acc0, operand = _staged_step(w_bufs, t_bufs, stage, j, Q0, words0, large, acc0, NKB, BYTES,
+                                             raw_layout, scale_layout, NV_SCALE)
+            else:
+                acc1, operand = _staged_step(w_bufs, t_bufs, stage, j, Q0 + 1, words1, large, acc1, NKB,
+                                             BYTES, raw_layout, scale_layout, NV_SCALE)
+            # (the operand stays a dependency of the wait that retires its wgmmas, _upcast_chain)
+            if j * M_BLOCKS + m == 0:
+                acc0, acc1, operand = warpgroup_mma_wait(0 if STEPS * M_BLOCKS == 1 else 1,
+                                                         deps=(acc0, acc1, operand))
+            else:
+                acc0, acc1, operand, previous = warpgroup_mma_wait(  # noqa: F821
+                    0 if j * M_BLOCKS + m == STEPS * M_BLOCKS - 1 else 1,
+                    deps=(acc0, acc1, operand, previous))  # noqa: F821
+            previous = operand  # noqa: F841
+    return acc0, acc1
+
+
+@gluon.jit
+def _staged_chain(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, M_BLOCKS: gl.constexpr,
+                  NKB: gl.constexpr, BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr,
+                  NV_SCALE: gl.constexpr):
+    """_upcast_chain of prepacked e2m1 (SUB = 2: a stage is 128 K, two 64-wide steps; one token
+    half) with the weight scales staged in the ring (the producer's TMA copy of the tile's
+    swizzled atoms, ws_bufs): the loop issues no global load. The warpgroup's M_BLOCKS 64-row
+    blocks from Q0 go to acc0 and acc1. A last stage that ends at its first step (K % 128 == 64)
+    runs that step alone, so no scale past NUM_KB (padding, or the next row block's atom) is
+    read. Waits as _upcast_chain: no wgmma is in flight across the back edge (with the last
+    unit's left in flight, its register operand carried by the loop and its stage released a
+    wait later, ptxas serialized every wgmma, C7512, at 232 and 240 registers a consumer)."""
+    acc0 = zero
+    acc1 = zero
+    for kk in range(K // 128):
+        stage = ring.wait_ready(it)
+        acc0, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc0, acc1, 2, Q0, M_BLOCKS, NKB, BYTES,
+                                   raw_layout, scale_layout, NV_SCALE)
+        ring.release(stage)
+        it += 1
+    if K % 128 != 0:  # (K is a multiple of 64: a last half stage)
+        stage = ring.wait_ready(it)
+        acc0, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc0, acc1, 1, Q0, M_BLOCKS, NKB, BYTES,
+                                   raw_layout, scale_layout, NV_SCALE)
+        ring.release(stage)
+        it += 1
+    return acc0, acc1, it
+
+
 @aggregate
 class DecodeConsumer:
     """Consumer warpgroup WG: acc [64, TOK_TILE], rows its weight rows, columns the tile's
@@ -336,6 +517,7 @@ class DecodeConsumer:
     t_bufs: gl.shared_memory_descriptor
     w_bufs: gl.shared_memory_descriptor
     a_bufs: gl.shared_memory_descriptor
+    ws_bufs: OPTIONAL_SMEM
     out: Output
     swiglu: Swiglu
     b_scale_ptr: gl.tensor
@@ -348,14 +530,16 @@ class DecodeConsumer:
     NV_SCALE: gl.constexpr
     SWIZZLED: gl.constexpr
     PREPACKED: gl.constexpr
+    M_BLOCKS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, WG, SUB, VEC, NV_SCALE,
-                 SWIZZLED, PREPACKED):
+    def __init__(self, ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, WG, SUB, VEC,
+                 NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS=1):
         self.ring = ring
         self.t_bufs = t_bufs
         self.w_bufs = w_bufs
         self.a_bufs = a_bufs
+        self.ws_bufs = optional(ws_bufs)
         self.out = out
         self.swiglu = swiglu
         self.b_scale_ptr = b_scale_ptr
@@ -368,6 +552,7 @@ class DecodeConsumer:
         self.NV_SCALE = gl.constexpr(NV_SCALE)
         self.SWIZZLED = gl.constexpr(SWIZZLED)
         self.PREPACKED = gl.constexpr(PREPACKED)
+        self.M_BLOCKS = gl.constexpr(M_BLOCKS)
 
     @gluon.jit
     def tile(self, sched, slot, tok_block, w_block, it, done):
@@ -398,15 +583,26 @@ class DecodeConsumer:
         scale_rows = self.b_scale_ptr + scale_row_offsets(slot.e, ns_op, N, self.NUM_KB, self.KB4, self.SWIZZLED)
         # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
         BIASED: gl.constexpr = self.PREPACKED and FP4 and self.NV_SCALE
-        acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows, ns_op < N,
-                                       self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4, self.NV_SCALE,
-                                       self.SWIZZLED, HALVES, raw_layout, dec_layout, self.PREPACKED, BIASED)
+        M_BLOCKS: gl.constexpr = self.M_BLOCKS
+        if self.ws_bufs is not None:  # (prepacked e2m1, SUB == 2: the scales staged in the ring)
+            gl.static_assert(HALVES == 1, "staged scales: up to 64 tokens")
+            scale_layout: gl.constexpr = gl.SliceLayout(2, pair_fragment_layout(NKB, 32 // NKB))
+            acc0, acc1, it = _staged_chain(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero, self.K, it,
+                                           WG * M_BLOCKS, M_BLOCKS, NKB, BYTES, raw_layout, scale_layout,
+                                           self.NV_SCALE)
+        else:
+            acc0, acc1, it = _upcast_chain(self.w_bufs, self.t_bufs, self.a_bufs, self.ring, zero, scale_rows,
+                                           ns_op < N, self.NUM_KB, it, k_steps, WG, self.SUB, NKB, BYTES, FP4,
+                                           self.NV_SCALE, self.SWIZZLED, HALVES, raw_layout, dec_layout,
+                                           self.PREPACKED, BIASED)
         if BIASED:  # (the weights came out 2^-9 small)
             acc0 = acc0 * NV_ACC_FACTOR
             acc1 = acc1 * NV_ACC_FACTOR
-        w0 = w_block * W_TILE + WG * WG_ROWS  # this warpgroup's first weight row
-        ns = w_block * W_TILE + w_offsets
+        w0 = w_block * W_TILE + WG * M_BLOCKS * WG_ROWS  # this warpgroup's first weight row
+        ns = w_block * W_TILE + (M_BLOCKS - 1) * WG * WG_ROWS + w_offsets
         self.epilogue(acc0, slot, tok0, tok_offsets, w0, ns, N)
+        if M_BLOCKS == 2:  # (its second 64-row block)
+            self.epilogue(acc1, slot, tok0, tok_offsets, w0 + WG_ROWS, ns + WG_ROWS, N)
         if HALVES == 2:  # noqa: SIM102 (a static test around a runtime one)
             if tok0 + TOK_HALF < slot.t:
                 self.epilogue(acc1, slot, tok0 + TOK_HALF, tok_offsets, w0, ns, N)
@@ -429,16 +625,20 @@ def _consume(consumer, sched):
 
 
 @gluon.jit
-def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
+def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_ids_ptr, expert_scales_ptr,
                   row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                   VEC: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                   HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
-                  PREPACKED: gl.constexpr):
+                  PREPACKED: gl.constexpr, CONSUMER_ROWS: gl.constexpr):
     """t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A; w_desc: raw weight tiles
     [W_TILE (128, or 256 prepacked), SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of
     B viewed as [E*N, K or K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr:
     the weight scales (e8m0, or e4m3 for nvfp4: NV_SCALE), plain or SWIZZLED, VEC K elements each.
-    epi, EPI: the fused epilogue (Swiglu.create)."""
+    ws_desc (None: the consumers load the scales from b_scale_ptr a step ahead): swizzled scales of
+    prepacked e2m1 seen as [atoms * 32, 4] int32 (a 128 x 4 atom is 32 x 4 words), a box of one
+    128-row block's atoms of a stage, W_TILE / 128 boxes a stage, read from the ring (_staged_chain).
+    CONSUMER_ROWS: weight rows of a consumer warpgroup, 64, or 128 (staged scales: two 64-row
+    accumulators a warpgroup, two warpgroups on a 256-row tile). epi, EPI: the fused epilogue (Swiglu.create)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
@@ -446,9 +646,13 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     # 64-wide K steps per ring stage: a stage carries w_desc's bytes of each weight row.
     SUB: gl.constexpr = w_desc.block_type.shape[1] // (BLOCK_K // 2 if FP4 else BLOCK_K)
     # A consumer warpgroup for each 64 weight rows: two, or four (256-row tiles, prepacked weights:
-    # the four share every token stage, half the token bytes a weight byte of two).
-    CONSUMERS: gl.constexpr = W_TILE // WG_ROWS
+    # the four share every token stage, half the token bytes a weight byte of two); or for each
+    # 128 (staged scales: two on a 256-row tile, each with the fixed cost of an iteration spread
+    # over twice the elements).
+    CONSUMERS: gl.constexpr = W_TILE // CONSUMER_ROWS
+    M_BLOCKS: gl.constexpr = CONSUMER_ROWS // WG_ROWS
     gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 4 and PREPACKED), "128-row tiles, or 256 prepacked")
+    gl.static_assert(M_BLOCKS == 1 or (M_BLOCKS == 2 and ws_desc is not None), "128 rows a consumer: staged scales")
     t_bufs = gl.allocate_shared_memory(t_desc.dtype, [STAGES * SUB] + t_desc.block_type.shape, t_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     # Two bf16 operand buffers per consumer warpgroup for its decoded weights (_upcast_chain).
@@ -458,6 +662,12 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     else:
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, WG_ROWS, BLOCK_K],
                                            gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.bfloat16))
+    if ws_desc is not None:
+        gl.static_assert(PREPACKED and FP4 and SUB == 2 and SWIZZLED, "staged scales: prepacked e2m1, swizzled, SUB 2")
+        ws_bufs = gl.allocate_shared_memory(ws_desc.dtype, [STAGES, W_TILE // 128 * ws_desc.block_type.shape[0], 4],
+                                            ws_desc.layout)
+    else:
+        ws_bufs = None
     ring = Ring.create(STAGES, CONSUMERS)
     sched = Schedule.create(a_offsets_ptr, expert_ids_ptr, M, N, E, G, a_offsets_ptr, 0, TOK_TILE, W_TILE, GROUP_M,
                             CONSUMERS)
@@ -466,19 +676,20 @@ def decode_kernel(t_desc, w_desc, out_ptr, b_scale_ptr, a_offsets_ptr, expert_id
     K = gl.to_tensor(K)
     NUM_KB = gl.to_tensor(NUM_KB)
     KB4 = gl.to_tensor(KB4)
-    consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 0, SUB, VEC,
-                               NV_SCALE, SWIZZLED, PREPACKED)
-    consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 1, SUB, VEC,
-                               NV_SCALE, SWIZZLED, PREPACKED)
-    producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB)
+    consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                               KB4, 0, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+    consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                               KB4, 1, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+    producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB, ws_desc=ws_desc, ws_bufs=ws_bufs,
+                               KB4=KB4)
     # Every consumer gets CONSUMER_REGS (pipeline.producer_registers). (A 256-token tile with the
     # producer at 120 left consumer 0 152: it spilled its accumulator in the K loop and ptxas
     # serialized every HGMMA, C7512.)
     if CONSUMERS == 4:
-        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 2, SUB,
-                                   VEC, NV_SCALE, SWIZZLED, PREPACKED)
-        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, 3, SUB,
-                                   VEC, NV_SCALE, SWIZZLED, PREPACKED)
+        consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                                   KB4, 2, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
+        consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
+                                   KB4, 3, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
                             (produce, (producer, sched))],

@@ -156,6 +156,8 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     if p.num_groups == 0 or p.m == 0 or p.n == 0:
         return None
     cfg = _config(p, fused, out_bytes if p.fmt.name not in MX_FORMATS else 2)
+    if isinstance(cfg, DecodeConfig) and not staged_scales(p, cfg):
+        cfg = cfg.step_ahead(p.fmt, fused)
     num_programs, upper_tiles = _grid(p, cfg, device)
     dynamic = not isinstance(cfg, DecodeConfig) and _dynamic(cfg, upper_tiles, num_programs)
     token_pass = None if tokens or p.fmt.name not in MX_FORMATS else _token_pass(p, cfg, device, scale_blocks)
@@ -166,7 +168,7 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     if isinstance(cfg, DecodeConfig):
         return KernelPlan(p, cfg, _launch_decode, num_programs, False, token_pass, key, dict(
             common, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3", SWIZZLED=swizzled,
-            PREPACKED=cfg.prepacked, num_warps=4))
+            PREPACKED=cfg.prepacked, CONSUMER_ROWS=cfg.consumer_rows, num_warps=4))
     key = (*key, not dynamic)
     if isinstance(cfg, Mxfp8Config):
         return KernelPlan(p, cfg, _launch_mxfp8, num_programs, dynamic, token_pass, key, dict(
@@ -317,13 +319,23 @@ def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
     weights = args.b.view(torch.uint8) if p.fmt.b.element.packed else args.b
     w_desc = _descriptor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
                          (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt))))
+    ws_desc = None
+    if staged_scales(p, cfg):  # a stage's atoms of each 128-row block, [32, 4] words an atom
+        words = args.b_scales.view(torch.uint8).view(torch.int32).reshape(-1, 4)
+        ws_desc = Tma(words, [cfg.stage_k // p.fmt.scale_vec // 4 * 32, 4], _unswizzled_32bit_layout())
     dummy = args.a_offsets
     epi, key, kwargs = _epilogue(kernel, args)
     launch_kernel(decode_kernel, key, (kernel.num_programs, ), (
-        t_desc, w_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
+        t_desc, w_desc, ws_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), kwargs)
     return out
+
+
+def staged_scales(p: GroupedProblem, cfg: DecodeConfig) -> bool:
+    """Whether the decoding kernel takes the weight scales through the ring (DecodeConfig.staged_scales;
+    the producer copies the swizzled layout's atoms: plain scales are loaded by the consumers)."""
+    return cfg.staged_scales and p.scale_layout.swizzled and p.fmt.b.element.packed
 
 
 def _weight_scales(p: GroupedProblem, args: LaunchArgs) -> torch.Tensor:

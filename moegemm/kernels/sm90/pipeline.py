@@ -465,8 +465,8 @@ class Producer:
     a_desc (a_bufs[stage * SUB + j]), and optionally:
     - s_desc: the tokens' fp32 scales of the stage's K blocks, a [K blocks, TOK_TILE] box of their
       K-block-major copy (slots start at multiples of S_COLUMN_BLOCK columns, token_forms.py);
-    - ws_desc: the weight tile's swizzled e8m0 scales seen as [atoms * 32, 4] int32, KB4 atoms per
-      128 weight rows (e2m1 weights);
+    - ws_desc: the weight tile's swizzled scales seen as [atoms * 32, 4] int32, KB4 atoms per 128
+      weight rows, a box of a stage's atoms for each 128-row block of the tile (e2m1 weights);
     - b_half_desc: a [W_TILE / 2, ...] weight box, which an expert's last tile loads alone when its
       rows past N are at least half of it (split-K: the consumers of the other half skip it);
     - tail_desc, tail_s_desc: a [TAIL, BLOCK_K] token box and its scales, loaded by a slot's last
@@ -534,16 +534,18 @@ class Producer:
         SUB: gl.constexpr = self.SUB
         ring = self.ring
         k_steps = gl.cdiv(self.K, BLOCK_K * SUB)
+        # (the weight scales: one box of atoms for each 128-row block of the tile)
+        WS_BLOCKS: gl.constexpr = W_TILE // 128
         if self.s_desc is None:
-            stage_bytes: gl.constexpr = SUB * self.a_desc.block_type.nbytes + self.b_desc.block_type.nbytes
+            stage_bytes: gl.constexpr = (SUB * self.a_desc.block_type.nbytes + self.b_desc.block_type.nbytes +
+                                         (0 if self.ws_desc is None else WS_BLOCKS * self.ws_desc.block_type.nbytes))
         else:
             stage_bytes: gl.constexpr = (SUB * self.a_desc.block_type.nbytes + self.b_desc.block_type.nbytes +
                                          self.s_desc.block_type.nbytes +
-                                         (0 if self.ws_desc is None else self.ws_desc.block_type.nbytes))
+                                         (0 if self.ws_desc is None else WS_BLOCKS * self.ws_desc.block_type.nbytes))
             S_STEP: gl.constexpr = self.s_desc.block_type.shape[0]
         if self.ws_desc is not None:
-            gl.static_assert(self.s_desc is not None and W_TILE == 128,
-                             "weight scales come with token scales, 128-row tiles")
+            gl.static_assert(W_TILE % 128 == 0, "weight scales: whole 128-row blocks")
             WS_ATOMS: gl.constexpr = self.ws_desc.block_type.shape[0] // 32
         # K step of B's tile in its stored columns (packed fp4 weights hold two elements a byte).
         B_STEP: gl.constexpr = self.b_desc.block_type.shape[1]
@@ -605,9 +607,12 @@ class Producer:
                 tma.async_copy_global_to_shared(self.b_desc, [b_row, kk * B_STEP], ready, self.b_bufs.index(stage))
             if self.s_desc is not None:
                 tma.async_copy_global_to_shared(self.s_desc, [kk * S_STEP, s_col], ready, self.s_bufs.index(stage))
-            if self.ws_desc is not None:  # (an atom row past the block's KB4 is cleared by the consumer)
-                ws_row = ((slot.e * gl.cdiv(sched.N, W_TILE) + w_block) * self.KB4 + kk * WS_ATOMS) * 32
-                tma.async_copy_global_to_shared(self.ws_desc, [ws_row, 0], ready, self.ws_bufs.index(stage))
+            if self.ws_desc is not None:  # (an atom row past the block's KB4 is cleared, or not read, by the consumer)
+                for h in gl.static_range(WS_BLOCKS):
+                    ws_row = (((slot.e * gl.cdiv(sched.N, 128) + w_block * WS_BLOCKS + h) * self.KB4 + kk * WS_ATOMS) *
+                              32)
+                    tma.async_copy_global_to_shared(self.ws_desc, [ws_row, 0], ready,
+                                                    self.ws_bufs.index(stage).slice(h * WS_ATOMS * 32, WS_ATOMS * 32))
             it += 1
         return it
 
