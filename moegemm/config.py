@@ -246,9 +246,12 @@ def _decode_config(regime: int, prepacked: bool = False) -> DecodeConfig:
     if prepacked and tokens <= 64:
         # Few tokens a slot: 256-row tiles, four consumer warpgroups on each token stage (the
         # bf16 tokens were half the bytes of fp4 weight rows on 128-row tiles): 1.2-1.9x
-        # (docs/perf-notes.md, prepacked weights).
+        # (docs/perf-notes.md, prepacked weights). e2m1 weights on swizzled scales take those
+        # scales through the ring with their codes (no global load in the K loop): nvfp4 1.03-1.16x,
+        # bf16_mxfp4 0.97-1.07x the loop that loads them a step ahead; the launcher steps back to
+        # that loop where the scales cannot be staged (DecodeConfig.step_ahead).
         return DecodeConfig(token_tile=tokens, stages=2, group_m=1, consumer_regs=112, sub_steps=2, prepacked=True,
-                            weight_tile=256)
+                            weight_tile=256, staged_scales=True)
     return DecodeConfig(token_tile=tokens, stages=2, group_m=1 if regime in (16, 32, 64) else 4,
                         consumer_regs=240 if tokens == 256 else 192, sub_steps=2 if tokens < 128 else 1,
                         prepacked=prepacked)
