@@ -6,8 +6,10 @@ The sm90 path runs with a Hopper faked (the capability check, the SM count) and 
 launch stubbed, on CPU tensors, with the value checks off as on a GPU without MOEGEMM_DEBUG: what
 is left is the host's own work a call (the plan lookup, the operands, the launch arguments,
 the token pre-pass's allocations and torch ops), at bench/host_time.decode_products' size
-(8 slots of one token, N 512, K 1024). Per format: the best of 7 means of 200 calls in us and
-the kernels a call launches. --tree runs another revision's library (a `git archive` of it), so
+(8 slots of one token, N 512, K 1024). Per format: the best of 7 means of 200 calls in us, the
+Triton kernels a call launches and the torch ops that would launch one on a GPU (every aten op
+a call dispatches but views and allocations: fills, copies, arithmetic; each another 5-10 us of
+host time there). --tree runs another revision's library (a `git archive` of it), so
 two revisions compare on the same CPU. Launch costs (the driver's, 5-10 us each on a GPU host)
 are not in it: bench/profiling.py host measures those on the GPU.
 """
@@ -22,6 +24,25 @@ from pathlib import Path
 
 def _fake_hopper(torch):
     torch.cuda.get_device_properties = lambda device=None: type("Props", (), {"multi_processor_count": 132})()
+
+
+def _torch_launches(call) -> list[str]:
+    """The aten ops one call dispatches that would launch a kernel on a GPU (not views, not
+    allocations)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and not name.startswith("empty"):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        call()
+    return seen
 
 
 def _stub(moegemm_modules, real, fake):
@@ -77,13 +98,14 @@ def main(argv=None) -> int:
         launched.clear()
         call()
         kernels = list(launched)
+        torch_ops = _torch_launches(call)
         means = []
         for _ in range(7):
             start = time.perf_counter()
             for _ in range(200):
                 call()
             means.append((time.perf_counter() - start) / 200 * 1e6)
-        print(f"{fmt:11s} {min(means):7.1f} us   {', '.join(kernels)}")
+        print(f"{fmt:11s} {min(means):7.1f} us   {', '.join(kernels)}; torch: {', '.join(torch_ops) or '-'}")
     return 0
 
 

@@ -499,13 +499,17 @@ def test_token_prepass_compiles_for_sm90(fmt):
     assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("swizzled", [False, True])
-def test_merged_token_prepass_compiles_for_sm90(swizzled):
-    # tokens.token_prepass: the scale decode and the e2m1 -> e4m3 conversion in one kernel.
+def test_merged_token_prepass_compiles_for_sm90(swizzled, packed):
+    # tokens.token_prepass: the scale decode and the e2m1 -> e4m3 conversion in one kernel; not
+    # packed, w4a8's row scales and its e4m3 tokens' even/odd order (int16 pairs).
     kernel = portable.kernel_module(False).token_prepass_kernel
-    constexprs = dict(SWIZZLED=swizzled, ALIGN_GROUPS=True, BLOCK_M=32, BLOCK_KB=64, EXP=6, EVEN_ODD=True,
-                      BLOCK=1024)
-    signature = {name: ("*fp32" if name == "scales_out_ptr" else "*i32" if name in POINTERS else "*u8")
+    constexprs = dict(SWIZZLED=swizzled, ALIGN_GROUPS=True, BLOCK_M=32, BLOCK_KB=64, EXP=0 if not packed else 6,
+                      EVEN_ODD=True, BLOCK=1024, PACKED=packed)
+    source = "*u8" if packed else "*i16"
+    signature = {name: ("*fp32" if name == "scales_out_ptr" else "*i32" if name in POINTERS else
+                        source if name == "src_ptr" else "*u8")
                  if name.endswith("_ptr") else "i32" for name in kernel.arg_names if name not in constexprs}
     compiled = offline.compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1})
     ops = offline.opcode_counts(offline.sass(compiled))

@@ -150,15 +150,20 @@ def check_token_prepass(layout, pattern, device):
     want_scales = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, **kw)
     assert torch.equal(tokens.view(torch.uint8),
                        token_passes.e2m1_to_e4m3(p.a.data, 6, even_odd=True).view(torch.uint8))
-    # Written columns: slot g's rows from 4 * ceil(s / 4) + 4 * g (decode_row_scales' kb_major).
+    written = _written_kb_major_columns(p, problem, want_scales.shape[1], device)
+    assert torch.equal(scales[:, written].nan_to_num(7.0), want_scales[:, written].nan_to_num(7.0))
+
+
+def _written_kb_major_columns(p, problem, columns: int, device) -> torch.Tensor:
+    """The columns decode_row_scales writes K-block-major: slot g's rows from 4 * ceil(s / 4) + 4 * g."""
     bounds = p.a_offsets.tolist()
-    written = torch.zeros(want_scales.shape[1], dtype=torch.bool, device=device)
+    written = torch.zeros(columns, dtype=torch.bool, device=device)
     for g, e in enumerate(p.expert_ids.tolist()):
         s, t = max(0, min(bounds[g], problem.m)), max(0, min(bounds[g + 1], problem.m))
         if 0 <= e < problem.num_experts and t > s:
             start = 4 * -(-s // 4) + 4 * g
             written[start:start + t - s] = True
-    assert torch.equal(scales[:, written].nan_to_num(7.0), want_scales[:, written].nan_to_num(7.0))
+    return written
 
 
 @on_patterns
@@ -166,3 +171,28 @@ def check_token_prepass(layout, pattern, device):
 @on_devices
 def test_token_prepass(device, layout, pattern):
     check_token_prepass(layout, pattern, device)
+
+
+def check_w4a8_row_scales_pass(layout, pattern, device):
+    """w4a8's pre-pass (one launch of token_prepass_kernel on e4m3 byte pairs): the same scales as
+    decode_row_scales alone and the same bytes as even_odd_k of the tokens, every token row."""
+    p = make_problem("w4a8", layout, pattern, 64, 608, device)
+    problem = p.problem()
+    kw = dict(pad_stages=False, kb_major=True, stage_blocks=8)
+    tokens_pass = token_passes.plan_tokens(problem, "row scales", p.a.data.device, p.a.scales.shape[0],
+                                           even_odd=True, **kw)
+    with pytest.MonkeyPatch.context() as patch:  # (the reorder is the kernel's: no torch copy of the tokens)
+        patch.setattr(token_passes, "even_odd_k", None)
+        scales, tokens = tokens_pass.run(p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None)
+    want_scales = token_passes.decode_row_scales(problem, p.a.scales, p.a_offsets, p.expert_ids, None, **kw)
+    assert tokens.dtype == p.a.data.dtype
+    assert torch.equal(tokens.view(torch.uint8), token_passes.even_odd_k(p.a.data).view(torch.uint8))
+    written = _written_kb_major_columns(p, problem, want_scales.shape[1], device)
+    assert torch.equal(scales[:, written].nan_to_num(7.0), want_scales[:, written].nan_to_num(7.0))
+
+
+@on_patterns
+@on_layouts
+@on_devices
+def test_w4a8_row_scales_pass(device, layout, pattern):
+    check_w4a8_row_scales_pass(layout, pattern, device)

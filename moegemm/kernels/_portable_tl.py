@@ -328,17 +328,34 @@ def token_prepass_kernel(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_off
                          src_ptr, tokens_out_ptr, M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE,
                          KB_STRIDE, PARTS, NUM_BYTES,
                          SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_KB: tl.constexpr, EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK: tl.constexpr):
+                         BLOCK_KB: tl.constexpr, EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK: tl.constexpr,
+                         PACKED: tl.constexpr = True):
     """decode_row_scales_kernel and e2m1_to_e4m3_kernel in one launch (the mxfp4 tokens of the
     sm90 promotion kernels, kernels/sm90/mxfp8.py and e2m1.py: a launch less before each product): programs
-    [0, G * PARTS) decode the scales of slot pid // PARTS, the rest convert BLOCK bytes each."""
+    [0, G * PARTS) decode the scales of slot pid // PARTS, the rest convert BLOCK bytes each.
+    PACKED False (w4a8's e4m3 tokens): src holds NUM_BYTES pairs of e4m3 bytes (elements 2i, 2i+1
+    as one int16), moved as they are into the EVEN_ODD order (tokens.even_odd_k)."""
     pid = tl.program_id(0)
     if pid < G * PARTS:
         _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, scales_out_ptr,
                            pid // PARTS, pid % PARTS, PARTS, M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
                            ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
-    else:
+    elif PACKED:
         _e2m1_to_e4m3_block(src_ptr, tokens_out_ptr, NUM_BYTES, pid - G * PARTS, EXP, EVEN_ODD, BLOCK)
+    else:
+        _byte_pairs_even_odd_block(src_ptr, tokens_out_ptr, NUM_BYTES, pid - G * PARTS, BLOCK)
+
+
+@triton.jit
+def _byte_pairs_even_odd_block(src_ptr, out_ptr, NUM_PAIRS, block, BLOCK: tl.constexpr):
+    """Pairs [block * BLOCK, (block + 1) * BLOCK) of 1-byte elements (an int16 each: element 2i
+    in the low byte) stored in the order 0 2 4 6 1 3 5 7 of each 8 elements (even_odd_k)."""
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < NUM_PAIRS
+    pair = tl.load(src_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    low_offsets = 2 * offsets - offsets % 4
+    tl.store(out_ptr + tl.join(low_offsets, low_offsets + 4), tl.join(pair & 255, (pair >> 8) & 255).to(tl.uint8),
+             mask=tl.join(mask, mask))
 
 
 @triton.jit

@@ -5,6 +5,7 @@
     dequantize   bf16 tokens, decoded and scaled                     (sm90/decode.py)
     row scales   fp32 token scales, plain or K-block-major; w4a8's   (sm90/mxfp8.py, sm90/e2m1.py)
                  tokens reordered to the decoded weights' K order
+                 in the same launch
     e2m1         mxfp4 tokens as e4m3 times 2^6 with their scales,   (sm90/mxfp8.py, sm90/e2m1.py)
                  one launch
 
@@ -102,10 +103,17 @@ class TokenPass:
         rows = self.row_scales
         scales = torch.empty(rows.shape, dtype=torch.float32, device=a_scales.device)
         scale_args = rows.tensors(a_scales, a_offsets, expert_ids, a_scale_offsets, scales)
-        if self.kind == "row scales":
+        if self.kind == "row scales" and not self.even_odd:
             if rows.parts:
                 launch(module.decode_row_scales_kernel, self.key, self.grid, (*scale_args, *rows.scalars), self.consts)
-            return scales, even_odd_k(a) if self.even_odd else a
+            return scales, a
+        if self.kind == "row scales":  # (and w4a8's tokens reordered, in the same launch)
+            tokens = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+            if self.grid[0]:
+                launch(module.token_prepass_kernel, self.key, self.grid,
+                       (*scale_args, a.contiguous().view(torch.int16), tokens.view(torch.uint8), *rows.scalars,
+                        *self.scalars), self.consts)
+            return scales, tokens
         tokens = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
         if self.grid[0]:
             launch(module.token_prepass_kernel, self.key, self.grid,
@@ -138,9 +146,18 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
         return TokenPass(kind, p, interpret, (p.key, scale_blocks, interpret), (p.num_groups, parts), scalars, consts)
     rows = _RowScalesPlan.of(p, scale_blocks, device, pad_stages, kb_major, stage_blocks, column_block)
     row_key = (p.key, scale_blocks, *rows.scalars[-3:], *rows.consts.values())
-    if kind == "row scales":
+    if kind == "row scales" and not even_odd:
         return TokenPass(kind, p, interpret, row_key, (p.num_groups, rows.parts), (), dict(rows.consts, num_warps=4),
-                         rows, even_odd)
+                         rows)
+    if kind == "row scales":  # w4a8: the scales and the tokens' even/odd order in one launch (token_prepass_kernel)
+        if p.k % 8:
+            raise ValueError(f"even_odd needs rows of whole 8-element groups, got {p.k} elements")
+        num_pairs = p.m * (p.k // 2)
+        programs = p.num_groups * rows.parts + math.ceil(num_pairs / _E2M1_BLOCK)
+        return TokenPass(kind, p, interpret, (*row_key, "pairs", rows.parts), (programs, ),
+                         (max(rows.parts, 1), num_pairs),
+                         dict(rows.consts, EXP=0, EVEN_ODD=True, BLOCK=_E2M1_BLOCK, PACKED=False, num_warps=4), rows,
+                         even_odd)
     if kind != "e2m1":
         raise ValueError(f"kind: expected 'dequantize', 'row scales' or 'e2m1', got {kind!r}")
     _check_e2m1_to_e4m3(p.k // 2, exponent, even_odd)
