@@ -483,6 +483,12 @@ def test_load_fp8_block_keeps_the_checkpoint_bytes():
     with pytest.raises(TypeError, match="gate"):
         layer.load_fp8_block(gate=gate, up=qu.data, down=qd.data, gate_scale_inv=qg.scales,
                              up_scale_inv=qu.scales, down_scale_inv=qd.scales)
+    # The checkpoint's bytes kept or not, a layer built with expert biases gets none from it: raises.
+    biased = moegemm.MoE(h, i, e, 2, fmt="fp8_block", expert_bias=True)
+    with pytest.raises(ValueError, match="expert_bias=True"):
+        biased.load_fp8_block(gate=qg.data, up=qu.data, down=qd.data, gate_scale_inv=qg.scales,
+                              up_scale_inv=qu.scales, down_scale_inv=qd.scales)
+    assert biased.gate_up_data is None and biased.down_data is None
 
 
 @pytest.mark.parametrize("fmt", (None, "bf16_mxfp4", "mxfp4", "w4a8", "bf16"))

@@ -236,8 +236,9 @@ class MoE(torch.nn.Module):
         (weight = e4m3 * scale_inv per 128x128 block). Exact for fmt="fp8_block" when I % 128 == 0
         (gate and up blocks stay whole); other formats dequantize and requantize. With expert
         parallelism, E may also be this rank's experts alone."""
-        if not weights.fp8_block_kept(self.fmt, self.intermediate_size):  # (requantized: load_experts' checks)
-            self._check_biases()
+        # (FP8 block checkpoints carry no expert biases: a layer built with them would keep what
+        # it holds, kept bytes or requantized alike)
+        self._check_biases()
         gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv = self._own(
             gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv)
         return self._store(weights.from_fp8_block(
