@@ -235,9 +235,8 @@ class MoE(torch.nn.Module):
         """DeepSeek-V3 FP8 experts: e4m3 [E, out, in] with fp32 scale_inv [E, ceil(out/128), ceil(in/128)]
         (weight = e4m3 * scale_inv per 128x128 block). Exact for fmt="fp8_block" when I % 128 == 0
         (gate and up blocks stay whole); other formats dequantize and requantize. With expert
-        parallelism, E may also be this rank's experts alone."""
-        # (FP8 block checkpoints carry no expert biases: a layer built with them would keep what
-        # it holds, kept bytes or requantized alike)
+        parallelism, E may also be this rank's experts alone. FP8 block checkpoints carry no
+        expert biases: a layer built with expert_bias=True raises a ValueError."""
         self._check_biases()
         gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv = self._own(
             gate, up, down, gate_scale_inv, up_scale_inv, down_scale_inv)
