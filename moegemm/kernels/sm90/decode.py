@@ -567,10 +567,12 @@ def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.con
     tokens, whose accumulator is twice as large, ptxas serialized every wgmma so unrolled, C7512).
 
     Only the default partition runs this loop (DecodeConsumer.tile): in a worker partition the
-    same loop made ptxas serialize every wgmma (C7512, "insufficient register resources"), with
-    the consumers' setmaxnreg at 112 and the worker switch loop's at 56 and the producer's at
-    32 (Triton's warp_specialize lowering); offline, that PTX kept its wgmmas in flight only
-    with every setmaxnreg of the switch loop raised (one rolling worker: 64, three: 112)."""
+    same loop made ptxas serialize every wgmma (C7512, "insufficient register resources") at any
+    budget Triton's warp_specialize lowering can give. Its workers run inside one switch loop
+    (idle at setmaxnreg 56, the producer at 32, the consumers at 112); offline, the PTX of one
+    rolling worker kept its wgmmas in flight only with every setmaxnreg of that loop raised to
+    128, and of three rolling workers not even at 160, while the default partition, outside
+    that loop, keeps them in flight at its 112."""
     UNROLL: gl.constexpr = 2 if zero.shape[1] <= 32 else 1
     carried = gl.zeros([WG_ROWS, NKB, 32 // NKB], gl.int32, pair_fragment_layout(NKB, 32 // NKB))
     acc = zero
