@@ -562,8 +562,14 @@ def test_sm90_rolling_waits_take_large_e8m0_codes(fmt):
     assert torch.equal(rolling[valid].view(torch.int16), staged[valid].view(torch.int16))
 
 
+MODEL_MID_GROUPS = TokenPattern("decode_32x32", tuple(24 + (5 * s) % 17 for s in range(32)),
+                                tuple(s % 16 for s in range(32)), experts=16,
+                                why="decode: 32 slots of 24-40 tokens (64-token tiles)")
+
+
 @gpu
-@pytest.mark.parametrize("pattern", (MODEL_SMALL_GROUPS, MODEL_SMALL_GROUPS_FEW), ids=lambda p: p.name)
+@pytest.mark.parametrize("pattern", (MODEL_SMALL_GROUPS, MODEL_SMALL_GROUPS_FEW, MODEL_MID_GROUPS),
+                         ids=lambda p: p.name)
 @pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (5760, 2880), (2880, 2880)],
                          ids=["dsv3-up", "dsv3-down", "gptoss-up", "gptoss-down"])
 @pytest.mark.parametrize("fmt", ("bf16_mxfp4", "nvfp4"))

@@ -43,7 +43,8 @@ Steady state of one consumer (an iteration: one stage of SUB steps, or two stage
 Prepacked e2m1 with swizzled scales may take them through the ring instead (DecodeConfig.staged_scales,
 _staged_chain): the producer copies the tile's scale atoms with each stage, the consumers read
 their rows' words from it (no global load in the loop) and fold e8m0's 2^126 into the scales;
-consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile.
+consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile;
+rolling_waits keeps consumer 0's wgmmas in flight across its back edge (_staged_chain_rolling).
 """
 
 from triton.experimental import gluon
