@@ -212,7 +212,8 @@ def run(regimes, fmts, out_dir: Path):
 # Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs,
 # staged_scales, consumer_rows, rolling_waits): the scales loaded a step ahead, or staged in the
 # ring (e2m1 on swizzled scales) with four consumer warpgroups of 64 rows or two of 128, and with
-# consumer 0's wgmmas in flight across its back edge (e8m0 scales).
+# rolling waits (e8m0 scales: consumer 0's wgmmas in flight across its back edge, the others' across
+# every other stage boundary).
 REGISTER_VARIANTS = {"w128_s2": (128, 2, 192, False, 64), "w256_s2": (256, 2, 112, False, 64),
                      "w256_s4": (256, 4, 112, False, 64), "w256_staged": (256, 2, 112, True, 64),
                      "w256_staged_r128": (256, 2, 232, True, 128),

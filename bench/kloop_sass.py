@@ -25,7 +25,8 @@ The decoding kernel (kernels/sm90/decode.py) on prepacked e2m1 weights at decode
 16 and 32 tokens a slot (256-row tiles, 32- and 64-token tiles), its K loop with the weight
 scales loaded a step ahead and staged in the ring (DecodeConfig.staged_scales; four consumer
 warpgroups of 64 rows, or two of 128; with rolling waits, DecodeConfig.rolling_waits, the loop of
-consumer 0, which keeps its wgmmas in flight across the back edge): instructions one iteration
+consumer 0, which keeps its wgmmas in flight across the back edge, and a worker's, which takes the
+stages in pairs): instructions one iteration
 issues an element of a thread (a warpgroup's 64 or 128 rows x 128 K over 128 threads; on a
 loop with two paths, the path without a large e8m0 code, and the other), by opcode class, the
 global loads and spills in the loop, its wgmma waits, the highest register it names and the
@@ -193,10 +194,11 @@ def _opcode_class(opcode: str) -> str:
 
 
 def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: int = 64,
-                rolling: bool = False) -> dict:
+                rolling: str = "") -> dict:
     """The decoding kernel's K loop on prepacked weights (module docstring), of the first consumer
     in the SASS; consumer_rows 128: two staged-scale consumers of 128 rows (232 registers);
-    rolling: consumer 0's loop with rolling waits (the one that waits for none at its end)."""
+    rolling "consumer 0": the loop with rolling waits of consumer 0 (the one that waits for none
+    at its end), "workers": a worker's (stage pairs)."""
     import dataclasses
 
     from test_compile_sm90 import mx_kernel_compiled, setmaxnreg_values
@@ -208,15 +210,15 @@ def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: i
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, prepacked=True)
     wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
-    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, rolling_waits=rolling, stages=2, **wide),
-                       FORMATS[fmt])
+    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, rolling_waits=bool(rolling), stages=2,
+                                           **wide), FORMATS[fmt])
     with override_config(cfg):
         compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=True)
     sass = offline.sass(compiled)
     loops = offline.innermost_loops(sass)
     if rolling:
-        loops = [body for body in loops
-                 if not any("DEPBAR" in t and t.split()[-1] == "0x0" for t in offline.loop_paths(body)[0])]
+        loops = [body for body in loops if (rolling == "workers") == any(
+            "DEPBAR" in t and t.split()[-1] == "0x0" for t in offline.loop_paths(body)[0])]
     body = loops[0]
     fast, slow = offline.loop_paths(body)
     elements = 8 * sum("GMMA" in t for t in fast)  # (a k16 wgmma of 64 rows: 8 elements a thread)
@@ -246,14 +248,14 @@ def decode_report(fmts) -> str:
              "waits | highest register | setmaxnreg | ptxas |", "|" + "---|" * (12 + len(DECODE_CLASSES))]
     for fmt in fmts:
         for tokens_per_slot in (16, 32):
-            for staged, rows, rolling in ((False, 64, False), (True, 64, False), (True, 128, False),
-                                          (True, 64, True)):
+            for staged, rows, rolling in ((False, 64, ""), (True, 64, ""), (True, 128, ""),
+                                          (True, 64, "consumer 0"), (True, 64, "workers")):
                 if rolling and FORMATS[fmt].b.scale != "e8m0":  # (launcher.rolling_waits)
                     continue
                 r = decode_loop(fmt, tokens_per_slot, staged, rows, rolling)
                 scales = f"staged, {rows} rows a consumer" if staged else "step ahead"
                 if rolling:
-                    scales += ", rolling waits (consumer 0)"
+                    scales += f", rolling waits ({rolling})"
                 lines.append(f"| {fmt} | {tokens_per_slot} | {scales} | "
                              f"{r['per_element']} | {r['slow_path_per_element']} | "
                              + " | ".join(str(r["classes"].get(name, 0)) for name, _ in DECODE_CLASSES)

@@ -137,7 +137,7 @@ class DecodeConfig:
     consumer_rows: int = 64
     # Staged e8m0 scales on 64-row consumers: consumer 0 (the default partition) keeps its last
     # step's wgmmas in flight across the K loop's back edge and releases each stage a wait later;
-    # the others keep the loop that retires every wgmma at an iteration's end (kernels/sm90/decode.py,
+    # the others take the stages in pairs, waiting for none once a pair (kernels/sm90/decode.py,
     # _staged_chain_rolling: ptxas serialized every wgmma where a worker partition rolled, C7512).
     # e4m3 scales (nvfp4) keep the staged loop (launcher.rolling_waits).
     rolling_waits: bool = False

@@ -537,7 +537,8 @@ def _rolling_pair(p, fmt: str, n: int, k: int, token_tile: int | None):
 def test_sm90_rolling_waits_match_the_staged_loop(fmt, pattern, token_tile, k):
     # Consumer 0 keeps each stage's last wgmmas in flight across its back edge (first stage
     # peeled, stage pairs, an odd stage before them, a last half stage, or no whole stage at
-    # all): against the reference (rows outside the slots untouched) and bit for bit the staged
+    # all), the workers across every other stage boundary (pairs, an odd last stage, a half
+    # one): against the reference (rows outside the slots untouched) and bit for bit the staged
     # loop that retires every wgmma at an iteration's end (the same sums in the same order).
     p = make_problem(fmt, "swizzled", pattern, 320, k, "cuda")
     staged, rolling, poisoned = _rolling_pair(p, fmt, 320, k, token_tile)

@@ -44,7 +44,8 @@ Prepacked e2m1 with swizzled scales may take them through the ring instead (Deco
 _staged_chain): the producer copies the tile's scale atoms with each stage, the consumers read
 their rows' words from it (no global load in the loop) and fold e8m0's 2^126 into the scales;
 consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile;
-rolling_waits keeps consumer 0's wgmmas in flight across its back edge (_staged_chain_rolling).
+rolling_waits keeps consumer 0's wgmmas in flight across its back edge (_staged_chain_rolling),
+the other consumers' across every other stage boundary (_staged_chain_paired).
 """
 
 from triton.experimental import gluon
@@ -542,7 +543,10 @@ def _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0: gl.constexp
     words = _staged_words(ws_stage, Q0, ATOMS, 0, row_layout)
     acc, first = _staged_step(w_bufs, t_bufs, stage, 0, Q0, words, large, acc, NKB, BYTES, raw_layout,
                               scale_layout, NV_SCALE, True)
-    acc, first, carried = warpgroup_mma_wait(1, deps=(acc, first, carried))
+    if carried is None:
+        acc, first = warpgroup_mma_wait(1, deps=(acc, first))
+    else:
+        acc, first, carried = warpgroup_mma_wait(1, deps=(acc, first, carried))
     if ATOMS == 2:
         words = _staged_words(ws_stage, Q0, ATOMS, 1, row_layout)
     acc, carried = _staged_step(w_bufs, t_bufs, stage, 1, Q0, words, large, acc, NKB, BYTES, raw_layout,
@@ -567,9 +571,10 @@ def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.con
     takes two stages an iteration, which spreads its counters over twice the elements (with 64
     tokens, whose accumulator is twice as large, ptxas serialized every wgmma so unrolled, C7512).
 
-    Only the default partition runs this loop (DecodeConsumer.tile): in a worker partition the
-    same loop made ptxas serialize every wgmma (C7512, "insufficient register resources") at any
-    budget Triton's warp_specialize lowering can give. Its workers run inside one switch loop
+    Only the default partition runs this loop (DecodeConsumer.tile; the workers run
+    _staged_chain_paired): in a worker partition the same loop made ptxas serialize every wgmma
+    (C7512, "insufficient register resources") at any budget Triton's warp_specialize lowering
+    can give. Its workers run inside one switch loop
     (idle at setmaxnreg 56, the producer at 32, the consumers at 112); offline, the PTX of one
     rolling worker kept its wgmmas in flight only with every setmaxnreg of that loop raised to
     128, and of three rolling workers not even at 160, while the default partition, outside
@@ -614,6 +619,42 @@ def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.con
     ring.release(prev, pred=stages > 0)
     acc1 = zero
     if K % 128 != 0:  # (K is a multiple of 64: a last half stage, as _staged_chain's)
+        stage = ring.wait_ready(it)
+        acc, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc, acc1, 1, Q0, 1, NKB, BYTES,
+                                  raw_layout, scale_layout, NV_SCALE)
+        ring.release(stage)
+        it += 1
+    return acc, acc1, it
+
+
+@gluon.jit
+def _staged_chain_paired(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, NKB: gl.constexpr,
+                         BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr,
+                         NV_SCALE: gl.constexpr):
+    """_staged_chain of one 64-row block (Q0) taking its stages in pairs: the first stage's last
+    step stays in flight while the second's first step decodes, and the first stage is released
+    after the second's last wait; no wgmma is in flight across the back edge (one wait for none
+    every two stages, _staged_chain_rolling says why)."""
+    acc = zero
+    for kk in range(K // 256):
+        first = ring.wait_ready(it)
+        acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, first, acc, None, Q0, NKB, BYTES, raw_layout,
+                                      scale_layout, NV_SCALE)
+        second = ring.wait_ready(it + 1)
+        acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, second, acc, carried, Q0, NKB, BYTES, raw_layout,
+                                      scale_layout, NV_SCALE)
+        ring.release(first)
+        acc, carried = warpgroup_mma_wait(0, deps=(acc, carried))
+        ring.release(second)
+        it += 2
+    acc1 = zero
+    if K % 256 >= 128:  # (an odd last whole stage)
+        stage = ring.wait_ready(it)
+        acc, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc, acc1, 2, Q0, 1, NKB, BYTES,
+                                  raw_layout, scale_layout, NV_SCALE)
+        ring.release(stage)
+        it += 1
+    if K % 128 != 0:  # (K is a multiple of 64: a last half stage)
         stage = ring.wait_ready(it)
         acc, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc, acc1, 1, Q0, 1, NKB, BYTES,
                                   raw_layout, scale_layout, NV_SCALE)
@@ -700,13 +741,19 @@ class DecodeConsumer:
         # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
         BIASED: gl.constexpr = self.PREPACKED and FP4 and self.NV_SCALE
         M_BLOCKS: gl.constexpr = self.M_BLOCKS
-        # (rolling waits on consumer 0 only: the default partition, _staged_chain_rolling says why)
-        if self.ws_bufs is not None and self.ROLLING_WAITS and WG == 0:
+        # (across the back edge in consumer 0 only, the default partition: _staged_chain_rolling)
+        if self.ws_bufs is not None and self.ROLLING_WAITS:
             gl.static_assert(HALVES == 1 and M_BLOCKS == 1 and not self.NV_SCALE,
                              "rolling waits: e8m0 scales, up to 64 tokens, 64 rows a consumer")
             scale_layout: gl.constexpr = gl.SliceLayout(2, pair_fragment_layout(NKB, 32 // NKB))
-            acc0, acc1, it = _staged_chain_rolling(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero, self.K,
-                                                   it, WG, NKB, BYTES, raw_layout, scale_layout, self.NV_SCALE)
+            if WG == 0:
+                acc0, acc1, it = _staged_chain_rolling(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero,
+                                                       self.K, it, WG, NKB, BYTES, raw_layout, scale_layout,
+                                                       self.NV_SCALE)
+            else:
+                acc0, acc1, it = _staged_chain_paired(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero,
+                                                      self.K, it, WG, NKB, BYTES, raw_layout, scale_layout,
+                                                      self.NV_SCALE)
         elif self.ws_bufs is not None:  # (prepacked e2m1, SUB == 2: the scales staged in the ring)
             gl.static_assert(HALVES == 1, "staged scales: up to 64 tokens")
             scale_layout: gl.constexpr = gl.SliceLayout(2, pair_fragment_layout(NKB, 32 // NKB))

@@ -334,8 +334,8 @@ def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
 
 
 def rolling_waits(p: GroupedProblem, cfg: DecodeConfig) -> bool:
-    """Whether consumer 0 of the staged loop keeps wgmmas in flight across its back edge
-    (DecodeConfig.rolling_waits): e8m0 scales only (nvfp4's e4m3 ones keep the staged loop; its
+    """Whether the staged loop keeps wgmmas in flight across stages (DecodeConfig.rolling_waits;
+    consumer 0 across its back edge): e8m0 scales only (nvfp4's e4m3 ones keep the staged loop; its
     rolling loop spilled in the specialization without expert and row scales)."""
     return cfg.rolling_waits and staged_scales(p, cfg) and p.fmt.b.scale == "e8m0"
 
