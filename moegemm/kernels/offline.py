@@ -71,7 +71,7 @@ def cubin_sass(cubin: bytes) -> str:
         return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def ptxas_infos(compiled) -> list[str]:
+def ptxas_infos(compiled) -> list[tuple[str, str]]:
     """The "(Cnnnn) ..." messages ptxas gives on the compile's PTX for sm_90a (the wheel's ptxas,
     as Triton runs it), such as C7510-C7515: every wgmma serialized, and why. Triton drops them."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

@@ -436,7 +436,8 @@ def _staged_step(w_bufs, t_bufs, stage, j: gl.constexpr, Q: gl.constexpr, words,
     """_register_step (SUB = 2, one token half) of the tile's 64-row block Q, its scales from
     the stage's staged words: nvfp4 as always biased; e8m0 decoded biased with 2^126 folded into
     its scales, or, where the stage has a code >= 128 (`large`, the same in the whole
-    warpgroup), as the step-ahead loop does."""
+    warpgroup), as the step-ahead loop does. Returns the accumulator and the operand, or with
+    PAIRS its int32 pairs: the very registers the wgmma reads."""
     acc_layout: gl.constexpr = acc.type.layout
     raw = w_bufs.index(stage).slice(Q * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
     byte0: gl.constexpr = (j * NKB) % 4
@@ -531,8 +532,8 @@ def _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0: gl.constexp
                    BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
     """Both 64-wide steps of ring stage `stage` for the 64-row block Q0 (_staged_stage), the first
     one's wgmmas issued while the wgmmas of `carried` (the operand pairs of the step before, or
-    zeros) run: its wait retires those, and the second's leaves this stage's last step in
-    flight, its operand pairs returned as the new `carried`."""
+    zeros; None: nothing in flight) run: its wait retires those, and the second's leaves this
+    stage's last step in flight, its operand pairs returned as the new `carried`."""
     ATOMS: gl.constexpr = NKB // 2  # (nvfp4: an atom a step)
     row_layout: gl.constexpr = gl.SliceLayout(1, scale_layout)
     ws_stage = ws_bufs.index(stage)
@@ -574,11 +575,10 @@ def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.con
     Only the default partition runs this loop (DecodeConsumer.tile; the workers run
     _staged_chain_paired): in a worker partition the same loop made ptxas serialize every wgmma
     (C7512, "insufficient register resources") at any budget Triton's warp_specialize lowering
-    can give. Its workers run inside one switch loop
-    (idle at setmaxnreg 56, the producer at 32, the consumers at 112); offline, the PTX of one
-    rolling worker kept its wgmmas in flight only with every setmaxnreg of that loop raised to
-    128, and of three rolling workers not even at 160, while the default partition, outside
-    that loop, keeps them in flight at its 112."""
+    can give. The workers run inside one switch loop (idle at setmaxnreg 56, the producer at 32,
+    the consumers at 112); offline, the PTX of one rolling worker kept its wgmmas in flight only
+    with every setmaxnreg of that loop raised to 128, and of three rolling workers not even at
+    160, while the default partition, outside that loop, keeps them in flight at its 112."""
     UNROLL: gl.constexpr = 2 if zero.shape[1] <= 32 else 1
     carried = gl.zeros([WG_ROWS, NKB, 32 // NKB], gl.int32, pair_fragment_layout(NKB, 32 // NKB))
     acc = zero
