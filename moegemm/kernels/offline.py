@@ -71,6 +71,18 @@ def cubin_sass(cubin: bytes) -> str:
         return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def ptxas_infos(compiled) -> list[tuple[str, str]]:
+    """The "(Cnnnn) ..." messages ptxas gives on the compile's PTX for sm_90a (the wheel's ptxas,
+    as Triton runs it), such as C7510-C7515: every wgmma serialized, and why. Triton drops them."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(tool), "-v", "--gpu-name=sm_90a", str(source), "-o", str(Path(folder) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    return re.findall(r"\((C\d{4})\) ([^\n]*)", log)
+
+
 def opcode_counts(sass_text: str) -> collections.Counter:
     """Opcode (first word of each instruction, predicate and modifiers stripped) -> count."""
     counts = collections.Counter()
