@@ -434,19 +434,7 @@ def setmaxnreg_values(compiled) -> set[int]:
 def innermost_mma_loops(sass: str) -> list[list[str]]:
     """The instructions of every loop that contains a wgmma and no other loop (the K loops of
     each consumer partition)."""
-    instructions = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    spans = []
-    for address, text in instructions:
-        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            spans.append((int(target.group(1), 16), address))
-    loops = []
-    for lo, hi in spans:
-        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
-            continue
-        body = [t for a, t in instructions if lo <= a <= hi]
-        if any("GMMA" in t for t in body):
-            loops.append(body)
+    loops = [[text for _, text in loop] for loop in offline.innermost_loops(sass)]
     assert loops, "no loop around a wgmma"
     return loops
 
