@@ -400,28 +400,35 @@ def test_sm90_prepacked_e2m1_formats_at_decode(fmt, n, k):
 E2M1_PREPACK_FORMATS = tuple(f for f in PREPACK_FORMATS if f != "bf16_mxfp8")
 
 
-def _staged_pair(p, fmt: str, n: int, k: int, token_tile: int | None, consumer_rows: int = 64):
-    """The prepacked product with the scales loaded a step ahead and with them staged in the ring
-    (DecodeConfig.staged_scales; consumer_rows 128: two consumer warpgroups of 128 rows), each into a
-    poisoned output: (step-ahead, staged, poisoned). token_tile None: the regime's default config."""
+def _prepacked_runs(p, fmt: str, n: int, k: int, token_tile: int | None, variants) -> tuple[list, torch.Tensor]:
+    """The prepacked product once per variant (changes to the config: the regime's default for
+    token_tile None, else a forced 256-row one; a ring of 2 stages made as deep as it fits), each
+    into a poisoned output: (outputs, poisoned)."""
     a, w = (dataclasses.replace(q, global_scale=None) for q in (p.a, p.w))
     w = moegemm.prepack_weights(w)
     if token_tile is None:
         base = sm90_mx_config(FORMATS[fmt], n, k, p.m / len(p.expert_ids), prepacked=True)
     else:
         base = _forced(token_tile, True, 256, 2)
-    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
     outs = []
-    for staged in (False, True):
+    for changes in variants:
         poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
         out = poisoned.clone()
-        cfg = dataclasses.replace(base, staged_scales=True, stages=2, **wide) if staged else \
-            dataclasses.replace(base, stages=2)
-        with override_config(deepest_ring(cfg, FORMATS[fmt])):
+        with override_config(deepest_ring(dataclasses.replace(base, stages=2, **changes), FORMATS[fmt])):
             moegemm.grouped_matmul(a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
                                    expert_scales=p.expert_scales, row_scales=p.row_scales, out=out, backend="sm90")
         outs.append(out)
-    return outs[0], outs[1], poisoned
+    return outs, poisoned
+
+
+def _staged_pair(p, fmt: str, n: int, k: int, token_tile: int | None, consumer_rows: int = 64):
+    """The prepacked product with the scales loaded a step ahead and with them staged in the ring
+    (DecodeConfig.staged_scales; consumer_rows 128: two consumer warpgroups of 128 rows), each into a
+    poisoned output: (step-ahead, staged, poisoned). token_tile None: the regime's default config."""
+    wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
+    (step_ahead, staged), poisoned = _prepacked_runs(p, fmt, n, k, token_tile, (
+        {"staged_scales": False, "consumer_rows": 64, "rolling_waits": False}, {"staged_scales": True, **wide}))
+    return step_ahead, staged, poisoned
 
 
 STAGED_PATTERNS = [p for p in TOKEN_PATTERNS if p.name in ("ragged", "tiny")]
@@ -510,22 +517,9 @@ def _rolling_pair(p, fmt: str, n: int, k: int, token_tile: int | None):
     """The prepacked product with the scales staged in the ring, without and with rolling waits
     (DecodeConfig.rolling_waits: consumer 0's wgmmas in flight across its back edge), each into a
     poisoned output: (staged, rolling, poisoned). token_tile None: the regime's default config."""
-    a, w = (dataclasses.replace(q, global_scale=None) for q in (p.a, p.w))
-    w = moegemm.prepack_weights(w)
-    if token_tile is None:
-        base = sm90_mx_config(FORMATS[fmt], n, k, p.m / len(p.expert_ids), prepacked=True)
-    else:
-        base = _forced(token_tile, True, 256, 2)
-    outs = []
-    for rolling in (False, True):
-        poisoned = poison_like(p.m, n, torch.bfloat16, "cuda")
-        out = poisoned.clone()
-        cfg = dataclasses.replace(base, staged_scales=True, rolling_waits=rolling, stages=2)
-        with override_config(deepest_ring(cfg, FORMATS[fmt])):
-            moegemm.grouped_matmul(a, w, None, None, p.a_offsets, p.expert_ids, fmt=fmt,
-                                   expert_scales=p.expert_scales, row_scales=p.row_scales, out=out, backend="sm90")
-        outs.append(out)
-    return outs[0], outs[1], poisoned
+    (staged, rolling), poisoned = _prepacked_runs(p, fmt, n, k, token_tile, (
+        {"staged_scales": True, "rolling_waits": False}, {"staged_scales": True, "rolling_waits": True}))
+    return staged, rolling, poisoned
 
 
 @gpu
