@@ -107,18 +107,17 @@ class TokenPass:
             if rows.parts:
                 launch(module.decode_row_scales_kernel, self.key, self.grid, (*scale_args, *rows.scalars), self.consts)
             return scales, a
-        if self.kind == "row scales":  # (and w4a8's tokens reordered, in the same launch)
+        # token_prepass_kernel: the scales and the tokens in one launch, e2m1 bytes re-encoded as
+        # e4m3, or w4a8's e4m3 tokens (byte pairs) in the even/odd order
+        if self.kind == "e2m1":
+            source = as_bytes(a.contiguous())
+            tokens = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
+        else:
+            source = a.contiguous().view(torch.int16)
             tokens = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-            if self.grid[0]:
-                launch(module.token_prepass_kernel, self.key, self.grid,
-                       (*scale_args, a.contiguous().view(torch.int16), tokens.view(torch.uint8), *rows.scalars,
-                        *self.scalars), self.consts)
-            return scales, tokens
-        tokens = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
         if self.grid[0]:
             launch(module.token_prepass_kernel, self.key, self.grid,
-                   (*scale_args, as_bytes(a.contiguous()), tokens.view(torch.uint8), *rows.scalars, *self.scalars),
-                   self.consts)
+                   (*scale_args, source, tokens.view(torch.uint8), *rows.scalars, *self.scalars), self.consts)
         return scales, tokens
 
 
@@ -149,23 +148,18 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
     if kind == "row scales" and not even_odd:
         return TokenPass(kind, p, interpret, row_key, (p.num_groups, rows.parts), (), dict(rows.consts, num_warps=4),
                          rows)
-    if kind == "row scales":  # w4a8: the scales and the tokens' even/odd order in one launch (token_prepass_kernel)
-        if p.k % 8:
-            raise ValueError(f"even_odd needs rows of whole 8-element groups, got {p.k} elements")
-        num_pairs = p.m * (p.k // 2)
-        programs = p.num_groups * rows.parts + math.ceil(num_pairs / _E2M1_BLOCK)
-        return TokenPass(kind, p, interpret, (*row_key, "pairs", rows.parts), (programs, ),
-                         (max(rows.parts, 1), num_pairs),
-                         dict(rows.consts, EXP=0, EVEN_ODD=True, BLOCK=_E2M1_BLOCK, PACKED=False, num_warps=4), rows,
-                         even_odd)
-    if kind != "e2m1":
+    if kind not in ("row scales", "e2m1"):
         raise ValueError(f"kind: expected 'dequantize', 'row scales' or 'e2m1', got {kind!r}")
+    # token_prepass_kernel: e2m1 tokens as bytes, or (w4a8, "row scales" in the even/odd order)
+    # e4m3 tokens as byte pairs; K/2 of either a row
+    packed = kind == "e2m1"
     _check_e2m1_to_e4m3(p.k // 2, exponent, even_odd)
-    num_bytes = p.m * (p.k // 2)
-    programs = p.num_groups * rows.parts + math.ceil(num_bytes / _E2M1_BLOCK)
-    return TokenPass(kind, p, interpret, (*row_key, exponent, even_odd, rows.parts), (programs, ),
-                     (max(rows.parts, 1), num_bytes),
-                     dict(rows.consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=_E2M1_BLOCK, num_warps=4), rows)
+    units = p.m * (p.k // 2)
+    programs = p.num_groups * rows.parts + math.ceil(units / _E2M1_BLOCK)
+    return TokenPass(kind, p, interpret, (*row_key, exponent, even_odd, packed, rows.parts), (programs, ),
+                     (max(rows.parts, 1), units),
+                     dict(rows.consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=_E2M1_BLOCK, PACKED=packed, num_warps=4),
+                     rows, even_odd)
 
 
 def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale_offsets) -> torch.Tensor:
