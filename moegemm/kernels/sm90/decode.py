@@ -557,6 +557,18 @@ def _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0: gl.constexp
 
 
 @gluon.jit
+def _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0: gl.constexpr, NKB: gl.constexpr,
+                  BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
+    """Ring stage `it` rolled in (_rolling_stage), then `prev`, the stage before it, released (a
+    wait later than its own last one): (acc, carried, the stage)."""
+    stage = ring.wait_ready(it)
+    acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0, NKB, BYTES, raw_layout,
+                                  scale_layout, NV_SCALE)
+    ring.release(prev)
+    return acc, carried, stage
+
+
+@gluon.jit
 def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, NKB: gl.constexpr,
                           BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr,
                           NV_SCALE: gl.constexpr):
@@ -591,29 +603,19 @@ def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.con
         it += 1
     if UNROLL == 2:
         if stages % 2 == 0 and stages > 0:  # (an odd number of stages left: one before the pairs)
-            stage = ring.wait_ready(it)
-            acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                          scale_layout, NV_SCALE)
-            ring.release(prev)
-            prev = stage
+            acc, carried, prev = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0, NKB, BYTES,
+                                               raw_layout, scale_layout, NV_SCALE)
             it += 1
         for kk in range((stages - 1) // 2):
-            stage = ring.wait_ready(it)
-            acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                          scale_layout, NV_SCALE)
-            ring.release(prev)
-            prev = ring.wait_ready(it + 1)
-            acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, prev, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                          scale_layout, NV_SCALE)
-            ring.release(stage)
+            acc, carried, stage = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0, NKB, BYTES,
+                                                raw_layout, scale_layout, NV_SCALE)
+            acc, carried, prev = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it + 1, stage, acc, carried, Q0, NKB,
+                                               BYTES, raw_layout, scale_layout, NV_SCALE)
             it += 2
     else:
         for kk in range(1, stages):
-            stage = ring.wait_ready(it)
-            acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                          scale_layout, NV_SCALE)
-            ring.release(prev)
-            prev = stage
+            acc, carried, prev = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0, NKB, BYTES,
+                                               raw_layout, scale_layout, NV_SCALE)
             it += 1
     acc, carried = warpgroup_mma_wait(0, deps=(acc, carried))
     ring.release(prev, pred=stages > 0)
