@@ -48,7 +48,7 @@ class DenseConfig:
     The last claim_rounds * programs tiles of a call are claimed from a counter as programs free
     up, the rest dealt round-robin (kernels/sm90/pipeline.py, schedule); 0: round-robin throughout.
     scale_ring (fp8_block, normal tiles): the producer stages each K block's token and weight
-    scales in the ring beside its operands (pipeline.StageScales), and the K loop reads them from
+    scales in the ring beside its operands (kernels/sm90/stage_scales.py), and the K loop reads them from
     shared memory (dense._promote_staged); else the consumers load them from global memory.
     """
 

@@ -15,7 +15,7 @@ Steady state of one consumer, fp8_block (PROMOTE):
     wait ready[s]; part = wgmma(A[s], B[s]^T) (fresh, 4 x k32); wait; arrive empty[s]
     acc += part * (sa * sb)[k]       # fp32 promotion per 128-wide K block (docs/contract.md)
 With SCALE_RING (normal tiles) the producer copies each stage's sa and sb into the ring beside
-its A and B boxes (pipeline.StageScales) and the consumer reads them from shared memory after
+its A and B boxes (stage_scales.StageScales) and the consumer reads them from shared memory after
 the ready wait: the same sums, no global load in the K loop (_promote_staged).
 bf16: acc = wgmma(A[s], B[s]^T, acc) chained, one wgmma in flight, stage released one step late.
 
@@ -32,19 +32,18 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.language.core import _aggregate as aggregate
 
 from .pipeline import (
-    SCALE_COPY_LANES,
     WG_ROWS,
     Output,
     Producer,
     Ring,
     Schedule,
-    StageScales,
     n_major,
     optional,
     produce,
     producer_registers,
     walk,
 )
+from .stage_scales import SCALE_COPY_LANES, StageScales
 from .swiglu import Swiglu
 
 
@@ -126,7 +125,7 @@ def _stage_scale(buf, j: gl.constexpr):
 @gluon.jit
 def _promote_staged(m_op, n_op, ring, scales, zero, it, k_steps, WG: gl.constexpr, N_SUB: gl.constexpr):
     """fp8_block main loop of a normal tile whose scales the producer stages in the ring
-    (pipeline.StageScales): the sums of _promote, in the same order and with the same scale
+    (stage_scales.StageScales): the sums of _promote, in the same order and with the same scale
     products, but each block's scales are read from shared memory after its ready wait (no
     global load, pointer or prefetched scale held through the loop), and the stage and its
     phase are counted rather than divided out of `it` each step.
