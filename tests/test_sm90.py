@@ -456,8 +456,8 @@ def test_sm90_fused_swiglu_reads_n_major_weights(pattern, monkeypatch):
     p = make_problem("bf16", "plain", pattern, 5760, 2880, "cuda", with_scales=False)
     bias = torch.randn(32, 5760, device="cuda")
     fused = []
-    launch = moegemm.ops.launch_fused
-    monkeypatch.setattr(moegemm.ops, "launch_fused", lambda *args, **kw: fused.append(1) or launch(*args, **kw))
+    launch = moegemm.plan.launch_fused
+    monkeypatch.setattr(moegemm.plan, "launch_fused", lambda *args, **kw: fused.append(1) or launch(*args, **kw))
     outs = [moegemm.grouped_matmul_swiglu(p.a.data, b, None, None, p.a_offsets, p.expert_ids, fmt="bf16",
                                           gate_up_layout="interleaved", activation="swiglu_oai", bias=bias,
                                           backend="sm90").data for b in (p.w.data, n_major(p.w.data))]
