@@ -133,10 +133,13 @@ def deepgemm_runner(inp: Inputs):
         sa[dst:dst + s] = inp.a_scales[src:src + s]
         m_indices[dst:dst + s] = g
         src, dst = src + s, dst + p
-    # DeepGEMM reads its token scales MN-major with TMA-aligned columns; laid out so once here, its
-    # call checks the layout and runs the GEMM kernel alone (otherwise a transpose kernel a call)
-    aligned = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
-    sa = aligned(sa) if aligned is not None else sa
+    # DeepGEMM reads its token scales MN-major, each K block's column 16-byte aligned; laid out so
+    # once here (torch, not DeepGEMM's helper: its JIT transpose is not what is measured), its call
+    # checks the layout and runs the GEMM kernel alone (otherwise a transpose kernel a call)
+    aligned_rows = math.ceil(mp / 4) * 4
+    columns = torch.zeros(sa.shape[1], aligned_rows, device=device)
+    columns[:, :mp] = sa.t()
+    sa = columns[:, :mp].t()
     out = torch.empty(mp, inp.n, dtype=torch.bfloat16, device=device)
     fn = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or \
         getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous")
