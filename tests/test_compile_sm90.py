@@ -480,7 +480,7 @@ def test_token_prepass_compiles_for_sm90(fmt):
     kernel = module.dequantize_rows_kernel
     codes = portable.format_constexprs(f, True, False, False)
     constexprs = dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"],
-                      VEC=f.scale_vec, SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128)
+                      VEC=f.scale_vec, SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128, FILL=False)
     signature = {name: ("*bf16" if name == "out_ptr" else "*i32" if name in POINTERS else "*u8")
                  if name.endswith("_ptr") else "i32" for name in kernel.arg_names if name not in constexprs}
     compiled = offline.compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1})
@@ -495,7 +495,7 @@ def test_merged_token_prepass_compiles_for_sm90(swizzled, packed):
     # packed, w4a8's row scales and its e4m3 tokens' even/odd order (int16 pairs).
     kernel = portable.kernel_module(False).token_prepass_kernel
     constexprs = dict(SWIZZLED=swizzled, ALIGN_GROUPS=True, BLOCK_M=32, BLOCK_KB=64, EXP=0 if not packed else 6,
-                      EVEN_ODD=True, BLOCK=1024, PACKED=packed)
+                      EVEN_ODD=True, BLOCK=1024, PACKED=packed, FILL=False)
     source = "*u8" if packed else "*i16"
     signature = {name: ("*fp32" if name == "scales_out_ptr" else "*i32" if name in POINTERS else
                         source if name == "src_ptr" else "*u8")

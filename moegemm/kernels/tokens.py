@@ -88,7 +88,7 @@ class _Fill(NamedTuple):
     consts: dict
 
 
-def _fill(p: GroupedProblem, key: tuple, grid: tuple, consts: dict) -> _Fill | None:
+def _fill(p: GroupedProblem, key: tuple, grid: tuple, consts: dict) -> _Fill:
     """The filling launch of a pre-pass of `grid` over the [M, N] output's BLOCK_M-row blocks:
     programs (G + i, part) take block i * parts + part of a (slot, part) grid, the programs after
     the listed ones of a 1-D grid one block each (an output of no element: the launch itself)."""
@@ -122,7 +122,7 @@ class TokenPass:
     def run(self, a, a_scales, a_offsets, expert_ids, a_scale_offsets,
             fresh_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """fresh_out: the product's [M, N] output (contiguous, of the problem's out_dtype), whose
-        rows no valid slot owns the same launch zeroes (where self.fill is planned)."""
+        rows no valid slot owns the same launch zeroes (ValueError where self.fill is None)."""
         p, module = self.problem, kernel_module(self.interpret)
         key, grid, consts = self.key, self.grid, self.consts
         if fresh_out is not None:
