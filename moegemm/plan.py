@@ -101,18 +101,22 @@ class Plan:
     backend: str
     kernel: object | None
     fused: bool = False  # (grouped_matmul_swiglu) its product runs with the fused SwiGLU epilogue
+    zeroes_out: bool = False  # its launch zeroes a fresh output's rows outside valid slots (sm90.zeroes_fresh_out)
 
     def run(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
-        """grouped_matmul of these operands into `out` (a fresh zeroed one where None): the
-        no-grad check, the values checked (where debug.values_checked says: on the CPU, and on the
-        GPU under MOEGEMM_DEBUG=1), then the launch."""
+        """grouped_matmul of these operands into `out` (where None a fresh one, reading zero
+        outside valid slots: zeroed by the launch where it can, else allocated so): the no-grad
+        check, the values checked (where debug.values_checked says: on the CPU, and on the GPU
+        under MOEGEMM_DEBUG=1), then the launch."""
         if self.backend != "reference":  # (the reference is torch: autograd runs through it)
             check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
                           b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
                           expert_scales=operands.expert_scales, row_scales=row_scales)
         self._check_values(operands, a_offsets, expert_ids)
         if out is None:
-            out = torch.zeros(self.problem.m, self.problem.n, dtype=self.problem.out_dtype, device=operands.a.device)
+            fresh = torch.empty if self.zeroes_out else torch.zeros
+            out = fresh(self.problem.m, self.problem.n, dtype=self.problem.out_dtype, device=operands.a.device)
+            return self.launch(operands, a_offsets, expert_ids, row_scales, out, fresh_out=self.zeroes_out)
         return self.launch(operands, a_offsets, expert_ids, row_scales, out)
 
     def run_swiglu(self, operands: Operands, a_offsets, expert_ids, bias, *, out_fmt, activation, gate_up_layout,
@@ -143,16 +147,17 @@ class Plan:
         validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
                         operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
 
-    def launch(self, operands: Operands, a_offsets, expert_ids, row_scales, out) -> torch.Tensor:
-        """Run the product into `out` (allocated). Prepacked weights are read as they are by the
-        sm90 kernels only; the other backends take them unpacked (a copy)."""
+    def launch(self, operands: Operands, a_offsets, expert_ids, row_scales, out, fresh_out: bool = False) -> torch.Tensor:
+        """Run the product into `out` (allocated; fresh_out: uninitialized, for a plan that
+        zeroes_out). Prepacked weights are read as they are by the sm90 kernels only; the other
+        backends take them unpacked (a copy)."""
         a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
         if self.backend == "sm90":
             tokens = None if operands.a_form is None else KernelTokens(operands.a_form, a, a_scales)
             return sm90.launch(self.kernel, sm90.LaunchArgs(
                 None if tokens else a, b, None if tokens else a_scales, b_scales, a_offsets, expert_ids, out,
                 a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
-                tokens=tokens))
+                tokens=tokens, fresh_out=fresh_out))
         if self.problem.prepacked:
             b = unpack_codes(b)
         return self.kernel.run(a, b, a_scales, b_scales, a_offsets, expert_ids, operands.a_scale_offsets,
@@ -252,7 +257,7 @@ def build_plan(operands: Operands, a_offsets, expert_ids, row_scales, out, *, fm
                                scale_blocks=scale_blocks)
     else:
         kernel = ReferencePlan(problem)
-    return Plan(problem, chosen, kernel, fused)
+    return Plan(problem, chosen, kernel, fused, zeroes_out=chosen == "sm90" and sm90.zeroes_fresh_out(kernel))
 
 
 def _out_bytes(problem: GroupedProblem, swiglu: SwigluOutput | None) -> int:

@@ -52,6 +52,12 @@ TOKEN_PATTERNS = [
     TokenPattern("offset_start", (90, 200, 33), start=37, tail=21, why="a_offsets[0] > 0 and rows after the end"),
 ]
 
+# The rows a fresh output zeroes: before a_offsets[0] and after a_offsets[G] (several 32-row
+# blocks), an empty slot, a skipped one, an empty skipped one; and G = 0 with rows.
+EDGE_ROWS = TokenPattern("edge_rows", (3, 0, 5, 2, 0), (0, 1, -1, 2, -1), start=37, tail=70,
+                         why="rows of no valid slot everywhere a fresh output has them")
+ROWS_NO_GROUPS = TokenPattern("rows_no_groups", (), start=5, tail=4, why="G = 0 with rows: none valid")
+
 FORMAT_LAYOUTS = [
     (name, layout)
     for name, f in FORMATS.items()
@@ -220,6 +226,19 @@ def poison_like(m: int, n: int, dtype, device) -> torch.Tensor:
     out = bits.view(dtype).to(device)
     out[:, : min(n, 3)] = float("nan")
     return out.contiguous()
+
+
+def dirty_allocations(monkeypatch) -> None:
+    """From here on (the test's end), torch.empty hands back memory of all-ones bits, a NaN in
+    every float dtype: an allocator that returns what an earlier tensor left."""
+    empty = torch.empty
+
+    def dirty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        t.view(-1).view(torch.uint8).fill_(255)
+        return t
+
+    monkeypatch.setattr(torch, "empty", dirty)
 
 
 def check_output(p: Problem, out: torch.Tensor, poisoned: torch.Tensor, tol: Tolerance | None = None):

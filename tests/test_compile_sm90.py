@@ -480,7 +480,7 @@ def test_token_prepass_compiles_for_sm90(fmt):
     kernel = module.dequantize_rows_kernel
     codes = portable.format_constexprs(f, True, False, False)
     constexprs = dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"],
-                      VEC=f.scale_vec, SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128)
+                      VEC=f.scale_vec, SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128, FILL=False)
     signature = {name: ("*bf16" if name == "out_ptr" else "*i32" if name in POINTERS else "*u8")
                  if name.endswith("_ptr") else "i32" for name in kernel.arg_names if name not in constexprs}
     compiled = offline.compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1})
@@ -495,7 +495,7 @@ def test_merged_token_prepass_compiles_for_sm90(swizzled, packed):
     # packed, w4a8's row scales and its e4m3 tokens' even/odd order (int16 pairs).
     kernel = portable.kernel_module(False).token_prepass_kernel
     constexprs = dict(SWIZZLED=swizzled, ALIGN_GROUPS=True, BLOCK_M=32, BLOCK_KB=64, EXP=0 if not packed else 6,
-                      EVEN_ODD=True, BLOCK=1024, PACKED=packed)
+                      EVEN_ODD=True, BLOCK=1024, PACKED=packed, FILL=False)
     source = "*u8" if packed else "*i16"
     signature = {name: ("*fp32" if name == "scales_out_ptr" else "*i32" if name in POINTERS else
                         source if name == "src_ptr" else "*u8")
@@ -503,6 +503,37 @@ def test_merged_token_prepass_compiles_for_sm90(swizzled, packed):
     compiled = offline.compile_for_sm90(kernel, signature, constexprs, {"num_warps": 4, "num_stages": 1})
     ops = offline.opcode_counts(offline.sass(compiled))
     assert ops["LDL"] + ops["STL"] == 0, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
+
+
+@pytest.mark.parametrize("kernel_name,out_type", [("dequantize_rows_kernel", "*bf16"),
+                                                   ("decode_row_scales_kernel", "*fp32"),
+                                                   ("token_prepass_kernel", "*bf16")])
+def test_token_prepass_zero_fill_compiles_for_sm90(kernel_name, out_type):
+    """The pre-passes' FILL programs (kernels/tokens.py: a fresh product output's rows outside
+    valid slots zeroed in the same launch), of a bf16 or fp32 output: no spills, and the fill's
+    stores are there (more global stores than without it)."""
+    kernel = getattr(portable.kernel_module(False), kernel_name)
+    f = FORMATS["nvfp4" if kernel_name == "dequantize_rows_kernel" else "mxfp8"]
+    codes = portable.format_constexprs(f, True, False, False)
+    constexprs = {
+        "dequantize_rows_kernel": dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"], VEC=f.scale_vec,
+                                       SWIZZLED=True, INTERPRETED=False, BLOCK_M=32, BLOCK_K=128),
+        "decode_row_scales_kernel": dict(SWIZZLED=True, ALIGN_GROUPS=4, BLOCK_M=32, BLOCK_KB=64),
+        "token_prepass_kernel": dict(SWIZZLED=True, ALIGN_GROUPS=4, BLOCK_M=32, BLOCK_KB=64, EXP=6, EVEN_ODD=True,
+                                     BLOCK=1024, PACKED=True),
+    }[kernel_name]
+    typed = dict(POINTERS, c_ptr=out_type, scales_out_ptr="*fp32",
+                 out_ptr="*bf16" if kernel_name == "dequantize_rows_kernel" else "*fp32")
+    signature = {name: typed.get(name, "*u8") if name.endswith("_ptr") else "i32"
+                 for name in kernel.arg_names if name not in constexprs and name != "FILL"}
+    stores = []
+    for fill in (False, True):
+        compiled = offline.compile_for_sm90(kernel, signature, dict(constexprs, FILL=fill),
+                                            {"num_warps": 4, "num_stages": 1})
+        ops = offline.opcode_counts(offline.sass(compiled))
+        assert ops["LDL"] + ops["STL"] == 0, f"register spills (FILL={fill}): LDL={ops['LDL']} STL={ops['STL']}"
+        stores.append(ops["STG"])
+    assert stores[1] > stores[0], f"no stores of the fill: {stores}"
 
 
 # (weight format, tokens per slot, fused output (ACT, OUT, OUT_SWIZZLED, HAS_BIAS, VEC, DEQUANT))

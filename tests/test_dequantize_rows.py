@@ -1,6 +1,7 @@
 """The token pre-pass of the sm90 block-format kernel (kernels/tokens.py, dequantize_rows): bit-identical
 to moegemm.dequantize on every row of a valid group, for every block format and scale layout,
-under the interpreter on the CPU and compiled on a GPU."""
+under the interpreter on the CPU and compiled on a GPU; and the zeros each pre-pass writes into
+a fresh product output outside valid slots."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from moegemm.kernels import tokens as token_passes
 from moegemm.kernels.tl_source import interpreter_usable
 from moegemm.token_forms import kb_major_column
 
-from cases import TOKEN_PATTERNS, make_problem
+from cases import EDGE_ROWS, ROWS_NO_GROUPS, TOKEN_PATTERNS, TokenPattern, dirty_allocations, make_problem, poison_like
 
 BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")
 PATTERNS = [TOKEN_PATTERNS[i] for i in (1, 6, 8, 12, 13)]
@@ -196,3 +197,66 @@ def check_w4a8_row_scales_pass(layout, pattern, device):
 @on_devices
 def test_w4a8_row_scales_pass(device, layout, pattern):
     check_w4a8_row_scales_pass(layout, pattern, device)
+
+
+# Each pre-pass the sm90 launcher plans (kernels/sm90/launcher._token_pass): (format, kind, options).
+PREPASSES = [
+    ("nvfp4", "dequantize", {}),
+    ("w4a8", "dequantize", {}),
+    ("mxfp8", "row scales", {"pad_stages": True}),
+    ("mxfp8", "row scales", {"kb_major": True, "column_block": 16}),
+    ("mxfp4", "e2m1", {"kb_major": True, "stage_blocks": 8, "exponent": 6, "even_odd": True}),
+    ("w4a8", "row scales", {"kb_major": True, "stage_blocks": 8, "even_odd": True}),
+]
+FILL_CASES = [
+    ("plain", EDGE_ROWS, torch.bfloat16),
+    ("swizzled", EDGE_ROWS, torch.float32),
+    ("plain", TOKEN_PATTERNS[10], torch.bfloat16),  # all_skipped
+    ("plain", ROWS_NO_GROUPS, torch.bfloat16),
+    ("plain", TokenPattern("many_slots", (1,) * 70, tuple(-1 if g % 3 == 0 else g for g in range(70)), tail=3,
+                           why="more slots than a fill program compares at once"), torch.bfloat16),
+]
+
+
+def check_prepass_zero_fill(fmt, kind, options, layout, pattern, out_dtype, device, monkeypatch):
+    """A pre-pass given the product's fresh output (allocated with dirty memory) zeroes exactly
+    the rows no valid slot owns, leaves the valid rows to the product, and writes its own outputs
+    as without it, bit for bit."""
+    p = make_problem(fmt, layout, pattern, 136, 64, device)  # (N = 136: a partial second column block)
+    problem = p.problem(out_dtype)
+    plan = token_passes.plan_tokens(problem, kind, torch.device(device), p.a.scales.shape[0], **options)
+    args = (p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None)
+    dirty_allocations(monkeypatch)  # (what the pre-pass does not write reads the same in both runs)
+    alone = plan.run(*args)
+    out = poison_like(p.m, p.n, out_dtype, device)
+    before = out.clone()
+    filled = plan.run(*args, fresh_out=out)
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    valid = p.valid_rows().to(device)
+    free = out[~valid].view(bits)
+    assert torch.equal(free, torch.zeros_like(free)), "a row outside valid slots is not +0"
+    assert torch.equal(out[valid].view(bits), before[valid].view(bits)), "the fill wrote a valid slot's row"
+    for mine, theirs in zip(filled, alone, strict=True):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), "the pre-pass's output changed"
+
+
+@pytest.mark.parametrize("layout,pattern,out_dtype", FILL_CASES,
+                         ids=[f"{layout}-{pattern.name}-{str(dtype)[6:]}" for layout, pattern, dtype in FILL_CASES])
+@pytest.mark.parametrize("fmt,kind,options", PREPASSES, ids=[f"{fmt}-{kind.replace(' ', '_')}-{i}"
+                                                            for i, (fmt, kind, _) in enumerate(PREPASSES)])
+@on_devices
+def test_prepass_zeroes_a_fresh_output_outside_valid_slots(device, fmt, kind, options, layout, pattern, out_dtype,
+                                                           monkeypatch):
+    check_prepass_zero_fill(fmt, kind, options, layout, pattern, out_dtype, device, monkeypatch)
+
+
+def test_a_prepass_that_cannot_fill_says_so():
+    """The weight-only formats' pre-pass launches nothing (bf16 tokens as given): given a fresh
+    output it raises rather than leave the output's rows unwritten."""
+    p = make_problem("bf16_mxfp4", "plain", EDGE_ROWS, 16, 64, "cpu")
+    plan = token_passes.plan_tokens(p.problem(), "dequantize", torch.device("cpu"), 0)
+    assert plan.fill is None
+    with pytest.raises(ValueError, match="fresh_out"):
+        plan.run(p.a.data, p.a.scales, p.a_offsets, p.expert_ids, None, fresh_out=torch.empty(p.m, p.n))

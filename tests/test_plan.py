@@ -1,6 +1,8 @@
 """moegemm/plan.py: one plan per call key, built once (validation, backend, the kernel's config,
 grid and token pre-pass), and a new one for a new key: another shape, another config context."""
 
+import functools
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ from moegemm.kernels import portable
 from moegemm.kernels.sm90 import launcher
 from moegemm.kernels.tl_source import interpreter_usable
 
-from cases import FORMAT_LAYOUTS, TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, tolerance
+from cases import (EDGE_ROWS, FORMAT_LAYOUTS, ROWS_NO_GROUPS, TOKEN_PATTERNS, TokenPattern, check_output,
+                   dirty_allocations, make_problem, poison_like, tolerance)
 
 
 def _bf16_call(m: int, backend: str):
@@ -134,3 +137,83 @@ def test_a_layout_name_and_its_object_share_one_plan_and_one_result(counted):
                for layout in ("swizzled", layouts.SWIZZLED)]
     assert counted["plans"] == 1, "the name and its object must give one plan key"
     assert torch.equal(results[0], results[1])
+
+
+PREPASS_FORMATS = ("mxfp8", "mxfp4", "nvfp4", "w4a8")  # (a token pre-pass before their sm90 product)
+PREPASS_KERNELS = {"dequantize_rows_kernel", "decode_row_scales_kernel", "token_prepass_kernel"}
+FILLS = {"zeros", "zero_", "fill_", "full", "zeros_like", "full_like", "new_zeros"}
+
+
+def _sm90_on_the_cpu(monkeypatch) -> list:
+    """The sm90 path on CPU tensors: Hopper faked, the token pre-passes run by Triton's
+    interpreter, the Gluon products stubbed (they write nothing). Returns the names of the kernels
+    launched from here on."""
+    import sys
+
+    from moegemm.kernels import compiled_launch
+
+    real, launched = compiled_launch.launch, []
+
+    def launch(fn, key, grid, args, kwargs):
+        launched.append(fn.__name__)
+        if fn.__name__ in PREPASS_KERNELS:
+            real(fn, key, grid, args, kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("moegemm") and module is not None:
+            for attr in [a for a, v in vars(module).items() if v is real]:
+                monkeypatch.setattr(module, attr, launch)
+            if hasattr(module, "_is_hopper"):
+                monkeypatch.setattr(module, "_is_hopper", lambda device: True)
+            counted = getattr(module, "_sm_count", None)
+            if hasattr(counted, "cache_clear"):  # (a cache of this test's own: the CPU has no SM count after it)
+                monkeypatch.setattr(module, "_sm_count", functools.cache(counted.__wrapped__))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("Props", (), {"multi_processor_count": 132})())
+    monkeypatch.setattr(plan_module, "_PLANS", {})  # (this test's plans: sm90 on CPU tensors)
+    return launched
+
+
+def _fills_of(call, shape, dtype) -> list[str]:
+    """The torch fills (zeros, fill_, ...) of a [shape] tensor of dtype that call() dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if (func.overloadpacket.__name__ in FILLS and isinstance(result, torch.Tensor)
+                    and tuple(result.shape) == shape and result.dtype == dtype):
+                seen.append(func.overloadpacket.__name__)
+            return result
+
+    with Recording():
+        call()
+    return seen
+
+
+@pytest.mark.skipif(not interpreter_usable(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("pattern", [EDGE_ROWS, ROWS_NO_GROUPS], ids=lambda p: p.name)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fmt", PREPASS_FORMATS)
+def test_sm90_fresh_output_is_zeroed_by_the_token_prepass(fmt, out_dtype, pattern, monkeypatch):
+    """A call without out on the sm90 path of a format with a token pre-pass: the output is
+    allocated uninitialized (here dirty) and the pre-pass zeroes its rows outside valid slots in
+    its own launch (no torch fill: a launch less on the host); with no slot, nothing launches and
+    the output is allocated zeroed. Either way those rows read +0 (docs/contract.md section 2)."""
+    launched = _sm90_on_the_cpu(monkeypatch)
+    p = make_problem(fmt, "plain", pattern, 48, 64, "cpu")
+    dirty_allocations(monkeypatch)
+    results = []
+    fills = _fills_of(lambda: results.append(moegemm.grouped_matmul(*p.args(), **p.kwargs(), out_dtype=out_dtype,
+                                                                    backend="sm90")),
+                      (p.m, p.n), out_dtype)
+    out = results[0]
+    free = out[~p.valid_rows()].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)
+    assert torch.equal(free, torch.zeros_like(free)), "a fresh output's row outside valid slots is not +0"
+    if pattern.tokens:
+        assert set(launched) & PREPASS_KERNELS, f"no token pre-pass launched: {launched}"
+        assert not fills, f"the fresh output was filled by torch ({fills}) besides the pre-pass"
+    else:
+        assert not launched and fills, "G = 0: nothing launches, the output is allocated zeroed"

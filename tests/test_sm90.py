@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-from cases import TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like, run_sm90, tolerance
+from cases import (EDGE_ROWS, ROWS_NO_GROUPS, TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like,
+                   run_sm90, tolerance)
 
 import moegemm
 from moegemm import config, sm90_configs
@@ -526,6 +527,73 @@ def test_sm90_cuda_graph_replays_with_new_routing(fmt, layout, forced):
     torch.cuda.synchronize()
     check_output(p, out, poisoned, tolerance(fmt, "sm90"))
 
+
+
+# A fresh output (no out given) of the formats with a token pre-pass: the pre-pass zeroes its rows
+# outside valid slots in an uninitialized tensor (kernels/tokens.py).
+DECODE_SKIPS = TokenPattern("decode_skips", (1,) * 8, (0, 1, -1, 3, 4, -1, 6, 7), start=1, tail=2,
+                            why="the host-time shape (8 slots of one token) with skips and edge rows")
+FRESH_PATTERNS = [DECODE_SKIPS, EDGE_ROWS, TOKEN_PATTERNS[13], TOKEN_PATTERNS[10], ROWS_NO_GROUPS]
+
+
+def dirty_cached_blocks(nbytes: int):
+    """Leave the caching allocator's free blocks of nbytes all-ones bits (NaN in every float
+    dtype), so that the next tensors of that size start dirty; checked, else a test of fresh
+    outputs would prove nothing."""
+    blocks = [torch.full((nbytes, ), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
+    del blocks
+    probe = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    assert int(probe.min()) == 255, "the allocator handed out clean memory"
+    del probe
+
+
+def fresh_output_matches_a_zeroed_one(p, out_dtype=torch.bfloat16):
+    """A call without out, its memory dirty, gives the bits of a call into a zeroed out: +0 in every
+    row outside valid slots, the same product in the others."""
+    want = torch.zeros(p.m, p.n, dtype=out_dtype, device="cuda")
+    moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=want, backend="sm90")
+    dirty_cached_blocks(p.m * p.n * out_dtype.itemsize)
+    got = moegemm.grouped_matmul(*p.args(), **p.kwargs(), out_dtype=out_dtype, backend="sm90")
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    valid = p.valid_rows().cuda()
+    free = got[~valid].view(bits)
+    assert torch.equal(free, torch.zeros_like(free)), "a row outside valid slots is not +0"
+    assert torch.equal(got.view(bits), want.view(bits)), "a valid row differs from the call into a zeroed out"
+
+
+@pytest.mark.parametrize("pattern", FRESH_PATTERNS, ids=lambda p: p.name)
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_fresh_output_reads_zero_outside_valid_slots(fmt, layout, pattern):
+    # N 512, K 1024: the host-time size; mxfp4 and w4a8 take the e2m1 promotion kernel at decode
+    # (plain) and the decoding kernel otherwise: every kind of pre-pass.
+    fresh_output_matches_a_zeroed_one(make_problem(fmt, layout, pattern, 512, 1024, "cuda"))
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_fresh_fp32_output_reads_zero_outside_valid_slots(fmt):
+    fresh_output_matches_a_zeroed_one(make_problem(fmt, "plain", EDGE_ROWS, 512, 1024, "cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_sm90_cuda_graph_zeroes_its_fresh_output_at_every_replay(fmt):
+    """A captured call without out: each replay's pre-pass zeroes the output's rows outside the
+    replay's valid slots (new routing, the output poisoned between)."""
+    p = make_problem(fmt, "plain", EDGE_ROWS, 512, 1024, "cuda")
+    moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90")  # (compiled before the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90")
+    p.a_offsets.copy_(torch.tensor([2, 10, 10, 30, 31, 60], dtype=torch.int32))
+    p.expert_ids.copy_(torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32))
+    out.copy_(poison_like(p.m, p.n, torch.bfloat16, "cuda"))
+    graph.replay()
+    want = torch.zeros(p.m, p.n, dtype=torch.bfloat16, device="cuda")
+    moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=want, backend="sm90")
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    free = out[~p.valid_rows().cuda()].view(torch.int16)
+    assert free.numel() and torch.equal(free, torch.zeros_like(free))
 
 
 SCHEDULE_CONFIGS = {

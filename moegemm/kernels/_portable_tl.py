@@ -235,50 +235,96 @@ def _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M: tl.constexpr):
     return rows, row_mask, scale_rows, scale_mask
 
 
+# The zero fill of a fresh product output by the token pre-passes (their FILL programs): columns a
+# store, and slots whose bounds are compared with a block of rows at once.
+FILL_BLOCK_N = tl.constexpr(128)
+FILL_BLOCK_G = tl.constexpr(64)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _zero_free_rows(c_ptr, a_offsets_ptr, expert_ids_ptr, block, M, N, E, G, BLOCK_M: tl.constexpr):
+    """Zeros into the rows [block * BLOCK_M, (block + 1) * BLOCK_M) of c ([M, N], contiguous)
+    that no valid slot owns (its rows as _slot_rows clamps them): before a_offsets[0], from
+    a_offsets[G], and those of skipped or empty slots. Rows a valid slot owns are left to the
+    product, which runs after the pre-pass on the same stream. Any offsets: a row is tested
+    against every slot, so unsorted ones leave no row unwritten."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    owned = (rows >= M).to(tl.int32)  # (rows past M: nothing to write)
+    for g0 in range(0, G, FILL_BLOCK_G):
+        # (slots past G repeat slot G - 1: the same rows again)
+        g = tl.minimum(g0 + tl.arange(0, FILL_BLOCK_G), G - 1)
+        s, end, _ = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_offsets_ptr, g, M, E, False)
+        inside = (rows[:, None] >= s[None, :]) & (rows[:, None] < end[None, :])
+        owned = tl.maximum(owned, tl.reduce(inside.to(tl.int32), 1, _maximum))
+    free = owned == 0
+    columns = tl.where(tl.reduce(free.to(tl.int32), 0, _maximum) > 0, N, 0)  # (no free row: no store)
+    rows = rows.to(tl.int64)
+    for c0 in range(0, columns, FILL_BLOCK_N):
+        cols = c0 + tl.arange(0, FILL_BLOCK_N)
+        tl.store(c_ptr + rows[:, None] * N + cols[None, :], tl.full((BLOCK_M, FILL_BLOCK_N), 0.0, tl.float32),
+                 mask=free[:, None] & (cols[None, :] < N))
+
+
 @triton.jit
 def dequantize_rows_kernel(
-    a_ptr, a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
-    M, K, E, G, NUM_KB, KB4, NUM_SCALE_ROWS,
+    a_ptr, a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, c_ptr,
+    M, K, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, N,
     A_ELEM: tl.constexpr, SCALE: tl.constexpr, VEC: tl.constexpr, SWIZZLED: tl.constexpr,
-    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FILL: tl.constexpr = False,
 ):
     """out[m] = bf16(decode(A[m]) * sfa(m)) for the rows m of every valid slot; other rows are
     not written. Exact: an e4m3 or e2m1 value times a power of two (or an e4m3 scale) has at
     most 5 significant bits, which bf16 holds unless it leaves fp32's exponent range.
 
-    Program (g, part) takes the BLOCK_M-row blocks part, part + parts, ... of slot g.
+    Program (g, part) takes the BLOCK_M-row blocks part, part + parts, ... of slot g. FILL:
+    programs (G + i, part) zero the rows of the product's fresh output c ([M, N]) that no valid
+    slot owns, block i * parts + part of BLOCK_M rows (_zero_free_rows).
     """
     g = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
-    for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
-        rows, row_mask, scale_rows, scale_mask = _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M)
-        for k0 in range(0, K, BLOCK_K):
-            x = _load_operand(a_ptr, rows, row_mask, k0, K, K // 2 if A_ELEM == ELEM_E2M1 else K, A_ELEM, BLOCK_M,
-                              BLOCK_K, INTERPRETED, True)
-            x = _apply_block_scales(x, a_scale_ptr, scale_rows, scale_mask, k0, NUM_KB, KB4, SCALE, SWIZZLED, VEC,
-                                    BLOCK_M, BLOCK_K, INTERPRETED)
-            cols = k0 + tl.arange(0, BLOCK_K)
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], codecs.to_bf16_rne(x),
-                     mask=row_mask[:, None] & (cols[None, :] < K))
+    if g < G:
+        s, end, scale_row_base = _slot_rows(a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, g, M, E, SWIZZLED)
+        for r0 in range(s + part * BLOCK_M, end, parts * BLOCK_M):
+            rows, row_mask, scale_rows, scale_mask = _row_block(r0, end, scale_row_base, NUM_SCALE_ROWS, BLOCK_M)
+            for k0 in range(0, K, BLOCK_K):
+                x = _load_operand(a_ptr, rows, row_mask, k0, K, K // 2 if A_ELEM == ELEM_E2M1 else K, A_ELEM,
+                                  BLOCK_M, BLOCK_K, INTERPRETED, True)
+                x = _apply_block_scales(x, a_scale_ptr, scale_rows, scale_mask, k0, NUM_KB, KB4, SCALE, SWIZZLED,
+                                        VEC, BLOCK_M, BLOCK_K, INTERPRETED)
+                cols = k0 + tl.arange(0, BLOCK_K)
+                tl.store(out_ptr + rows[:, None] * K + cols[None, :], codecs.to_bf16_rne(x),
+                         mask=row_mask[:, None] & (cols[None, :] < K))
+    elif FILL:
+        _zero_free_rows(c_ptr, a_offsets_ptr, expert_ids_ptr, (g - G) * parts + part, M, N, E, G, BLOCK_M)
 
 
 @triton.jit
 def decode_row_scales_kernel(
-    a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr,
-    M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE, KB_STRIDE,
+    a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, c_ptr,
+    M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE, KB_STRIDE, N,
     SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr,
+    FILL: tl.constexpr = False,
 ):
     """out[m' * ROW_STRIDE + kb * KB_STRIDE] = fp32 value of A's e8m0 scale (m, kb) for kb <
     COLUMNS (>= NUM_KB; those past NUM_KB get 2^-127, the value of a zero byte), for the rows m
     of every valid slot (the token scales of the mxfp8 promotion kernel, kernels/sm90/mxfp8.py);
     other rows are not written. m' = m, or with ALIGN_GROUPS (4 or 16, the column block)
     kb_major_column(m - s, s, g, ALIGN_GROUPS) (slot g starts at row s): every slot's first row
-    at a multiple of the block. Slots and parts as in dequantize_rows_kernel."""
-    _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, tl.program_id(0),
-                       tl.program_id(1), tl.num_programs(1), M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
-                       ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
+    at a multiple of the block. Slots, parts and FILL as in dequantize_rows_kernel."""
+    g = tl.program_id(0)
+    if g < G:
+        _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, out_ptr, g,
+                           tl.program_id(1), tl.num_programs(1), M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
+                           ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
+    elif FILL:
+        _zero_free_rows(c_ptr, a_offsets_ptr, expert_ids_ptr, (g - G) * tl.num_programs(1) + tl.program_id(1), M, N,
+                        E, G, BLOCK_M)
 
 
 @triton.jit
@@ -324,15 +370,17 @@ def e2m1_to_e4m3_kernel(src_ptr, out_ptr, NUM_BYTES, EXP: tl.constexpr, EVEN_ODD
 
 
 @triton.jit
-def token_prepass_kernel(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, scales_out_ptr,
+def token_prepass_kernel(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, scales_out_ptr, c_ptr,
                          src_ptr, tokens_out_ptr, M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS, ROW_STRIDE,
-                         KB_STRIDE, PARTS, NUM_BYTES,
+                         KB_STRIDE, N, PARTS, NUM_BYTES,
                          SWIZZLED: tl.constexpr, ALIGN_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_KB: tl.constexpr, EXP: tl.constexpr, EVEN_ODD: tl.constexpr, BLOCK: tl.constexpr,
-                         PACKED: tl.constexpr = True):
+                         PACKED: tl.constexpr = True, FILL: tl.constexpr = False):
     """decode_row_scales_kernel and e2m1_to_e4m3_kernel in one launch (the mxfp4 tokens of the
     sm90 promotion kernels, kernels/sm90/mxfp8.py and e2m1.py: a launch less before each product): programs
-    [0, G * PARTS) decode the scales of slot pid // PARTS, the rest convert BLOCK bytes each.
+    [0, G * PARTS) decode the scales of slot pid // PARTS, the next ceil(NUM_BYTES / BLOCK)
+    convert BLOCK bytes each; FILL: the rest zero BLOCK_M rows each of the product's fresh
+    output c ([M, N]) where no valid slot owns them (_zero_free_rows).
     PACKED False (w4a8's e4m3 tokens): src holds NUM_BYTES pairs of e4m3 bytes (elements 2i, 2i+1
     as one int16), moved as they are into the EVEN_ODD order (tokens.even_odd_k)."""
     pid = tl.program_id(0)
@@ -340,10 +388,16 @@ def token_prepass_kernel(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_off
         _decode_row_scales(a_scale_ptr, a_offsets_ptr, expert_ids_ptr, a_scale_offsets_ptr, scales_out_ptr,
                            pid // PARTS, pid % PARTS, PARTS, M, E, G, NUM_KB, KB4, NUM_SCALE_ROWS, COLUMNS,
                            ROW_STRIDE, KB_STRIDE, SWIZZLED, ALIGN_GROUPS, BLOCK_M, BLOCK_KB)
-    elif PACKED:
-        _e2m1_to_e4m3_block(src_ptr, tokens_out_ptr, NUM_BYTES, pid - G * PARTS, EXP, EVEN_ODD, BLOCK)
     else:
-        _byte_pairs_even_odd_block(src_ptr, tokens_out_ptr, NUM_BYTES, pid - G * PARTS, BLOCK)
+        block = pid - G * PARTS
+        blocks = (NUM_BYTES + BLOCK - 1) // BLOCK
+        if block < blocks:
+            if PACKED:
+                _e2m1_to_e4m3_block(src_ptr, tokens_out_ptr, NUM_BYTES, block, EXP, EVEN_ODD, BLOCK)
+            else:
+                _byte_pairs_even_odd_block(src_ptr, tokens_out_ptr, NUM_BYTES, block, BLOCK)
+        elif FILL:
+            _zero_free_rows(c_ptr, a_offsets_ptr, expert_ids_ptr, block - blocks, M, N, E, G, BLOCK_M)
 
 
 @triton.jit

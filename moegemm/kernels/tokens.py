@@ -12,12 +12,19 @@
 `plan_tokens` plans the pre-pass of a problem once (output shapes, grid, launch key, every scalar
 argument and constexpr: they depend on the shapes only); `TokenPass.run` then allocates and
 launches. No device value is read: grids come from upper bounds of the rows.
+
+A pre-pass that launches also zeroes, given the product's fresh output (`TokenPass.run`'s
+`fresh_out`, allocated uninitialized), that output's rows no valid slot owns, in the same launch
+(more programs, `TokenPass.fill`): the product runs after it on the same stream and writes the
+rest, so a fresh output reads zero outside valid slots (docs/contract.md section 2) without a
+fill of its own.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,16 +67,40 @@ class _RowScalesPlan:
         if p.num_groups and p.m:
             parts = max(1, min(math.ceil(p.m / block_m), math.ceil(4 * num_programs(device, 1 << 30, 1) / p.num_groups)))
         scalars = (p.m, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
-                   scale_blocks * 128 if swizzled else p.m, columns, row_stride, kb_stride)
+                   scale_blocks * 128 if swizzled else p.m, columns, row_stride, kb_stride, p.n)
         consts = dict(SWIZZLED=swizzled, ALIGN_GROUPS=column_block if kb_major else 0, BLOCK_M=block_m, BLOCK_KB=64)
         return cls(shape, scalars, consts, parts, swizzled)
 
-    def tensors(self, a_scales, a_offsets, expert_ids, a_scale_offsets, out) -> tuple:
+    def tensors(self, a_scales, a_offsets, expert_ids, a_scale_offsets, out, c) -> tuple:
         """The kernel's tensor arguments (a_scale_offsets made here where swizzled and not given)."""
         if self.swizzled and a_scale_offsets is None and self.parts:
             a_scale_offsets = layouts.a_scale_offsets(a_offsets)  # (device ops, no host read)
         return (as_bytes(a_scales), a_offsets, expert_ids, a_scale_offsets if a_scale_offsets is not None else a_offsets,
-                out)
+                out, c)
+
+
+class _Fill(NamedTuple):
+    """A pre-pass's launch that also zeroes the product's fresh output (module docstring): its
+    launch key, grid and constexprs."""
+
+    key: tuple
+    grid: tuple
+    consts: dict
+
+
+def _fill(p: GroupedProblem, key: tuple, grid: tuple, consts: dict) -> _Fill:
+    """The filling launch of a pre-pass of `grid` over the [M, N] output's BLOCK_M-row blocks:
+    programs (G + i, part) take block i * parts + part of a (slot, part) grid, the programs after
+    the listed ones of a 1-D grid one block each (an output of no element: the launch itself)."""
+    if not (p.m and p.n):
+        return _Fill(key, grid, consts)
+    blocks = math.ceil(p.m / consts["BLOCK_M"])
+    if len(grid) == 2:
+        parts = max(grid[1], 1)
+        fill_grid = (p.num_groups + math.ceil(blocks / parts), parts)
+    else:
+        fill_grid = (grid[0] + blocks, )
+    return _Fill((*key, "fill"), fill_grid, dict(consts, FILL=True))
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,26 +117,38 @@ class TokenPass:
     consts: dict
     row_scales: _RowScalesPlan | None = None
     even_odd: bool = False  # ("row scales": w4a8's tokens reordered as even_odd_k)
+    fill: _Fill | None = None  # its launch that zeroes a fresh output too (None: the pass cannot)
 
-    def run(self, a, a_scales, a_offsets, expert_ids, a_scale_offsets) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def run(self, a, a_scales, a_offsets, expert_ids, a_scale_offsets,
+            fresh_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """fresh_out: the product's [M, N] output (contiguous, of the problem's out_dtype), whose
+        rows no valid slot owns the same launch zeroes (ValueError where self.fill is None)."""
         p, module = self.problem, kernel_module(self.interpret)
+        key, grid, consts = self.key, self.grid, self.consts
+        if fresh_out is not None:
+            if self.fill is None:
+                raise ValueError(f"fresh_out: the {self.kind} pre-pass of this problem zeroes no output "
+                                 f"(M={p.m}, N={p.n}, fmt={p.fmt.name})")
+            key, grid, consts = self.fill
         if self.kind == "dequantize":
             if not p.fmt.a_scaled:  # (the weight-only formats' bf16 tokens are the kernel's already)
                 return None, a
             out = torch.empty(p.m, p.k, dtype=torch.bfloat16, device=a.device)
-            if self.grid[0] and self.grid[1]:
+            if grid[0] and grid[1]:
                 if self.consts["SWIZZLED"] and a_scale_offsets is None:
                     a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-                launch(module.dequantize_rows_kernel, self.key, self.grid, (
+                launch(module.dequantize_rows_kernel, key, grid, (
                     as_bytes(a), as_bytes(a_scales), a_offsets, expert_ids,
-                    a_scale_offsets if a_scale_offsets is not None else a_offsets, out, *self.scalars), self.consts)
+                    a_scale_offsets if a_scale_offsets is not None else a_offsets, out,
+                    fresh_out if fresh_out is not None else out, *self.scalars), consts)
             return None, out
         rows = self.row_scales
         scales = torch.empty(rows.shape, dtype=torch.float32, device=a_scales.device)
-        scale_args = rows.tensors(a_scales, a_offsets, expert_ids, a_scale_offsets, scales)
+        scale_args = rows.tensors(a_scales, a_offsets, expert_ids, a_scale_offsets, scales,
+                                  fresh_out if fresh_out is not None else scales)
         if self.kind == "row scales" and not self.even_odd:
-            if rows.parts:
-                launch(module.decode_row_scales_kernel, self.key, self.grid, (*scale_args, *rows.scalars), self.consts)
+            if grid[0] and grid[1]:
+                launch(module.decode_row_scales_kernel, key, grid, (*scale_args, *rows.scalars), consts)
             return scales, a
         # token_prepass_kernel: the scales and the tokens in one launch, e2m1 bytes re-encoded as
         # e4m3, or w4a8's e4m3 tokens (byte pairs) in the even/odd order
@@ -115,9 +158,9 @@ class TokenPass:
         else:
             source = a.contiguous().view(torch.int16)
             tokens = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-        if self.grid[0]:
-            launch(module.token_prepass_kernel, self.key, self.grid,
-                   (*scale_args, source, tokens.view(torch.uint8), *rows.scalars, *self.scalars), self.consts)
+        if grid[0]:
+            launch(module.token_prepass_kernel, key, grid,
+                   (*scale_args, source, tokens.view(torch.uint8), *rows.scalars, *self.scalars), consts)
         return scales, tokens
 
 
@@ -139,15 +182,17 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
         codes = format_constexprs(f, swizzled, False, interpret)
         num_kb = p.num_k_scales
         scalars = (p.m, p.k, p.num_experts, p.num_groups, num_kb, math.ceil(num_kb / 4),
-                   scale_blocks * 128 if swizzled else p.m)
+                   scale_blocks * 128 if swizzled else p.m, p.n)
         consts = dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"], VEC=f.scale_vec,
                       SWIZZLED=swizzled, INTERPRETED=interpret, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
-        return TokenPass(kind, p, interpret, (p.key, scale_blocks, interpret), (p.num_groups, parts), scalars, consts)
+        key, grid = (p.key, scale_blocks, interpret), (p.num_groups, parts)
+        return TokenPass(kind, p, interpret, key, grid, scalars, consts,
+                         fill=_fill(p, key, grid, consts) if f.a_scaled else None)
     rows = _RowScalesPlan.of(p, scale_blocks, device, pad_stages, kb_major, stage_blocks, column_block)
-    row_key = (p.key, scale_blocks, *rows.scalars[-3:], *rows.consts.values())
+    row_key = (p.key, scale_blocks, *rows.scalars[-4:], *rows.consts.values())
     if kind == "row scales" and not even_odd:
-        return TokenPass(kind, p, interpret, row_key, (p.num_groups, rows.parts), (), dict(rows.consts, num_warps=4),
-                         rows)
+        grid, consts = (p.num_groups, rows.parts), dict(rows.consts, num_warps=4)
+        return TokenPass(kind, p, interpret, row_key, grid, (), consts, rows, fill=_fill(p, row_key, grid, consts))
     if kind not in ("row scales", "e2m1"):
         raise ValueError(f"kind: expected 'dequantize', 'row scales' or 'e2m1', got {kind!r}")
     # token_prepass_kernel: e2m1 tokens as bytes, or (w4a8, "row scales" in the even/odd order)
@@ -156,10 +201,10 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
     _check_e2m1_to_e4m3(p.k // 2, exponent, even_odd)
     units = p.m * (p.k // 2)
     programs = p.num_groups * rows.parts + math.ceil(units / _E2M1_BLOCK)
-    return TokenPass(kind, p, interpret, (*row_key, exponent, even_odd, packed, rows.parts), (programs, ),
-                     (max(rows.parts, 1), units),
-                     dict(rows.consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=_E2M1_BLOCK, PACKED=packed, num_warps=4),
-                     rows, even_odd)
+    key, grid = (*row_key, exponent, even_odd, packed, rows.parts), (programs, )
+    consts = dict(rows.consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=_E2M1_BLOCK, PACKED=packed, num_warps=4)
+    return TokenPass(kind, p, interpret, key, grid, (max(rows.parts, 1), units), consts, rows, even_odd,
+                     _fill(p, key, grid, consts))
 
 
 def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale_offsets) -> torch.Tensor:

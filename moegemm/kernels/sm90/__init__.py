@@ -17,7 +17,7 @@ its config class in moegemm/sm90_configs.py, chosen per shape in moegemm/config.
 with one branch in launcher.plan (docs/architecture.md, where a new kernel goes).
 """
 
-from .launcher import EpilogueSpec, KernelPlan, LaunchArgs, fused_supports, launch, plan, supports
+from .launcher import EpilogueSpec, KernelPlan, LaunchArgs, fused_supports, launch, plan, supports, zeroes_fresh_out
 from .swiglu import ACT_SWIGLU, ACT_SWIGLU_OAI, OUT_BF16, OUT_E2M1_E4M3, OUT_E2M1_E8M0, OUT_E4M3_E8M0
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
            "launch",
            "plan",
            "supports",
+           "zeroes_fresh_out",
 ]

@@ -105,6 +105,7 @@ class LaunchArgs(NamedTuple):
     row_scales: torch.Tensor | None = None
     epilogue: EpilogueSpec | None = None
     tokens: KernelTokens | None = None
+    fresh_out: bool = False  # out is uninitialized: the token pre-pass zeroes its rows no valid slot owns
 
 
 def supports(p: GroupedProblem) -> bool:
@@ -206,9 +207,18 @@ def _token_pass(p: GroupedProblem, cfg, device: torch.device, scale_blocks: int)
 
 def launch(kernel: KernelPlan | None, args: LaunchArgs) -> torch.Tensor:
     """Run a planned problem on the call's tensors (module docstring)."""
+    if args.fresh_out and (args.tokens is not None or not zeroes_fresh_out(kernel)):
+        raise ValueError("fresh_out: this launch runs no token pre-pass that zeroes out's rows outside valid slots; "
+                         "pass a zeroed out")
     if kernel is None:
         return args.out
     return kernel.runs(kernel, args)
+
+
+def zeroes_fresh_out(kernel: KernelPlan | None) -> bool:
+    """Whether a launch of `kernel` may take an uninitialized [M, N] out (LaunchArgs.fresh_out):
+    its token pre-pass runs first and zeroes the rows no valid slot owns (kernels/tokens.py)."""
+    return kernel is not None and kernel.tokens is not None and kernel.tokens.fill is not None
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32,
@@ -310,7 +320,8 @@ def _tokens(kernel: KernelPlan, args: LaunchArgs) -> tuple[torch.Tensor | None, 
     the planned pre-pass's."""
     if args.tokens is not None:
         return args.tokens.scales, args.tokens.data
-    return kernel.tokens.run(args.a, args.a_scales, args.a_offsets, args.expert_ids, args.a_scale_offsets)
+    return kernel.tokens.run(args.a, args.a_scales, args.a_offsets, args.expert_ids, args.a_scale_offsets,
+                             args.out if args.fresh_out else None)
 
 
 def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
