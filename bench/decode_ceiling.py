@@ -210,29 +210,25 @@ def run(regimes, fmts, out_dir: Path):
 
 
 # Prepacked register-path configs at few tokens a slot: (weight_tile, sub_steps, consumer_regs,
-# staged_scales, consumer_rows, rolling_waits): the scales loaded a step ahead, or staged in the
-# ring (e2m1 on swizzled scales) with four consumer warpgroups of 64 rows or two of 128, and with
-# rolling waits (e8m0 scales: consumer 0's wgmmas in flight across its back edge, the others' across
-# every other stage boundary).
+# staged_scales, consumer_rows): the scales loaded a step ahead, or staged in the ring (e2m1 on
+# swizzled scales) with four consumer warpgroups of 64 rows or two of 128.
 REGISTER_VARIANTS = {"w128_s2": (128, 2, 192, False, 64), "w256_s2": (256, 2, 112, False, 64),
                      "w256_s4": (256, 4, 112, False, 64), "w256_staged": (256, 2, 112, True, 64),
-                     "w256_staged_r128": (256, 2, 232, True, 128),
-                     "w256_staged_rolling": (256, 2, 112, True, 64, True)}
+                     "w256_staged_r128": (256, 2, 232, True, 128)}
 # (groups, nominal tokens a group): the decode regimes of the issue's targets, and gpt-oss's own
 # (128 experts, ~2 tokens each), where mxfp4 and w4a8 on the plain order run the e2m1 kernel
 FP4_REGIMES = ((256, 16), (32, 32), (128, 2))
 
 
 def _variant_config(fmt: str, token_tile: int, weight_tile: int, sub_steps: int, regs: int, staged: bool = False,
-                    consumer_rows: int = 64, rolling: bool = False):
+                    consumer_rows: int = 64):
     """The register path's config for a variant, its ring as deep as it fits; None where the
     variant does not apply (a stage over 128 bytes of a weight row, 256-row tiles past 64 tokens,
-    staged scales of e4m3 weights, rolling waits on e4m3 scales)."""
-    if staged and not FORMATS[fmt].b.element.packed or rolling and FORMATS[fmt].b.scale != "e8m0":
+    staged scales of e4m3 weights)."""
+    if staged and not FORMATS[fmt].b.element.packed:
         return None
     cfg = DecodeConfig(token_tile=token_tile, stages=2, group_m=1, consumer_regs=regs, sub_steps=sub_steps,
-                       prepacked=True, weight_tile=weight_tile, staged_scales=staged, consumer_rows=consumer_rows,
-                       rolling_waits=rolling)
+                       prepacked=True, weight_tile=weight_tile, staged_scales=staged, consumer_rows=consumer_rows)
     try:
         cfg = deepest_ring(cfg, FORMATS[fmt])
         cfg.check(FORMATS[fmt])

@@ -24,10 +24,8 @@ so only the normalized counts compare.
 The decoding kernel (kernels/sm90/decode.py) on prepacked e2m1 weights at decode, 4096 x 7168,
 16 and 32 tokens a slot (256-row tiles, 32- and 64-token tiles), its K loop with the weight
 scales loaded a step ahead and staged in the ring (DecodeConfig.staged_scales; four consumer
-warpgroups of 64 rows, or two of 128; with rolling waits, DecodeConfig.rolling_waits, the loop of
-consumer 0, which keeps its wgmmas in flight across the back edge, and a worker's, which takes the
-stages in pairs): instructions one iteration
-issues an element of a thread (a warpgroup's 64 or 128 rows x 128 K over 128 threads; on a
+warpgroups of 64 rows, or two of 128): instructions one iteration issues an element of a thread
+(a warpgroup's 64 or 128 rows x 128 K over 128 threads; on a
 loop with two paths, the path without a large e8m0 code, and the other), by opcode class, the
 global loads and spills in the loop, its wgmma waits, the highest register it names and the
 partitions' setmaxnreg counts, and the ptxas infos on the compile (C7510-C7515: wgmmas serialized).
@@ -193,12 +191,9 @@ def _opcode_class(opcode: str) -> str:
     return "other"
 
 
-def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: int = 64,
-                rolling: str = "") -> dict:
-    """The decoding kernel's K loop on prepacked weights (module docstring), of the first consumer
-    in the SASS; consumer_rows 128: two staged-scale consumers of 128 rows (232 registers);
-    rolling "consumer 0": the loop with rolling waits of consumer 0 (the one that waits for none
-    at its end), "workers": a worker's (stage pairs)."""
+def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: int = 64) -> dict:
+    """The decoding kernel's K loop on prepacked weights (module docstring), of consumer 0;
+    consumer_rows 128: two staged-scale consumers of 128 rows (232 registers)."""
     import dataclasses
 
     from test_compile_sm90 import mx_kernel_compiled, setmaxnreg_values
@@ -210,16 +205,11 @@ def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: i
 
     cfg = sm90_mx_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, prepacked=True)
     wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
-    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, rolling_waits=bool(rolling), stages=2,
-                                           **wide), FORMATS[fmt])
+    cfg = deepest_ring(dataclasses.replace(cfg, staged_scales=staged, stages=2, **wide), FORMATS[fmt])
     with override_config(cfg):
         compiled = mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=True)
     sass = offline.sass(compiled)
-    loops = offline.innermost_loops(sass)
-    if rolling:
-        loops = [body for body in loops if (rolling == "workers") == any(
-            "DEPBAR" in t and t.split()[-1] == "0x0" for t in offline.loop_paths(body)[0])]
-    body = loops[0]
+    body = offline.innermost_loops(sass)[0]
     fast, slow = offline.loop_paths(body)
     elements = 8 * sum("GMMA" in t for t in fast)  # (a k16 wgmma of 64 rows: 8 elements a thread)
     classes = collections.Counter(_opcode_class(offline.opcode(t)) for t in fast)
@@ -238,7 +228,6 @@ def decode_loop(fmt: str, tokens_per_slot: float, staged: bool, consumer_rows: i
 
 def decode_report(fmts) -> str:
     from moegemm.benchmark import provenance
-    from moegemm.formats import FORMATS
 
     lines = ["# The decoding kernel's K loop on prepacked weights, sm_90 SASS (4096 x 7168)", "",
              f"`python bench/kloop_sass.py --decode --formats {','.join(fmts)}` "
@@ -248,14 +237,9 @@ def decode_report(fmts) -> str:
              "waits | highest register | setmaxnreg | ptxas |", "|" + "---|" * (12 + len(DECODE_CLASSES))]
     for fmt in fmts:
         for tokens_per_slot in (16, 32):
-            for staged, rows, rolling in ((False, 64, ""), (True, 64, ""), (True, 128, ""),
-                                          (True, 64, "consumer 0"), (True, 64, "workers")):
-                if rolling and FORMATS[fmt].b.scale != "e8m0":  # (launcher.rolling_waits)
-                    continue
-                r = decode_loop(fmt, tokens_per_slot, staged, rows, rolling)
+            for staged, rows in ((False, 64), (True, 64), (True, 128)):
+                r = decode_loop(fmt, tokens_per_slot, staged, rows)
                 scales = f"staged, {rows} rows a consumer" if staged else "step ahead"
-                if rolling:
-                    scales += f", rolling waits ({rolling})"
                 lines.append(f"| {fmt} | {tokens_per_slot} | {scales} | "
                              f"{r['per_element']} | {r['slow_path_per_element']} | "
                              + " | ".join(str(r["classes"].get(name, 0)) for name, _ in DECODE_CLASSES)

@@ -135,12 +135,6 @@ class DecodeConfig:
     # 128: two consumer warpgroups on a 256-row tile, each with two 64-row accumulators (staged
     # scales only; consumer_regs 192..240), an iteration's fixed cost spread over twice the rows.
     consumer_rows: int = 64
-    # Staged e8m0 scales on 64-row consumers: consumer 0 (the default partition) keeps its last
-    # step's wgmmas in flight across the K loop's back edge and releases each stage a wait later;
-    # the others take the stages in pairs, waiting for none once a pair (kernels/sm90/decode.py,
-    # _staged_chain_rolling: ptxas serialized every wgmma where a worker partition rolled, C7512).
-    # e4m3 scales (nvfp4) keep the staged loop (launcher.rolling_waits).
-    rolling_waits: bool = False
 
     block_k = 64
     claim_rounds = 0  # (round-robin throughout)
@@ -171,8 +165,7 @@ class DecodeConfig:
         if not self.staged_scales:
             return self
         wide = dict(consumer_regs=112) if self.consumer_rows == 128 else {}
-        return deepest_ring(replace(self, staged_scales=False, consumer_rows=64, rolling_waits=False, stages=2, **wide),
-                            fmt, fused=fused)
+        return deepest_ring(replace(self, staged_scales=False, consumer_rows=64, stages=2, **wide), fmt, fused=fused)
 
     def check(self, fmt: Format, out_bytes: int = 2, fused: bool = False):
         if fmt.name not in MX_FORMATS:
@@ -196,8 +189,6 @@ class DecodeConfig:
             raise ValueError(f"config: consumer_regs 192..240, 240 for 256-token tiles (two accumulators): {self}")
         if self.staged_scales and not (self.prepacked and self.weight_tile == 256 and self.sub_steps == 2):
             raise ValueError(f"config: staged_scales are for prepacked 256-row tiles of sub_steps 2: {self}")
-        if self.rolling_waits and not (self.staged_scales and self.consumer_rows == 64):
-            raise ValueError(f"config: rolling_waits are for staged_scales on 64-row consumers: {self}")
         if self.sub_steps not in (1, 2, 4) or self.stage_k * weight_bytes(fmt) > 128:
             raise ValueError(f"config: a stage holds at most 128 bytes of a weight row (sub_steps 1, 2, 4): {self}")
         _check_smem(self, fmt, out_bytes, fused)

@@ -306,8 +306,7 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
                       SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE, PREPACKED=cfg.prepacked,
-                      CONSUMER_ROWS=cfg.consumer_rows,
-                      ROLLING_WAITS=staged_scales(fmt, cfg, layout) and cfg.rolling_waits and f.b.scale == "e8m0")
+                      CONSUMER_ROWS=cfg.consumer_rows)
     return offline.gluon_compile_for_sm90(decode.decode_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
@@ -960,96 +959,8 @@ def test_staged_scales_unscaled_specialization_reads_no_accumulator_in_flight(fm
         wgmma_sass(mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", with_scales=False, prepacked=True))
 
 
-# Rolling waits on the staged loop (DecodeConfig.rolling_waits): consumer 0 (the default partition)
-# keeps each stage's last step in flight across the back edge (up to 32 tokens two stages an
-# iteration); the workers take the stages in pairs, the first one's last step in flight while the
-# second one decodes, and wait for none once a pair. Instructions an element of their K loops (a
-# warpgroup's 64 rows), read off the sm_90 SASS; the loops that retire every wgmma at an
-# iteration's end issue 2.92 (bf16_mxfp4, 32-token tiles) and 2.97 (64-token tiles). e8m0 scales
-# only (launcher.rolling_waits). (fmt, tokens a slot) -> (consumer 0's bound, the workers').
-ROLLING_BUDGETS = {("bf16_mxfp4", 8): (2.85, 2.85), ("bf16_mxfp4", 16): (2.85, 2.85), ("mxfp4", 16): (2.85, 2.85),
-                   ("w4a8", 16): (2.85, 2.85), ("bf16_mxfp4", 32): (2.97, 2.85), ("w4a8", 32): (2.97, 2.85)}
+# ptxas's infos that it serialized every wgmma of the kernel (and why).
 SERIALIZED_WGMMA = ("C7510", "C7511", "C7512", "C7513", "C7514", "C7515")
-
-
-def rolling_compiled(fmt, tokens_per_slot, epilogue=None, with_scales=True):
-    import dataclasses
-
-    from moegemm.config import override_config
-
-    cfg = dataclasses.replace(staged_config(fmt, tokens_per_slot), rolling_waits=True)
-    with override_config(cfg):
-        return cfg, mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", epilogue, with_scales=with_scales,
-                                       prepacked=True)
-
-
-@pytest.mark.parametrize("fmt,tokens_per_slot", sorted(ROLLING_BUDGETS))
-def test_rolling_waits_keep_wgmmas_in_flight_across_the_back_edge(fmt, tokens_per_slot):
-    from moegemm.sm90_configs import SM90_SMEM_BYTES
-
-    cfg, compiled = rolling_compiled(fmt, tokens_per_slot)
-    serialized = [info for info in offline.ptxas_infos(compiled) if info[0] in SERIALIZED_WGMMA]
-    assert not serialized, f"ptxas serialized the wgmmas: {serialized}"
-    sass = wgmma_sass(compiled)  # (and no register of an in-flight wgmma touched)
-    loops = offline.innermost_loops(sass)
-    assert len(loops) == 4, "a K loop a consumer warpgroup"
-    paths = [offline.loop_paths(body)[0] for body in loops]
-    waits = [[t.split()[-1] for t in fast if "DEPBAR" in t] for fast in paths]
-    rolling = [i for i, w in enumerate(waits) if "0x0" not in w]
-    assert len(rolling) == 1, waits  # consumer 0
-    stages = 2 if cfg.token_tile <= 32 else 1  # (its stages an iteration)
-    bounds = ROLLING_BUDGETS[fmt, tokens_per_slot]
-    for i, (body, fast) in enumerate(zip(loops, paths)):
-        if i == rolling[0]:  # no wait for none: the last step in flight across the back edge
-            expected, bound = ["0x1"] * (2 * stages), bounds[0]
-        else:  # a stage pair, one wait for none
-            expected, bound = ["0x1"] * 4 + ["0x0"], bounds[1]
-        assert waits[i] == expected
-        gmmas = [t for t in fast if "HGMMA" in t]
-        assert len(gmmas) == 4 * expected.count("0x1"), "two 64-wide steps of four k16 wgmmas a stage"
-        texts = [t for _, t in body]
-        assert not [t for t in texts if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in the K loop"
-        highest = max(int(r) for t in texts for r in re.findall(r"\bR(\d+)\b", t))
-        assert highest < cfg.consumer_regs
-        per_element = len(fast) / (8 * len(gmmas))
-        assert per_element <= bound, f"{len(fast)} instructions for {8 * len(gmmas)} elements"
-    # (up to two setup values stored before the partitions start, loaded once by each)
-    ops = offline.opcode_counts(sass)
-    assert ops["LDL"] + ops["STL"] <= 16, f"register spills: LDL={ops['LDL']} STL={ops['STL']}"
-    assert compiled.metadata.shared <= min(SM90_SMEM_BYTES, cfg.smem_bytes(FORMATS[fmt]))
-    assert {cfg.consumer_regs, 480 - 4 * cfg.consumer_regs} <= setmaxnreg_values(compiled)
-
-
-@pytest.mark.parametrize("fmt,tokens_per_slot,epilogue,with_scales", [
-    ("bf16_mxfp4", 32, None, False), ("mxfp4", 16, None, False),
-    ("bf16_mxfp4", 16, (2, 0, False, True, 32, False), True)])
-def test_rolling_waits_epilogues_read_no_accumulator_in_flight(fmt, tokens_per_slot, epilogue, with_scales):
-    # the unscaled specialization (where ptxas once moved the epilogue's reads above the last
-    # wait) and the fused SwiGLU epilogue, after a loop that ends with a wgmma in flight
-    _, compiled = rolling_compiled(fmt, tokens_per_slot, epilogue, with_scales)
-    assert not [info for info in offline.ptxas_infos(compiled) if info[0] in SERIALIZED_WGMMA]
-    sass = wgmma_sass(compiled)
-    for body in offline.innermost_loops(sass):
-        assert not [t for _, t in body if re.search(r"\b(LDG|LDL|STL)\b", t)], "a global load or a spill in a K loop"
-
-
-def test_rolling_waits_config_rules():
-    import dataclasses
-
-    from moegemm.config import sm90_mx_config
-
-    # off by default; staged scales on 64-row consumers only; stepping back to the loop that
-    # loads the scales a step ahead turns it off
-    assert not any(sm90_mx_config(FORMATS[fmt], 5760, 2880, tps, prepacked=True).rolling_waits
-                   for fmt in ("bf16_mxfp4", "nvfp4") for tps in (2, 16, 40, 1000))
-    rolling = dataclasses.replace(staged_config("bf16_mxfp4", 16), rolling_waits=True)
-    rolling.check(FORMATS["bf16_mxfp4"])
-    for bad in (dict(staged_scales=False), dict(consumer_rows=128, consumer_regs=232)):
-        with pytest.raises(ValueError, match="rolling_waits"):
-            dataclasses.replace(rolling, **bad).check(FORMATS["bf16_mxfp4"])
-    back = rolling.step_ahead(FORMATS["bf16_mxfp4"])
-    assert not back.staged_scales and not back.rolling_waits
-    back.check(FORMATS["bf16_mxfp4"])
 
 
 # A wgmma whose accumulator a mov redefines before its wait: ptxas serializes the wgmmas.

@@ -427,7 +427,7 @@ def _staged_pair(p, fmt: str, n: int, k: int, token_tile: int | None, consumer_r
     poisoned output: (step-ahead, staged, poisoned). token_tile None: the regime's default config."""
     wide = {"consumer_rows": 128, "consumer_regs": 232} if consumer_rows == 128 else {}
     (step_ahead, staged), poisoned = _prepacked_runs(p, fmt, n, k, token_tile, (
-        {"staged_scales": False, "consumer_rows": 64, "rolling_waits": False}, {"staged_scales": True, **wide}))
+        {"staged_scales": False, "consumer_rows": 64}, {"staged_scales": True, **wide}))
     return step_ahead, staged, poisoned
 
 
@@ -509,84 +509,3 @@ def test_sm90_staged_config_on_plain_scales_steps_back():
     valid = p.valid_rows().to("cuda")
     assert torch.equal(staged[valid].view(torch.int16), step_ahead[valid].view(torch.int16))
 
-
-E8M0_E2M1_PREPACK_FORMATS = tuple(f for f in E2M1_PREPACK_FORMATS if FORMATS[f].b.scale == "e8m0")
-
-
-def _rolling_pair(p, fmt: str, n: int, k: int, token_tile: int | None):
-    """The prepacked product with the scales staged in the ring, without and with rolling waits
-    (DecodeConfig.rolling_waits: consumer 0's wgmmas in flight across its back edge), each into a
-    poisoned output: (staged, rolling, poisoned). token_tile None: the regime's default config."""
-    (staged, rolling), poisoned = _prepacked_runs(p, fmt, n, k, token_tile, (
-        {"staged_scales": True, "rolling_waits": False}, {"staged_scales": True, "rolling_waits": True}))
-    return staged, rolling, poisoned
-
-
-@gpu
-@pytest.mark.parametrize("k", [64, 192, 576, 640],
-                         ids=["half_stage_only", "one_stage_and_a_half", "even_stages_and_a_half", "odd_stages"])
-@pytest.mark.parametrize("token_tile", [16, 32, 64])  # (up to 32: two stages an iteration)
-@pytest.mark.parametrize("pattern", STAGED_PATTERNS, ids=[p.name for p in STAGED_PATTERNS])
-@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "w4a8"))
-def test_sm90_rolling_waits_match_the_staged_loop(fmt, pattern, token_tile, k):
-    # Consumer 0 keeps each stage's last wgmmas in flight across its back edge (first stage
-    # peeled, stage pairs, an odd stage before them, a last half stage, or no whole stage at
-    # all), the workers across every other stage boundary (pairs, an odd last stage, a half
-    # one): against the reference (rows outside the slots untouched) and bit for bit the staged
-    # loop that retires every wgmma at an iteration's end (the same sums in the same order).
-    p = make_problem(fmt, "swizzled", pattern, 320, k, "cuda")
-    staged, rolling, poisoned = _rolling_pair(p, fmt, 320, k, token_tile)
-    check_output(p, rolling, poisoned, tolerance(fmt, "sm90"))
-    valid = p.valid_rows().to("cuda")
-    assert torch.equal(rolling[valid].view(torch.int16), staged[valid].view(torch.int16))
-
-
-@gpu
-@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "mxfp4"))
-def test_sm90_rolling_waits_take_large_e8m0_codes(fmt):
-    # Stages with e8m0 codes >= 128 take the decode without the folded 2^126 (the longer path
-    # of the rolling loop's stages too).
-    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 320, 1152, "cuda")
-    codes = p.w.scales.view(torch.uint8).clone()
-    flat = codes.view(-1)
-    flat[::37] = torch.randint(128, 140, flat[::37].shape, dtype=torch.uint8, device=flat.device)
-    p = dataclasses.replace(p, w=dataclasses.replace(p.w, scales=codes.view(p.w.scales.dtype)))
-    staged, rolling, poisoned = _rolling_pair(p, fmt, 320, 1152, 32)
-    check_output(p, rolling, poisoned, tolerance(fmt, "sm90"))
-    valid = p.valid_rows().to("cuda")
-    assert torch.equal(rolling[valid].view(torch.int16), staged[valid].view(torch.int16))
-
-
-MODEL_MID_GROUPS = TokenPattern("decode_32x32", tuple(24 + (5 * s) % 17 for s in range(32)),
-                                tuple(s % 16 for s in range(32)), experts=16,
-                                why="decode: 32 slots of 24-40 tokens (64-token tiles)")
-
-
-@gpu
-@pytest.mark.parametrize("pattern", (MODEL_SMALL_GROUPS, MODEL_SMALL_GROUPS_FEW, MODEL_MID_GROUPS),
-                         ids=lambda p: p.name)
-@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (5760, 2880), (2880, 2880)],
-                         ids=["dsv3-up", "dsv3-down", "gptoss-up", "gptoss-down"])
-@pytest.mark.parametrize("fmt", ("bf16_mxfp4", "nvfp4"))
-def test_sm90_rolling_waits_at_model_shapes(fmt, n, k, pattern):
-    # The four decode shapes at the default regime's tiles (more tiles than SMs: a program's next
-    # tiles continue the ring's phases after a loop that released its stages a wait later);
-    # nvfp4's e4m3 scales keep the staged loop (launcher.rolling_waits): the same bytes.
-    p = make_problem(fmt, "swizzled", pattern, n, k, "cuda")
-    staged, rolling, poisoned = _rolling_pair(p, fmt, n, k, None)
-    check_output(p, rolling, poisoned, tolerance(fmt, "sm90"))
-    valid = p.valid_rows().to("cuda")
-    assert torch.equal(rolling[valid].view(torch.int16), staged[valid].view(torch.int16))
-
-
-@gpu
-def test_sm90_rolling_waits_fused():
-    # The fused SwiGLU epilogue after the rolling loop: the staged loop's bytes.
-    fmt = "bf16_mxfp4"
-    p = make_problem(fmt, "swizzled", MODEL_SMALL_GROUPS_FEW, 2 * 640, 1024, "cuda")
-    w = moegemm.prepack_weights(p.w)
-    staged = deepest_ring(dataclasses.replace(_forced(16, True, 256, 2), staged_scales=True, stages=2),
-                          FORMATS[fmt], fused=True)
-    rolling = dataclasses.replace(staged, rolling_waits=True)
-    ours_staged, ours_rolling = _fused_outputs(p, fmt, ((w, staged), (w, rolling)))
-    assert torch.equal(ours_staged, ours_rolling)

@@ -43,9 +43,7 @@ Steady state of one consumer (an iteration: one stage of SUB steps, or two stage
 Prepacked e2m1 with swizzled scales may take them through the ring instead (DecodeConfig.staged_scales,
 _staged_chain): the producer copies the tile's scale atoms with each stage, the consumers read
 their rows' words from it (no global load in the loop) and fold e8m0's 2^126 into the scales;
-consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile;
-rolling_waits keeps consumer 0's wgmmas in flight across its back edge (_staged_chain_rolling),
-the other consumers' across every other stage boundary (_staged_chain_paired).
+consumer_rows 128 runs two warpgroups of two 64-row accumulators each on a 256-row tile.
 """
 
 from triton.experimental import gluon
@@ -431,13 +429,11 @@ def _staged_scales(words, byte0: gl.constexpr, NKB: gl.constexpr, scale_layout: 
 
 @gluon.jit
 def _staged_step(w_bufs, t_bufs, stage, j: gl.constexpr, Q: gl.constexpr, words, large, acc, NKB: gl.constexpr,
-                 BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr,
-                 PAIRS: gl.constexpr = False):
+                 BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
     """_register_step (SUB = 2, one token half) of the tile's 64-row block Q, its scales from
     the stage's staged words: nvfp4 as always biased; e8m0 decoded biased with 2^126 folded into
     its scales, or, where the stage has a code >= 128 (`large`, the same in the whole
-    warpgroup), as the step-ahead loop does. Returns the accumulator and the operand, or with
-    PAIRS its int32 pairs: the very registers the wgmma reads."""
+    warpgroup), as the step-ahead loop does. Returns the accumulator and the operand."""
     acc_layout: gl.constexpr = acc.type.layout
     raw = w_bufs.index(stage).slice(Q * WG_ROWS, WG_ROWS).slice(j * BYTES, BYTES, dim=1)
     byte0: gl.constexpr = (j * NKB) % 4
@@ -452,8 +448,6 @@ def _staged_step(w_bufs, t_bufs, stage, j: gl.constexpr, Q: gl.constexpr, words,
         pairs = _e2m1_fragment_pairs(raw, scales, raw_layout, NKB, True)
     operand = gl.convert_layout(_pairs_fragment(pairs), gl.DotOperandLayout(0, acc_layout, 2))
     acc = warpgroup_mma(operand, t_bufs.index(stage * 2 + j).permute((1, 0)), acc, is_async=True)
-    if PAIRS:
-        operand = pairs
     return acc, operand
 
 
@@ -509,7 +503,9 @@ def _staged_chain(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, 
     runs that step alone, so no scale past NUM_KB (padding, or the next row block's atom) is
     read. Waits as _upcast_chain: no wgmma is in flight across the back edge (with the last
     unit's left in flight, its register operand carried by the loop and its stage released a
-    wait later, ptxas serialized every wgmma, C7512, at 232 and 240 registers a consumer)."""
+    wait later, ptxas serialized every wgmma, C7512, at 232 and 240 registers a consumer; so
+    in consumer 0 only, the others taking their stages in pairs, it ran 33-37% slower on an
+    H100, docs/perf-notes.md)."""
     acc0 = zero
     acc1 = zero
     for kk in range(K // 128):
@@ -525,144 +521,6 @@ def _staged_chain(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, 
         ring.release(stage)
         it += 1
     return acc0, acc1, it
-
-
-@gluon.jit
-def _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0: gl.constexpr, NKB: gl.constexpr,
-                   BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
-    """Both 64-wide steps of ring stage `stage` for the 64-row block Q0 (_staged_stage), the first
-    one's wgmmas issued while the wgmmas of `carried` (the operand pairs of the step before, or
-    zeros; None: nothing in flight) run: its wait retires those, and the second's leaves this
-    stage's last step in flight, its operand pairs returned as the new `carried`."""
-    ATOMS: gl.constexpr = NKB // 2  # (nvfp4: an atom a step)
-    row_layout: gl.constexpr = gl.SliceLayout(1, scale_layout)
-    ws_stage = ws_bufs.index(stage)
-    if NV_SCALE:
-        large = False
-    else:
-        large = _has_large_codes(ws_stage, Q0, 1, ATOMS)
-    words = _staged_words(ws_stage, Q0, ATOMS, 0, row_layout)
-    acc, first = _staged_step(w_bufs, t_bufs, stage, 0, Q0, words, large, acc, NKB, BYTES, raw_layout,
-                              scale_layout, NV_SCALE, True)
-    if carried is None:
-        acc, first = warpgroup_mma_wait(1, deps=(acc, first))
-    else:
-        acc, first, carried = warpgroup_mma_wait(1, deps=(acc, first, carried))
-    if ATOMS == 2:
-        words = _staged_words(ws_stage, Q0, ATOMS, 1, row_layout)
-    acc, carried = _staged_step(w_bufs, t_bufs, stage, 1, Q0, words, large, acc, NKB, BYTES, raw_layout,
-                                scale_layout, NV_SCALE, True)
-    acc, carried, first = warpgroup_mma_wait(1, deps=(acc, carried, first))
-    return acc, carried
-
-
-@gluon.jit
-def _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0: gl.constexpr, NKB: gl.constexpr,
-                  BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr, NV_SCALE: gl.constexpr):
-    """Ring stage `it` rolled in (_rolling_stage), then `prev`, the stage before it, released (a
-    wait later than its own last one): (acc, carried, the stage)."""
-    stage = ring.wait_ready(it)
-    acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, stage, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                  scale_layout, NV_SCALE)
-    ring.release(prev)
-    return acc, carried, stage
-
-
-@gluon.jit
-def _staged_chain_rolling(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, NKB: gl.constexpr,
-                          BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr,
-                          NV_SCALE: gl.constexpr):
-    """_staged_chain of one 64-row block (Q0) with rolling waits: each stage's last step stays in
-    flight across the loop's back edge, retired by the next stage's first wait, and the stage is
-    released after the next stage's last wait (one wait later). By construction no register of
-    an in-flight wgmma is rewritten or copied: the accumulator only flows from wgmma to wgmma
-    (and to the waits), and the in-flight step's operand registers (its int32 pairs, the very
-    registers the wgmma reads) are carried to the wait that retires them, which a loop iteration
-    reaches before its second decode.
-
-    The first stage is peeled (the loop's release needs no predicate); up to 32 tokens the loop
-    takes two stages an iteration, which spreads its counters over twice the elements (with 64
-    tokens, whose accumulator is twice as large, ptxas serialized every wgmma so unrolled, C7512).
-
-    Only the default partition runs this loop (DecodeConsumer.tile; the workers run
-    _staged_chain_paired): in a worker partition the same loop made ptxas serialize every wgmma
-    (C7512, "insufficient register resources") at any budget Triton's warp_specialize lowering
-    can give. The workers run inside one switch loop (idle at setmaxnreg 56, the producer at 32,
-    the consumers at 112); offline, the PTX of one rolling worker kept its wgmmas in flight only
-    with every setmaxnreg of that loop raised to 128, and of three rolling workers not even at
-    160, while the default partition, outside that loop, keeps them in flight at its 112."""
-    UNROLL: gl.constexpr = 2 if zero.shape[1] <= 32 else 1
-    carried = gl.zeros([WG_ROWS, NKB, 32 // NKB], gl.int32, pair_fragment_layout(NKB, 32 // NKB))
-    acc = zero
-    prev = it % ring.STAGES
-    stages = K // 128
-    if stages > 0:
-        prev = ring.wait_ready(it)
-        acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, prev, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                      scale_layout, NV_SCALE)
-        it += 1
-    if UNROLL == 2:
-        if stages % 2 == 0 and stages > 0:  # (an odd number of stages left: one before the pairs)
-            acc, carried, prev = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0, NKB, BYTES,
-                                               raw_layout, scale_layout, NV_SCALE)
-            it += 1
-        for kk in range((stages - 1) // 2):
-            acc, carried, stage = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0, NKB, BYTES,
-                                                raw_layout, scale_layout, NV_SCALE)
-            acc, carried, prev = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it + 1, stage, acc, carried, Q0, NKB,
-                                               BYTES, raw_layout, scale_layout, NV_SCALE)
-            it += 2
-    else:
-        for kk in range(1, stages):
-            acc, carried, prev = _rolling_next(w_bufs, t_bufs, ws_bufs, ring, it, prev, acc, carried, Q0, NKB, BYTES,
-                                               raw_layout, scale_layout, NV_SCALE)
-            it += 1
-    acc, carried = warpgroup_mma_wait(0, deps=(acc, carried))
-    ring.release(prev, pred=stages > 0)
-    acc1 = zero
-    if K % 128 != 0:  # (K is a multiple of 64: a last half stage, as _staged_chain's)
-        stage = ring.wait_ready(it)
-        acc, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc, acc1, 1, Q0, 1, NKB, BYTES,
-                                  raw_layout, scale_layout, NV_SCALE)
-        ring.release(stage)
-        it += 1
-    return acc, acc1, it
-
-
-@gluon.jit
-def _staged_chain_paired(w_bufs, t_bufs, ws_bufs, ring, zero, K, it, Q0: gl.constexpr, NKB: gl.constexpr,
-                         BYTES: gl.constexpr, raw_layout: gl.constexpr, scale_layout: gl.constexpr,
-                         NV_SCALE: gl.constexpr):
-    """_staged_chain of one 64-row block (Q0) taking its stages in pairs: the first stage's last
-    step stays in flight while the second's first step decodes, and the first stage is released
-    after the second's last wait; no wgmma is in flight across the back edge (one wait for none
-    every two stages, _staged_chain_rolling says why)."""
-    acc = zero
-    for kk in range(K // 256):
-        first = ring.wait_ready(it)
-        acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, first, acc, None, Q0, NKB, BYTES, raw_layout,
-                                      scale_layout, NV_SCALE)
-        second = ring.wait_ready(it + 1)
-        acc, carried = _rolling_stage(w_bufs, t_bufs, ws_bufs, second, acc, carried, Q0, NKB, BYTES, raw_layout,
-                                      scale_layout, NV_SCALE)
-        ring.release(first)
-        acc, carried = warpgroup_mma_wait(0, deps=(acc, carried))
-        ring.release(second)
-        it += 2
-    acc1 = zero
-    if K % 256 >= 128:  # (an odd last whole stage)
-        stage = ring.wait_ready(it)
-        acc, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc, acc1, 2, Q0, 1, NKB, BYTES,
-                                  raw_layout, scale_layout, NV_SCALE)
-        ring.release(stage)
-        it += 1
-    if K % 128 != 0:  # (K is a multiple of 64: a last half stage)
-        stage = ring.wait_ready(it)
-        acc, acc1 = _staged_stage(w_bufs, t_bufs, ws_bufs, stage, acc, acc1, 1, Q0, 1, NKB, BYTES,
-                                  raw_layout, scale_layout, NV_SCALE)
-        ring.release(stage)
-        it += 1
-    return acc, acc1, it
 
 
 @aggregate
@@ -688,11 +546,10 @@ class DecodeConsumer:
     SWIZZLED: gl.constexpr
     PREPACKED: gl.constexpr
     M_BLOCKS: gl.constexpr
-    ROLLING_WAITS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB, KB4, WG, SUB, VEC,
-                 NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS=1, ROLLING_WAITS=False):
+                 NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS=1):
         self.ring = ring
         self.t_bufs = t_bufs
         self.w_bufs = w_bufs
@@ -711,7 +568,6 @@ class DecodeConsumer:
         self.SWIZZLED = gl.constexpr(SWIZZLED)
         self.PREPACKED = gl.constexpr(PREPACKED)
         self.M_BLOCKS = gl.constexpr(M_BLOCKS)
-        self.ROLLING_WAITS = gl.constexpr(ROLLING_WAITS)
 
     @gluon.jit
     def tile(self, sched, slot, tok_block, w_block, it, done):
@@ -743,20 +599,7 @@ class DecodeConsumer:
         # nvfp4's prepacked e2m1 is decoded with its 2^126 left in the scales (NV_SCALE_BIAS)
         BIASED: gl.constexpr = self.PREPACKED and FP4 and self.NV_SCALE
         M_BLOCKS: gl.constexpr = self.M_BLOCKS
-        # (across the back edge in consumer 0 only, the default partition: _staged_chain_rolling)
-        if self.ws_bufs is not None and self.ROLLING_WAITS:
-            gl.static_assert(HALVES == 1 and M_BLOCKS == 1 and not self.NV_SCALE,
-                             "rolling waits: e8m0 scales, up to 64 tokens, 64 rows a consumer")
-            scale_layout: gl.constexpr = gl.SliceLayout(2, pair_fragment_layout(NKB, 32 // NKB))
-            if WG == 0:
-                acc0, acc1, it = _staged_chain_rolling(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero,
-                                                       self.K, it, WG, NKB, BYTES, raw_layout, scale_layout,
-                                                       self.NV_SCALE)
-            else:
-                acc0, acc1, it = _staged_chain_paired(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero,
-                                                      self.K, it, WG, NKB, BYTES, raw_layout, scale_layout,
-                                                      self.NV_SCALE)
-        elif self.ws_bufs is not None:  # (prepacked e2m1, SUB == 2: the scales staged in the ring)
+        if self.ws_bufs is not None:  # (prepacked e2m1, SUB == 2: the scales staged in the ring)
             gl.static_assert(HALVES == 1, "staged scales: up to 64 tokens")
             scale_layout: gl.constexpr = gl.SliceLayout(2, pair_fragment_layout(NKB, 32 // NKB))
             acc0, acc1, it = _staged_chain(self.w_bufs, self.t_bufs, self.ws_bufs, self.ring, zero, self.K, it,
@@ -801,7 +644,7 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
                   row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                   VEC: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                   HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
-                  PREPACKED: gl.constexpr, CONSUMER_ROWS: gl.constexpr, ROLLING_WAITS: gl.constexpr):
+                  PREPACKED: gl.constexpr, CONSUMER_ROWS: gl.constexpr):
     """t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A; w_desc: raw weight tiles
     [W_TILE (128, or 256 prepacked), SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of
     B viewed as [E*N, K or K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr:
@@ -849,9 +692,9 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
     NUM_KB = gl.to_tensor(NUM_KB)
     KB4 = gl.to_tensor(KB4)
     consumer0 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
-                               KB4, 0, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS, ROLLING_WAITS)
+                               KB4, 0, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
     consumer1 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
-                               KB4, 1, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS, ROLLING_WAITS)
+                               KB4, 1, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
     producer = Producer.create(ring, t_desc, w_desc, t_bufs, w_bufs, K, SUB, ws_desc=ws_desc, ws_bufs=ws_bufs,
                                KB4=KB4)
     # Every consumer gets CONSUMER_REGS (pipeline.producer_registers). (A 256-token tile with the
@@ -859,9 +702,9 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
     # serialized every HGMMA, C7512.)
     if CONSUMERS == 4:
         consumer2 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
-                                   KB4, 2, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS, ROLLING_WAITS)
+                                   KB4, 2, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
         consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
-                                   KB4, 3, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS, ROLLING_WAITS)
+                                   KB4, 3, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
         gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
                             (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
                             (produce, (producer, sched))],

@@ -169,8 +169,7 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
     if isinstance(cfg, DecodeConfig):
         return KernelPlan(p, cfg, _launch_decode, num_programs, False, token_pass, key, dict(
             common, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3", SWIZZLED=swizzled,
-            PREPACKED=cfg.prepacked, CONSUMER_ROWS=cfg.consumer_rows, ROLLING_WAITS=rolling_waits(p, cfg),
-            num_warps=4))
+            PREPACKED=cfg.prepacked, CONSUMER_ROWS=cfg.consumer_rows, num_warps=4))
     key = (*key, not dynamic)
     if isinstance(cfg, Mxfp8Config):
         return KernelPlan(p, cfg, _launch_mxfp8, num_programs, dynamic, token_pass, key, dict(
@@ -342,13 +341,6 @@ def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
         _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
         p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), kwargs)
     return out
-
-
-def rolling_waits(p: GroupedProblem, cfg: DecodeConfig) -> bool:
-    """Whether the staged loop keeps wgmmas in flight across stages (DecodeConfig.rolling_waits;
-    consumer 0 across its back edge): e8m0 scales only (nvfp4's e4m3 ones keep the staged loop; its
-    rolling loop spilled in the specialization without expert and row scales)."""
-    return cfg.rolling_waits and staged_scales(p, cfg) and p.fmt.b.scale == "e8m0"
 
 
 def staged_scales(p: GroupedProblem, cfg: DecodeConfig) -> bool:
