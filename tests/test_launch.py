@@ -45,7 +45,7 @@ class FakeKernel:
         launcher = type("Launcher", (), {"launch_cooperative_grid": False, "launch_pdl": False})()
         launcher.launch = self._direct  # (a C function there: no closure)
         kernel._run, kernel.function, kernel.packed_metadata = launcher, "function", (4, 1, 0)
-        kernel.metadata = Meta([TMA_META] * self.descriptors, 0, 0)
+        kernel.metadata = Meta([getattr(self, "_compiled_meta", TMA_META)] * self.descriptors, 0, 0)
         return kernel
 
 
@@ -135,3 +135,59 @@ def test_direct_launches_can_be_turned_off():
     finally:
         launch_module.direct_launches(previous)
     assert [c[0] for c in kernel.calls] == ["triton", "triton"]
+
+
+def test_a_site_is_one_per_key_and_forgets_its_records_with_clear():
+    """A plan keeps its sites: the one of its key, whose compiled records clear() forgets too."""
+    kernel = FakeKernel(descriptors=1)
+    kept = launch_module.site(kernel, ("key",))
+    assert launch_module.site(kernel, ("key",)) is kept and launch_module.site(kernel, ("other",)) is not kept
+    x = torch.zeros(16)
+    kept.launch((1,), _args(x), dict(BLOCK=64))
+    launch(kernel, ("key",), (1,), _args(x), dict(BLOCK=64))
+    launch_module.clear()
+    kept.launch((1,), _args(x), dict(BLOCK=64))
+    assert [c[0] for c in kernel.calls] == ["triton", "direct", "triton"]
+
+
+def test_an_argument_given_twice_is_checked_against_each_position():
+    """A tensor in two positions of one dtype each (as the placeholders are) is checked once; in
+    positions of two dtypes it cannot fit both: Triton's path."""
+    kernel = FakeKernel(descriptors=1)
+    ints, floats = torch.zeros(16, dtype=torch.int32), torch.zeros(16)
+    def args(first, second):
+        return ints, Tma(TILE, (4, 4), LAYOUT), (first, second), 0.5
+
+    launch(kernel, ("key",), (1,), args(ints, floats), dict(BLOCK=64))
+    launch(kernel, ("key",), (1,), args(ints, floats), dict(BLOCK=64))
+    launch(kernel, ("key",), (1,), args(ints, ints), dict(BLOCK=64))
+    assert [c[0] for c in kernel.calls] == ["triton", "direct", "triton"]
+    launch(kernel, ("key",), (1,), args(ints, ints), dict(BLOCK=64))  # (the record kept: the last one's)
+    assert kernel.calls[-1][0] == "direct"
+
+
+def test_a_tma_view_is_launched_without_being_made(fake_device):
+    """Tma(tensor, block, layout, shape, strides, dtype): the launch encodes that view of tensor's
+    address; Triton's path gets a descriptor of tensor viewed as dtype."""
+    kernel = FakeKernel(descriptors=1)
+    scales = torch.zeros(2, 8, 4, dtype=torch.uint8)  # 64 bytes: [4, 4] 32-bit words
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    args = (torch.zeros(16), Tma(scales, (4, 4), layout, (4, 4), (4, 1), torch.int32), 5, 0.5)
+    for _ in range(2):
+        launch(kernel, ("key",), (1,), args, dict(BLOCK=64))
+    descriptor = kernel.calls[0][2][1]
+    assert descriptor.base.dtype == torch.int32 and descriptor.base.data_ptr() == scales.data_ptr()
+    assert list(descriptor.shape) == [4, 4] and list(descriptor.strides) == [4, 1]
+    assert kernel.calls[1][0] == "direct" and kernel.calls[1][1][14:19] == ("desc1", 4, 4, 4, 1)
+    assert fake_device == [(scales.data_ptr(), (4, 4))]
+
+
+def test_a_descriptor_is_cached_per_encoding(fake_device):
+    """The same tensor read by parameters of two TMA encodings gets a descriptor of each."""
+    first, second = FakeKernel(descriptors=1), FakeKernel(descriptors=1)
+    second._compiled_meta = dict(TMA_META, block_size=[8, 64])
+    x = torch.zeros(16)
+    for kernel in (first, second, first, second):
+        launch(kernel, ("key",), (1,), _args(x), dict(BLOCK=64))
+    assert [c[0] for c in first.calls + second.calls] == ["triton", "direct", "triton", "direct"]
+    assert len(fake_device) == 2
