@@ -27,6 +27,7 @@ import torch
 
 from . import reference
 from .config import choice_context
+from .debug import values_checked
 from .formats import get_format
 from .fused import fused_supports, launch_fused
 from .kernels import portable, sm90
@@ -108,7 +109,7 @@ class Plan:
         outside valid slots: zeroed by the launch where it can, else allocated so): the no-grad
         check, the values checked (where debug.values_checked says: on the CPU, and on the GPU
         under MOEGEMM_DEBUG=1), then the launch."""
-        if self.backend != "reference":  # (the reference is torch: autograd runs through it)
+        if self.backend != "reference" and _requires_grad(operands, row_scales):  # (the reference: autograd runs)
             check_no_grad(f"backend {self.backend!r} (use backend='reference' for gradients)", a=operands.a,
                           b=operands.b, a_scales=operands.a_scales, b_scales=operands.b_scales,
                           expert_scales=operands.expert_scales, row_scales=row_scales)
@@ -144,8 +145,9 @@ class Plan:
 
     def _check_values(self, operands: Operands, a_offsets, expert_ids) -> None:
         """The call's values against the problem, where debug.values_checked says."""
-        validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
-                        operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
+        if values_checked(a_offsets.device):
+            validate_values(self.problem, a_offsets, expert_ids, operands.expert_scales, operands.a_scales,
+                            operands.a_scale_offsets, operands.quantized_a_offsets, operands.a_form)
 
     def launch(self, operands: Operands, a_offsets, expert_ids, row_scales, out, fresh_out: bool = False) -> torch.Tensor:
         """Run the product into `out` (allocated; fresh_out: uninitialized, for a plan that
@@ -153,15 +155,28 @@ class Plan:
         backends take them unpacked (a copy)."""
         a, b, a_scales, b_scales = operands.a, operands.b, operands.a_scales, operands.b_scales
         if self.backend == "sm90":
-            tokens = None if operands.a_form is None else KernelTokens(operands.a_form, a, a_scales)
+            if operands.a_form is None:
+                return sm90.launch(self.kernel, sm90.LaunchArgs(
+                    a, b, a_scales, b_scales, a_offsets, expert_ids, out, operands.a_scale_offsets,
+                    operands.expert_scales, row_scales, None, None, fresh_out))
             return sm90.launch(self.kernel, sm90.LaunchArgs(
-                None if tokens else a, b, None if tokens else a_scales, b_scales, a_offsets, expert_ids, out,
-                a_scale_offsets=operands.a_scale_offsets, expert_scales=operands.expert_scales, row_scales=row_scales,
-                tokens=tokens, fresh_out=fresh_out))
+                None, b, None, b_scales, a_offsets, expert_ids, out, operands.a_scale_offsets, operands.expert_scales,
+                row_scales, None, KernelTokens(operands.a_form, a, a_scales), fresh_out))
         if self.problem.prepacked:
             b = unpack_codes(b)
         return self.kernel.run(a, b, a_scales, b_scales, a_offsets, expert_ids, operands.a_scale_offsets,
                                operands.expert_scales, row_scales, out)
+
+
+def _requires_grad(operands: Operands, row_scales) -> bool:
+    """Whether grad is enabled and an input requires it (then check_no_grad names it)."""
+    if not torch.is_grad_enabled():
+        return False
+    a_scales, b_scales, expert_scales = operands.a_scales, operands.b_scales, operands.expert_scales
+    return (operands.a.requires_grad or operands.b.requires_grad or (a_scales is not None and a_scales.requires_grad)
+            or (b_scales is not None and b_scales.requires_grad)
+            or (expert_scales is not None and expert_scales.requires_grad)
+            or (row_scales is not None and row_scales.requires_grad))
 
 
 @dataclass(frozen=True)
@@ -191,20 +206,35 @@ _PLANS: dict[tuple, Plan] = {}
 _PLANS_MAX = 4096
 
 
+def _facts(t: torch.Tensor) -> tuple:
+    """What of a tensor argument a plan depends on."""
+    return t.shape, t.dtype, t.device, t.is_contiguous()
+
+
 def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dtype, backend,
          swiglu: SwigluOutput | None) -> tuple | None:
     """The key of a call's plan, or None where it is not cached: an argument that is not a tensor
     (validation names it), or a forced config (config.choice_context)."""
     context = choice_context()
-    if context is None or not (type(fmt) is str and type(backend) is str):
+    if context is None or type(fmt) is not str or type(backend) is not str:
         return None
-    tensors = (operands.a, operands.b, operands.a_scales, operands.b_scales, a_offsets, expert_ids,
-               operands.a_scale_offsets, operands.expert_scales, row_scales, out, operands.quantized_a_offsets)
+    a, b, a_scales, b_scales, a_scale_offsets, expert_scales, placed_by = (
+        operands.a, operands.b, operands.a_scales, operands.b_scales, operands.a_scale_offsets, operands.expert_scales,
+        operands.quantized_a_offsets)
     try:
+        # (one expression, each fact read once: the key is built on every call)
         return (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend, swiglu, context,
+                a.shape, a.dtype, a.device, a.is_contiguous(),
                 # (b's strides: its major order, which bf16 weights may have either way, decides the kernels)
-                operands.b.stride(),
-                *[None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous()) for t in tensors])
+                b.shape, b.dtype, b.device, b.stride(),
+                a_offsets.shape, a_offsets.dtype, a_offsets.device, a_offsets.is_contiguous(),
+                expert_ids.shape, expert_ids.dtype, expert_ids.device, expert_ids.is_contiguous(),
+                None if a_scales is None else _facts(a_scales), None if b_scales is None else _facts(b_scales),
+                None if a_scale_offsets is None else _facts(a_scale_offsets),
+                None if expert_scales is None else _facts(expert_scales),
+                None if row_scales is None else _facts(row_scales), None if out is None else _facts(out),
+                # (the offsets a's scales were placed by: most often a_offsets itself, checked alike)
+                "a_offsets" if placed_by is a_offsets else None if placed_by is None else _facts(placed_by))
     except (AttributeError, TypeError):
         return None
 

@@ -81,19 +81,16 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
     f = get_format(fmt)
     if scale_layout is not None:
         scale_layout = scale_layout_of(scale_layout, forms=False)
-    if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
-        return Operands(f, a, b, a_scales, b_scales, scale_layout or PLAIN, expert_scales, None,
-                        a_scale_offsets=a_scale_offsets)
-    layouts_seen = {}
-    a_form = placed_scale_offsets = None
-    global_scale = None
-    quantized_a_offsets = None
-    for name, q, scales_name, scales, operand in (("a", a, "a_scales", a_scales, "a"),
-                                                   ("b", b, "b_scales", b_scales, "b")):
-        if not isinstance(q, QuantizedTensor):
+    a_quantized, b_quantized = isinstance(a, QuantizedTensor), isinstance(b, QuantizedTensor)
+    if not a_quantized and not b_quantized:
+        return Operands(f, a, b, a_scales, b_scales, scale_layout or PLAIN, expert_scales, None, None, a_scale_offsets)
+    a_form = placed_scale_offsets = global_scale = quantized_a_offsets = None
+    seen = []  # (name, the layout of its scales or None where it has none) of the operands with plain scales
+    for name, q, scales_name, scales in (("a", a, "a_scales", a_scales), ("b", b, "b_scales", b_scales)):
+        if not (a_quantized if name == "a" else b_quantized):
             continue
-        if q.operand != operand:
-            made_by = "moegemm.quantize" if operand == "a" else "moegemm.quantize_weights"
+        if q.operand != name:
+            made_by = "moegemm.quantize" if name == "a" else "moegemm.quantize_weights"
             raise ValueError(f"{name}: expected the QuantizedTensor of {made_by}, got one of operand {q.operand!r}")
         if scales is not None:
             raise ValueError(f"{scales_name}: expected None when {name} is a QuantizedTensor (its own scales are "
@@ -101,23 +98,24 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
         if q.fmt != f.name:
             raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
         layout = q.layout
-        if layout.form is not None:
-            a_form, quantized_a_offsets = layout.form, q.a_offsets
+        form = layout.form
+        if form is not None:
+            a_form, quantized_a_offsets = form, q.a_offsets
             continue
-        layouts_seen[name] = layout if q.scales is not None else None
+        seen.append((name, layout if q.scales is not None else None))
         if q.global_scale is not None:
             global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
-        if operand == "a" and layout.swizzled:
+        if name == "a" and layout.swizzled:
             quantized_a_offsets, placed_scale_offsets = q.a_offsets, q.a_scale_offsets
-    for name, layout in layouts_seen.items():
+    for name, layout in seen:
         if layout is not None and scale_layout is not None and layout != scale_layout:
             raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
         scale_layout = scale_layout or layout
     scale_layout = scale_layout or PLAIN
-    if isinstance(a, QuantizedTensor):
+    if a_quantized:
         a, a_scales = a.data, a.scales
-    b_prepacked = isinstance(b, QuantizedTensor) and b.prepacked
-    if isinstance(b, QuantizedTensor):
+    b_prepacked = b_quantized and b.prepacked
+    if b_quantized:
         b, b_scales = b.data, b.scales
     if global_scale is not None and isinstance(b, torch.Tensor) and b.dim() == 3:  # (else validation names b)
         experts = b.shape[0]

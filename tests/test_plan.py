@@ -144,25 +144,24 @@ PREPASS_KERNELS = {"dequantize_rows_kernel", "decode_row_scales_kernel", "token_
 FILLS = {"zeros", "zero_", "fill_", "full", "zeros_like", "full_like", "new_zeros"}
 
 
-def _sm90_on_the_cpu(monkeypatch) -> list:
+def _sm90_on_the_cpu(monkeypatch, prepasses: bool = True) -> list:
     """The sm90 path on CPU tensors: Hopper faked, the token pre-passes run by Triton's
-    interpreter, the Gluon products stubbed (they write nothing). Returns the names of the kernels
-    launched from here on."""
+    interpreter (where `prepasses`, else stubbed too), the Gluon products stubbed (they write
+    nothing). Returns the (name, arguments) of the kernels launched from here on."""
     import sys
 
     from moegemm.kernels import compiled_launch
 
-    real, launched = compiled_launch.launch, []
+    real, launched = compiled_launch.LaunchSite.launch, []
 
-    def launch(fn, key, grid, args, kwargs):
-        launched.append(fn.__name__)
-        if fn.__name__ in PREPASS_KERNELS:
-            real(fn, key, grid, args, kwargs)
+    def launch(site, grid, args, kwargs):  # (every launch goes through its key's site)
+        launched.append((site.fn.__name__, args))
+        if prepasses and site.fn.__name__ in PREPASS_KERNELS:
+            real(site, grid, args, kwargs)
 
+    monkeypatch.setattr(compiled_launch.LaunchSite, "launch", launch)
     for name, module in list(sys.modules.items()):
         if name.startswith("moegemm") and module is not None:
-            for attr in [a for a, v in vars(module).items() if v is real]:
-                monkeypatch.setattr(module, attr, launch)
             if hasattr(module, "_is_hopper"):
                 monkeypatch.setattr(module, "_is_hopper", lambda device: True)
             counted = getattr(module, "_sm_count", None)
@@ -202,14 +201,14 @@ def test_sm90_fresh_output_is_zeroed_by_the_token_prepass(fmt, out_dtype, patter
     allocated uninitialized (here dirty) and the pre-pass zeroes its rows outside valid slots in
     its own launch (no torch fill: a launch less on the host); with no slot, nothing launches and
     the output is allocated zeroed. Either way those rows read +0 (docs/contract.md section 2)."""
-    launched = _sm90_on_the_cpu(monkeypatch)
+    calls = _sm90_on_the_cpu(monkeypatch)
     p = make_problem(fmt, "plain", pattern, 48, 64, "cpu")
     dirty_allocations(monkeypatch)
     results = []
     fills = _fills_of(lambda: results.append(moegemm.grouped_matmul(*p.args(), **p.kwargs(), out_dtype=out_dtype,
                                                                     backend="sm90")),
                       (p.m, p.n), out_dtype)
-    out = results[0]
+    out, launched = results[0], [name for name, _ in calls]
     free = out[~p.valid_rows()].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)
     assert torch.equal(free, torch.zeros_like(free)), "a fresh output's row outside valid slots is not +0"
     if pattern.tokens:
@@ -217,3 +216,103 @@ def test_sm90_fresh_output_is_zeroed_by_the_token_prepass(fmt, out_dtype, patter
         assert not fills, f"the fresh output was filled by torch ({fills}) besides the pre-pass"
     else:
         assert not launched and fills, "G = 0: nothing launches, the output is allocated zeroed"
+
+
+@pytest.fixture
+def faked_sm90(monkeypatch):
+    """The sm90 path planned on the CPU (_sm90_on_the_cpu, every launch stubbed): the (name,
+    arguments) of its launches, and its plan builds counted."""
+    record = {"plans": 0, "launches": _sm90_on_the_cpu(monkeypatch, prepasses=False)}
+    build = plan_module.build_plan
+
+    def counting_build(*args, **kwargs):
+        record["plans"] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "build_plan", counting_build)
+    return record
+
+
+def _tmas_of(args, tensor) -> list:
+    """The TMA operands among a launch's arguments that read `tensor`'s memory."""
+    from moegemm.kernels.compiled_launch import Tma
+
+    return [t for t in args if type(t) is Tma and t.base.data_ptr() == tensor.data_ptr()]
+
+
+def test_a_changed_argument_gets_its_own_sm90_plan_or_its_error(faked_sm90):
+    """A call whose plan key matches an earlier call's runs that plan; a call that differs in any
+    fact the plan depends on (b's order and expert count here, a's dtype and layout, the ids'
+    dtype) plans anew: its own kernel arguments, or the error a first call gets."""
+    e, n, k = 2, 16, 32
+    a = torch.randn(6, k).to(torch.bfloat16)
+    offsets, ids = torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
+    by_k = torch.randn(e, k, n).to(torch.bfloat16)
+
+    def weights_read(b, **kw):
+        faked_sm90["launches"].clear()
+        moegemm.grouped_matmul(kw.get("a", a), b, None, None, offsets, kw.get("ids", ids), fmt="bf16",
+                               backend="sm90")
+        (name, args), = faked_sm90["launches"]
+        assert name == "dense_kernel"
+        (tma, ) = _tmas_of(args, b)
+        return tuple(tma.shape), tuple(tma.strides), args
+
+    contiguous = by_k.transpose(1, 2).contiguous()
+    assert weights_read(contiguous)[:2] == ((e * n, k), (k, 1))
+    assert weights_read(contiguous)[:2] == ((e * n, k), (k, 1)) and faked_sm90["plans"] == 1
+    # the same shape and dtype, N-major: read in place as [E, K, N]
+    assert weights_read(by_k.transpose(1, 2))[:2] == ((e, k, n), (k * n, n, 1)) and faked_sm90["plans"] == 2
+    more = torch.randn(e + 1, n, k).to(torch.bfloat16)
+    shape, _, args = weights_read(more)
+    sizes = [x for x in args if type(x) is int][1:6]  # (after claim_rounds: M, N, K, E, G)
+    assert shape == ((e + 1) * n, k) and sizes == [6, n, k, e + 1, 2] and faked_sm90["plans"] == 3
+    with pytest.raises(TypeError, match="a: expected dtype torch.bfloat16"):
+        weights_read(contiguous, a=a.float())
+    with pytest.raises(ValueError, match="a: expected a contiguous tensor"):
+        weights_read(contiguous, a=a.t().contiguous().t())
+    with pytest.raises(TypeError, match="expert_ids: expected dtype torch.int32"):
+        weights_read(contiguous, ids=ids.long())
+
+
+@pytest.mark.parametrize(("fmt", "prepacked"), [("mxfp8", False), ("mxfp4", False), ("w4a8", False),
+                                               ("bf16_mxfp4", False), ("nvfp4", False), ("bf16_mxfp4", True),
+                                               ("nvfp4", True)])
+def test_sm90_weights_are_read_in_place_as_their_reshape(faked_sm90, fmt, prepacked):
+    """The sm90 launches read the weights and their scales through views made once per plan: the
+    shape and strides that reshaping them (as [E*N, K] rows, the swizzled scales as 32-bit words
+    [rows, 4]) gives, at their own address; Triton's path gets a descriptor of that view."""
+    e, n, k = 2, 128, 128
+    offsets, ids = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32), torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    layout = "swizzled"
+    x = torch.randn(4, k)
+    a = x.to(torch.bfloat16) if fmt.startswith("bf16_") else moegemm.quantize(x, fmt, scale_layout=layout,
+                                                                             a_offsets=offsets)
+    b = moegemm.quantize_weights(torch.randn(e, n, k) / 8, fmt, scale_layout=layout)
+    b = moegemm.prepack_weights(b) if prepacked else b
+    moegemm.grouped_matmul(a, b, None, None, offsets, ids, fmt=fmt, backend="sm90")
+    kernel, args = faked_sm90["launches"][-1]
+    rows = b.data.reshape(e * n, -1)
+    weights = _tmas_of(args, b.data)
+    assert weights and all(tuple(t.shape) == rows.shape and tuple(t.strides) == rows.stride() for t in weights)
+    # the scales staged through the ring (e2m1's; the decoding kernel's where staged_scales)
+    words = _tmas_of(args, b.scales)
+    assert len(words) == (kernel == "e2m1_kernel" or prepacked)
+    viewed = b.scales.view(torch.uint8).view(torch.int32).reshape(-1, 4)
+    for tma in words:
+        assert (tuple(tma.shape), tuple(tma.strides)) == (viewed.shape, viewed.stride())
+        descriptor = tma.descriptor()
+        assert descriptor.base.dtype == torch.int32 and descriptor.base.data_ptr() == viewed.data_ptr()
+    for tma in weights:
+        assert tma.descriptor().base.dtype == rows.dtype
+
+
+def test_a_tma_box_takes_the_layout_of_each_dtype():
+    """A plan's TMA box keeps the shared layout of the dtype it last read (built once: ~15 us), and
+    takes another dtype's layout for another dtype."""
+    box = launcher._Box(64, 128)
+    bf16, e4m3 = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    for t in (bf16, e4m3, e4m3, bf16):
+        tma = box.of(t)
+        assert tma.layout == launcher._layout((64, 128), t.dtype) and tma.block_shape == [64, 128]
+    assert box.of(bf16).layout != box.of(e4m3).layout

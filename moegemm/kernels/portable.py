@@ -32,7 +32,7 @@ def kernel_module(interpret: bool):
 
 def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     """1-byte fp8 tensors travel as uint8: the kernel decodes the bits itself."""
-    if t is not None and t.element_size() == 1:
+    if t is not None and t.dtype is not torch.uint8 and t.element_size() == 1:
         return t.view(torch.uint8)
     return t
 

@@ -31,7 +31,7 @@ import torch
 from .. import layouts
 from ..problem import GroupedProblem
 from ..token_forms import kb_major_columns
-from .compiled_launch import launch
+from .compiled_launch import LaunchSite, launch, site
 from .portable import as_bytes, format_constexprs, kernel_module, num_programs
 
 __all__ = ["TokenPass", "plan_tokens", "dequantize_rows", "decode_row_scales", "token_prepass", "e2m1_to_e4m3",
@@ -81,26 +81,27 @@ class _RowScalesPlan:
 
 class _Fill(NamedTuple):
     """A pre-pass's launch that also zeroes the product's fresh output (module docstring): its
-    launch key, grid and constexprs."""
+    launch key, grid and constexprs, and its kernel's launches under that key."""
 
     key: tuple
     grid: tuple
     consts: dict
+    site: LaunchSite
 
 
-def _fill(p: GroupedProblem, key: tuple, grid: tuple, consts: dict) -> _Fill:
+def _fill(p: GroupedProblem, fn, key: tuple, grid: tuple, consts: dict) -> _Fill:
     """The filling launch of a pre-pass of `grid` over the [M, N] output's BLOCK_M-row blocks:
     programs (G + i, part) take block i * parts + part of a (slot, part) grid, the programs after
     the listed ones of a 1-D grid one block each (an output of no element: the launch itself)."""
     if not (p.m and p.n):
-        return _Fill(key, grid, consts)
+        return _Fill(key, grid, consts, site(fn, key))
     blocks = math.ceil(p.m / consts["BLOCK_M"])
     if len(grid) == 2:
         parts = max(grid[1], 1)
         fill_grid = (p.num_groups + math.ceil(blocks / parts), parts)
     else:
         fill_grid = (grid[0] + blocks, )
-    return _Fill((*key, "fill"), fill_grid, dict(consts, FILL=True))
+    return _Fill((*key, "fill"), fill_grid, dict(consts, FILL=True), site(fn, (*key, "fill")))
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +113,7 @@ class TokenPass:
     problem: GroupedProblem
     interpret: bool
     key: tuple
+    site: LaunchSite | None  # its kernel's launches under key (None: no pass, bf16 tokens as they are)
     grid: tuple
     scalars: tuple
     consts: dict
@@ -123,44 +125,42 @@ class TokenPass:
             fresh_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """fresh_out: the product's [M, N] output (contiguous, of the problem's out_dtype), whose
         rows no valid slot owns the same launch zeroes (ValueError where self.fill is None)."""
-        p, module = self.problem, kernel_module(self.interpret)
-        key, grid, consts = self.key, self.grid, self.consts
+        p, runs, grid, consts = self.problem, self.site, self.grid, self.consts
         if fresh_out is not None:
             if self.fill is None:
                 raise ValueError(f"fresh_out: the {self.kind} pre-pass of this problem zeroes no output "
                                  f"(M={p.m}, N={p.n}, fmt={p.fmt.name})")
-            key, grid, consts = self.fill
+            _, grid, consts, runs = self.fill
         if self.kind == "dequantize":
-            if not p.fmt.a_scaled:  # (the weight-only formats' bf16 tokens are the kernel's already)
+            if runs is None:  # (the weight-only formats' bf16 tokens are the kernel's already)
                 return None, a
             out = torch.empty(p.m, p.k, dtype=torch.bfloat16, device=a.device)
             if grid[0] and grid[1]:
                 if self.consts["SWIZZLED"] and a_scale_offsets is None:
                     a_scale_offsets = layouts.a_scale_offsets(a_offsets)
-                launch(module.dequantize_rows_kernel, key, grid, (
+                runs.launch(grid, (
                     as_bytes(a), as_bytes(a_scales), a_offsets, expert_ids,
                     a_scale_offsets if a_scale_offsets is not None else a_offsets, out,
                     fresh_out if fresh_out is not None else out, *self.scalars), consts)
             return None, out
         rows = self.row_scales
-        scales = torch.empty(rows.shape, dtype=torch.float32, device=a_scales.device)
+        scales = torch.empty(*rows.shape, dtype=torch.float32, device=a_scales.device)
         scale_args = rows.tensors(a_scales, a_offsets, expert_ids, a_scale_offsets, scales,
                                   fresh_out if fresh_out is not None else scales)
         if self.kind == "row scales" and not self.even_odd:
             if grid[0] and grid[1]:
-                launch(module.decode_row_scales_kernel, key, grid, (*scale_args, *rows.scalars), consts)
+                runs.launch(grid, (*scale_args, *rows.scalars), consts)
             return scales, a
         # token_prepass_kernel: the scales and the tokens in one launch, e2m1 bytes re-encoded as
         # e4m3, or w4a8's e4m3 tokens (byte pairs) in the even/odd order
         if self.kind == "e2m1":
             source = as_bytes(a.contiguous())
-            tokens = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=torch.float8_e4m3fn, device=a.device)
+            tokens = torch.empty(p.m, p.k, dtype=torch.float8_e4m3fn, device=a.device)  # (a: [M, K/2] bytes)
         else:
             source = a.contiguous().view(torch.int16)
-            tokens = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+            tokens = torch.empty(p.m, p.k, dtype=a.dtype, device=a.device)
         if grid[0]:
-            launch(module.token_prepass_kernel, key, grid,
-                   (*scale_args, source, tokens.view(torch.uint8), *rows.scalars, *self.scalars), consts)
+            runs.launch(grid, (*scale_args, source, tokens.view(torch.uint8), *rows.scalars, *self.scalars), consts)
         return scales, tokens
 
 
@@ -186,13 +186,18 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
         consts = dict(A_ELEM=codes["A_ELEM"], SCALE=codes["A_SCALE"], VEC=f.scale_vec,
                       SWIZZLED=swizzled, INTERPRETED=interpret, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
         key, grid = (p.key, scale_blocks, interpret), (p.num_groups, parts)
-        return TokenPass(kind, p, interpret, key, grid, scalars, consts,
-                         fill=_fill(p, key, grid, consts) if f.a_scaled else None)
+        if not f.a_scaled:  # (the weight-only formats' bf16 tokens are the kernel's already: no pass)
+            return TokenPass(kind, p, interpret, key, None, grid, scalars, consts)
+        fn = kernel_module(interpret).dequantize_rows_kernel
+        return TokenPass(kind, p, interpret, key, site(fn, key), grid, scalars, consts,
+                         fill=_fill(p, fn, key, grid, consts))
     rows = _RowScalesPlan.of(p, scale_blocks, device, pad_stages, kb_major, stage_blocks, column_block)
     row_key = (p.key, scale_blocks, *rows.scalars[-4:], *rows.consts.values())
+    module = kernel_module(interpret)
     if kind == "row scales" and not even_odd:
-        grid, consts = (p.num_groups, rows.parts), dict(rows.consts, num_warps=4)
-        return TokenPass(kind, p, interpret, row_key, grid, (), consts, rows, fill=_fill(p, row_key, grid, consts))
+        fn, grid, consts = module.decode_row_scales_kernel, (p.num_groups, rows.parts), dict(rows.consts, num_warps=4)
+        return TokenPass(kind, p, interpret, row_key, site(fn, row_key), grid, (), consts, rows,
+                         fill=_fill(p, fn, row_key, grid, consts))
     if kind not in ("row scales", "e2m1"):
         raise ValueError(f"kind: expected 'dequantize', 'row scales' or 'e2m1', got {kind!r}")
     # token_prepass_kernel: e2m1 tokens as bytes, or (w4a8, "row scales" in the even/odd order)
@@ -201,10 +206,10 @@ def plan_tokens(p: GroupedProblem, kind: str, device: torch.device, scale_blocks
     _check_e2m1_to_e4m3(p.k // 2, exponent, even_odd)
     units = p.m * (p.k // 2)
     programs = p.num_groups * rows.parts + math.ceil(units / _E2M1_BLOCK)
-    key, grid = (*row_key, exponent, even_odd, packed, rows.parts), (programs, )
+    fn, key, grid = module.token_prepass_kernel, (*row_key, exponent, even_odd, packed, rows.parts), (programs, )
     consts = dict(rows.consts, EXP=exponent, EVEN_ODD=even_odd, BLOCK=_E2M1_BLOCK, PACKED=packed, num_warps=4)
-    return TokenPass(kind, p, interpret, key, grid, (max(rows.parts, 1), units), consts, rows, even_odd,
-                     _fill(p, key, grid, consts))
+    return TokenPass(kind, p, interpret, key, site(fn, key), grid, (max(rows.parts, 1), units), consts, rows,
+                     even_odd, _fill(p, fn, key, grid, consts))
 
 
 def dequantize_rows(p: GroupedProblem, a, a_scales, a_offsets, expert_ids, a_scale_offsets) -> torch.Tensor:

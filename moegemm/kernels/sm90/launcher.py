@@ -27,7 +27,7 @@ from ...config import sm90_config, sm90_mx_config
 from ...problem import GroupedProblem
 from ...sm90_configs import MX_FORMATS, DecodeConfig, E2m1Config, Mxfp8Config, weight_bytes
 from ...token_forms import ACC_ORDER_BLOCK, KernelTokens
-from ..compiled_launch import Tma
+from ..compiled_launch import Tma, site
 from ..compiled_launch import launch as launch_kernel
 from ..tokens import TokenPass, plan_tokens
 from .decode import decode_kernel
@@ -126,18 +126,23 @@ def fused_supports(p: GroupedProblem) -> bool:
     return supports(p) and p.fmt.name != "fp8_block" and p.n % 128 == 0
 
 
-@dataclass(frozen=True, eq=False)
 class KernelPlan:
-    """What every launch of one problem needs that depends only on its shapes (`plan`)."""
+    """What every launch of one problem needs that depends only on its shapes (`plan`), and
+    `run`, its launch of a call's tensors (LaunchArgs -> the output), made once from them by
+    cfg's kernel's _<kernel>_launch: the TMA boxes, the scalar arguments, the launch site."""
 
-    problem: GroupedProblem
-    cfg: object  # its config (moegemm/config.py)
-    runs: Callable  # the _launch_<kernel> function of cfg's kernel
-    num_programs: int
-    dynamic: bool  # a tile counter claims the last rounds' tiles (tile_counter)
-    tokens: TokenPass | None  # the pre-pass of A (None: the kernel reads A as given, or in a token form)
-    key: tuple  # the launch key but the epilogue's (kernels/compiled_launch.py)
-    kwargs: dict  # the constexprs and launch options but EPI, the epilogue's
+    __slots__ = ("problem", "cfg", "num_programs", "dynamic", "tokens", "key", "kwargs", "run")
+
+    def __init__(self, problem: GroupedProblem, cfg, launches: Callable, num_programs: int, dynamic: bool,
+                 tokens: TokenPass | None, key: tuple, kwargs: dict):
+        self.problem = problem
+        self.cfg = cfg  # its config (moegemm/config.py)
+        self.num_programs = num_programs
+        self.dynamic = dynamic  # a tile counter claims the last rounds' tiles (tile_counter)
+        self.tokens = tokens  # the pre-pass of A (None: the kernel reads A as given, or in a token form)
+        self.key = key  # the launch key but the epilogue's (kernels/compiled_launch.py)
+        self.kwargs = kwargs  # the constexprs and launch options but EPI, the epilogue's
+        self.run: Callable[[LaunchArgs], torch.Tensor] = launches(self)
 
 
 def _config(p: GroupedProblem, fused: bool, out_bytes: int):
@@ -167,21 +172,21 @@ def plan(p: GroupedProblem, device: torch.device, *, fused: bool, out_bytes: int
                   HAS_ROW_SCALES=row_scales, CONSUMER_REGS=cfg.consumer_regs)
     swizzled = p.scale_layout.swizzled
     if isinstance(cfg, DecodeConfig):
-        return KernelPlan(p, cfg, _launch_decode, num_programs, False, token_pass, key, dict(
+        return KernelPlan(p, cfg, _decode_launch, num_programs, False, token_pass, key, dict(
             common, VEC=p.fmt.scale_vec, NV_SCALE=p.fmt.b.scale == "e4m3", SWIZZLED=swizzled,
             PREPACKED=cfg.prepacked, CONSUMER_ROWS=cfg.consumer_rows, num_warps=4))
     key = (*key, not dynamic)
     if isinstance(cfg, Mxfp8Config):
-        return KernelPlan(p, cfg, _launch_mxfp8, num_programs, dynamic, token_pass, key, dict(
+        return KernelPlan(p, cfg, _mxfp8_launch, num_programs, dynamic, token_pass, key, dict(
             common, SWIZZLED=swizzled, DYNAMIC=dynamic, CHUNK_WALK=cfg.chunk_walk, SHORT_TAILS=cfg.short_tails,
             num_warps=4))
     if isinstance(cfg, E2m1Config):
         acc_factor = 1.0 if p.fmt.a.element.packed else float(2**E2M1_WEIGHT_EXP)  # w4a8 (see E2M1_WEIGHT_EXP)
-        return KernelPlan(p, cfg, _launch_e2m1, num_programs, dynamic, token_pass, key, dict(
+        return KernelPlan(p, cfg, _e2m1_launch, num_programs, dynamic, token_pass, key, dict(
             common, SWIZZLED=swizzled, ACC_FACTOR=acc_factor, SPLIT_K=cfg.split_k, DYNAMIC=dynamic, num_warps=4))
     if p.fmt.name in MX_FORMATS:
         raise TypeError(f"config: no sm90 kernel runs {type(cfg).__name__}")
-    return KernelPlan(p, cfg, _launch_dense, num_programs, dynamic, None, key, dict(
+    return KernelPlan(p, cfg, _dense_launch, num_programs, dynamic, None, key, dict(
         common, SWAP=cfg.swap, PROMOTE=p.fmt.name == "fp8_block", DYNAMIC=dynamic, SCALE_RING=cfg.scale_ring,
         num_warps=4))
 
@@ -209,9 +214,7 @@ def launch(kernel: KernelPlan | None, args: LaunchArgs) -> torch.Tensor:
     if args.fresh_out and (args.tokens is not None or not zeroes_fresh_out(kernel)):
         raise ValueError("fresh_out: this launch runs no token pre-pass that zeroes out's rows outside valid slots; "
                          "pass a zeroed out")
-    if kernel is None:
-        return args.out
-    return kernel.runs(kernel, args)
+    return args.out if kernel is None else kernel.run(args)
 
 
 def zeroes_fresh_out(kernel: KernelPlan | None) -> bool:
@@ -233,6 +236,35 @@ def _layout(block: tuple, dtype):
 @functools.cache
 def _unswizzled_32bit_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+class _Box:
+    """A TMA box of a plan's launches: its block, and the shared layout of the dtype it was last
+    made for (one tuple, replaced whole: threads may share a plan)."""
+
+    __slots__ = ("block", "last")
+
+    def __init__(self, *block: int):
+        self.block, self.last = block, (None, None)
+
+    def of(self, tensor: torch.Tensor, shape: tuple | None = None, strides: tuple | None = None) -> Tma:
+        """The operand `tensor` (viewed as shape, strides where given: Tma) read in this box."""
+        dtype, layout = self.last
+        if tensor.dtype is not dtype:
+            dtype, layout = tensor.dtype, _layout(self.block, tensor.dtype)
+            self.last = dtype, layout
+        return Tma(tensor, self.block, layout, shape, strides)
+
+
+def _rows(rows: int, columns: int) -> tuple[tuple, tuple]:
+    """(shape, strides) of a contiguous tensor as [rows, columns] (its reshape's: for a contiguous
+    tensor the strides do not depend on those of its dimensions of size 1)."""
+    return (rows, columns), (columns, 1)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t as uint8 (1-byte scales: e8m0, e4m3 or their bytes already)."""
+    return t if t.dtype is torch.uint8 else t.view(torch.uint8)
 
 
 def _descriptor(tensor: torch.Tensor, block: tuple) -> Tma:
@@ -263,55 +295,71 @@ def _dynamic(cfg, upper_tiles: int, num_programs: int) -> bool:
     return upper_tiles > num_programs and cfg.claim_rounds > 0 and not (isinstance(cfg, E2m1Config) and cfg.split_k)
 
 
-def _tile_counter(kernel: KernelPlan, device: torch.device) -> torch.Tensor | None:
+def _tile_counter(device: torch.device) -> torch.Tensor:
     """The tile counter of a dynamic launch: a zeroed int32 of this call (a fill in its stream; no
     host read)."""
-    return torch.zeros(1, dtype=torch.int32, device=device) if kernel.dynamic else None
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _epilogue(kernel: KernelPlan, args: LaunchArgs) -> tuple[tuple, tuple, dict]:
-    """(epi, the launch key, the kwargs) of a call: the plan's, with the fused epilogue's where given."""
-    dummy = args.a_offsets
-    if args.epilogue is None:
-        return plain_epilogue_args(dummy)[0], kernel.key, kernel.kwargs
-    epi, consts = args.epilogue.kernel_args(dummy)
-    return epi, (*kernel.key, args.epilogue.launch_key()), dict(kernel.kwargs, EPI=consts)
+class _Launches:
+    """A plan's launches of its kernel under `key`: with the plain epilogue through the key's
+    site, with the fused epilogue (the call's EpilogueSpec) by the key and the epilogue's."""
+
+    __slots__ = ("fn", "key", "kwargs", "grid", "plain")
+
+    def __init__(self, fn, kernel: KernelPlan, key: tuple):
+        self.fn, self.key, self.kwargs, self.grid = fn, key, kernel.kwargs, (kernel.num_programs, )
+        self.plain = site(fn, key)
+
+    def launch(self, args: LaunchArgs, positional: tuple) -> torch.Tensor:
+        """fn(*positional, epi) of the call's epilogue; returns args.out."""
+        dummy = args.a_offsets
+        if args.epilogue is None:  # (plain_epilogue_args')
+            self.plain.launch(self.grid, (*positional, (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0)), self.kwargs)
+        else:
+            epi, consts = args.epilogue.kernel_args(dummy)
+            launch_kernel(self.fn, (*self.key, args.epilogue.launch_key()), self.grid, (*positional, epi),
+                          dict(self.kwargs, EPI=consts))
+        return args.out
 
 
 def _or_dummy(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return tensor if tensor is not None else dummy
 
 
-def _weight_descriptor(p: GroupedProblem, b: torch.Tensor, cfg) -> Tma:
-    """The dense kernel's weight boxes: [weight_tile, block_k] of B seen as [E*N, K], or for N-major
-    bf16 weights (the transpose of a contiguous [E, K, N]) [1, block_k, weight_tile] of that
-    [E, K, N] tensor, read in place: the 3-D box zero-fills K past an expert's end instead of
-    reading the next expert's rows (the kernel tells the two by the box's rank)."""
+def _weight_view(p: GroupedProblem) -> tuple[tuple, tuple]:
+    """(shape, strides) of B as the dense kernel's weight boxes read it: [E*N, K], or for N-major
+    bf16 weights (the transpose of a contiguous [E, K, N]) that [E, K, N] tensor, read in place in
+    boxes of [1, block_k, weight_tile]: the 3-D box zero-fills K past an expert's end instead of
+    reading the next expert's rows (the kernel tells the two by the box's rank). (The strides TMA
+    needs: a dimension of size 1 may carry any stride in b.)"""
     if not p.b_n_major:
-        return _descriptor(b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
-    # (the strides TMA needs; a dimension of size 1 may carry any stride in b)
-    by_k = b.as_strided((p.num_experts, p.k, p.n), (p.k * p.n, p.n, 1))
-    return _descriptor(by_k, (1, cfg.block_k, cfg.weight_tile))
+        return _rows(p.num_experts * p.n, p.k)
+    return (p.num_experts, p.k, p.n), (p.k * p.n, p.n, 1)
 
 
-def _launch_dense(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
-    p, cfg, out = kernel.problem, kernel.cfg, args.out
-    counter = _tile_counter(kernel, out.device)
-    promote = p.fmt.name == "fp8_block"
-    a_desc = _descriptor(args.a, (cfg.token_tile, cfg.block_k))
-    b_desc = _weight_descriptor(p, args.b, cfg)
-    if args.epilogue is None:
-        c_desc = _descriptor(out, (WG_ROWS.value, cfg.epilogue_n(promote)))
-    else:  # the fused epilogue stores with masks: its TMA descriptor only has to exist
-        c_desc = _placeholder_descriptor(p.n, cfg.epilogue_n(promote), out.device)
-    dummy = args.a_offsets
-    epi, key, kwargs = _epilogue(kernel, args)
-    launch_kernel(dense_kernel, key, (kernel.num_programs, ), (
-        a_desc, b_desc, c_desc, out, args.a_scales if promote else dummy, args.b_scales if promote else dummy,
-        args.a_offsets, args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
-        _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups,
-        p.num_k_scales if promote else 0, epi), kwargs)
-    return out
+def _dense_launch(kernel: KernelPlan) -> Callable[[LaunchArgs], torch.Tensor]:
+    p, cfg = kernel.problem, kernel.cfg
+    promote, dynamic = p.fmt.name == "fp8_block", kernel.dynamic
+    a_box, c_box = _Box(cfg.token_tile, cfg.block_k), _Box(WG_ROWS.value, cfg.epilogue_n(promote))
+    b_box = _Box(1, cfg.block_k, cfg.weight_tile) if p.b_n_major else _Box(cfg.weight_tile, cfg.block_k)
+    weight_view = _weight_view(p)
+    launches = _Launches(dense_kernel, kernel, kernel.key)
+    scalars = (cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales if promote else 0)
+
+    def run(args: LaunchArgs) -> torch.Tensor:
+        out, dummy = args.out, args.a_offsets
+        if args.epilogue is None:
+            c_desc = c_box.of(out)
+        else:  # the fused epilogue stores with masks: its TMA descriptor only has to exist
+            c_desc = _placeholder_descriptor(p.n, cfg.epilogue_n(promote), out.device)
+        return launches.launch(args, (
+            a_box.of(args.a), b_box.of(args.b, *weight_view), c_desc, out,
+            args.a_scales if promote else dummy, args.b_scales if promote else dummy, dummy, args.expert_ids,
+            _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
+            _tile_counter(out.device) if dynamic else dummy, *scalars))
+
+    return run
 
 
 def _tokens(kernel: KernelPlan, args: LaunchArgs) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -323,24 +371,30 @@ def _tokens(kernel: KernelPlan, args: LaunchArgs) -> tuple[torch.Tensor | None, 
                              args.out if args.fresh_out else None)
 
 
-def _launch_decode(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
-    p, cfg, out = kernel.problem, kernel.cfg, args.out
-    _, decoded = _tokens(kernel, args)
-    t_desc = _descriptor(decoded, (cfg.token_tile, cfg.block_k))
-    weights = args.b.view(torch.uint8) if p.fmt.b.element.packed else args.b
-    w_desc = _descriptor(weights.reshape(p.num_experts * p.n, weights.shape[-1]),
-                         (cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt))))
-    ws_desc = None
-    if staged_scales(p, cfg):  # a stage's atoms of each 128-row block, [32, 4] words an atom
-        words = args.b_scales.view(torch.uint8).view(torch.int32).reshape(-1, 4)
-        ws_desc = Tma(words, [cfg.stage_k // p.fmt.scale_vec // 4 * 32, 4], _unswizzled_32bit_layout())
-    dummy = args.a_offsets
-    epi, key, kwargs = _epilogue(kernel, args)
-    launch_kernel(decode_kernel, key, (kernel.num_programs, ), (
-        t_desc, w_desc, ws_desc, out, args.b_scales.view(torch.uint8), args.a_offsets, args.expert_ids,
-        _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
-        p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4), epi), kwargs)
-    return out
+def _decode_launch(kernel: KernelPlan) -> Callable[[LaunchArgs], torch.Tensor]:
+    p, cfg = kernel.problem, kernel.cfg
+    staged = staged_scales(p, cfg)
+    t_box = _Box(cfg.token_tile, cfg.block_k)
+    w_box = _Box(cfg.weight_tile, int(cfg.stage_k * weight_bytes(p.fmt)))
+    ws_block = [cfg.stage_k // p.fmt.scale_vec // 4 * 32, 4]  # a stage's atoms of each 128-row block, [32, 4] words
+    launches = _Launches(decode_kernel, kernel, kernel.key)
+    weight_view = _rows(p.num_experts * p.n, p.fmt.b.stored_k(p.k))  # (packed e2m1: uint8 already)
+    scalars = (p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales, math.ceil(p.num_k_scales / 4))
+
+    def run(args: LaunchArgs) -> torch.Tensor:
+        _, decoded = _tokens(kernel, args)
+        weight_scales = _bytes(args.b_scales)
+        ws_desc = None
+        if staged:  # (the bytes as [rows, 4] 32-bit words)
+            ws_desc = Tma(weight_scales, ws_block, _unswizzled_32bit_layout(), *_rows(weight_scales.numel() // 16, 4),
+                          torch.int32)
+        dummy = args.a_offsets
+        return launches.launch(args, (
+            t_box.of(decoded), w_box.of(args.b, *weight_view), ws_desc, args.out,
+            weight_scales, dummy, args.expert_ids, _or_dummy(args.expert_scales, dummy),
+            _or_dummy(args.row_scales, dummy), *scalars))
+
+    return run
 
 
 def staged_scales(p: GroupedProblem, cfg: DecodeConfig) -> bool:
@@ -349,59 +403,73 @@ def staged_scales(p: GroupedProblem, cfg: DecodeConfig) -> bool:
     return cfg.staged_scales and p.scale_layout.swizzled and p.fmt.b.element.packed
 
 
-def _weight_scales(p: GroupedProblem, args: LaunchArgs) -> torch.Tensor:
-    """The e8m0 weight scales as the promotion kernels read them: bytes, or 32-bit words (a row's
-    four K blocks) when swizzled."""
-    weight_scales = args.b_scales.view(torch.uint8)
-    return weight_scales.view(torch.int32) if p.scale_layout.swizzled else weight_scales
+def _token_scales_block(cfg, tokens: int) -> list:
+    """The box of the K-block-major token scales a stage: [K blocks of a stage, tokens]."""
+    return [cfg.stage_k // 32, tokens]
 
 
-def _token_scale_desc(token_scales: torch.Tensor, cfg, tokens: int) -> Tma:
-    """A [K blocks of a stage, tokens] box of the K-block-major token scales."""
-    return Tma(token_scales, [cfg.stage_k // 32, tokens], _unswizzled_32bit_layout())
+def _mxfp8_launch(kernel: KernelPlan) -> Callable[[LaunchArgs], torch.Tensor]:
+    p, cfg = kernel.problem, kernel.cfg
+    swizzled, dynamic = p.scale_layout.swizzled, kernel.dynamic
+    t_box, w_box = _Box(cfg.token_tile, cfg.block_k), _Box(cfg.weight_tile, cfg.block_k)
+    tail_box = _Box(cfg.tail_tokens, cfg.block_k) if cfg.tail_tokens else None
+    s_block, tail_s_block = _token_scales_block(cfg, cfg.token_tile), _token_scales_block(cfg, cfg.tail_tokens)
+    words_layout = _unswizzled_32bit_layout()
+    weight_view = _rows(p.num_experts * p.n, p.k)
+    scalars = (cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
+               math.ceil(p.num_k_scales / 4))
+    by_scales = {}  # the token scales' shape (part of the launch key) -> its launches
+
+    def run(args: LaunchArgs) -> torch.Tensor:
+        token_scales, a = _tokens(kernel, args)
+        shape = token_scales.shape
+        launches = by_scales.get(shape)
+        if launches is None:
+            launches = by_scales.setdefault(shape, _Launches(mxfp8_kernel, kernel, (*kernel.key, tuple(shape))))
+        out, dummy = args.out, args.a_offsets
+        s_desc = Tma(token_scales, s_block, words_layout) if cfg.wide else None
+        tail_desc = tail_s_desc = None
+        if tail_box is not None:  # a slot's last tile: up to tail_tokens more tokens and their scales a stage
+            tail_desc = tail_box.of(a)
+            tail_s_desc = Tma(token_scales, tail_s_block, words_layout)
+        return launches.launch(args, (
+            t_box.of(a), w_box.of(args.b, *weight_view), s_desc, tail_desc, tail_s_desc, out,
+            token_scales, args.b_scales.view(torch.int32) if swizzled else _bytes(args.b_scales), dummy,
+            args.expert_ids,
+            _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
+            _tile_counter(out.device) if dynamic else dummy, *scalars, 0 if s_desc is not None else shape[1]))
+
+    return run
 
 
-def _launch_mxfp8(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
-    p, cfg, out = kernel.problem, kernel.cfg, args.out
-    token_scales, a = _tokens(kernel, args)
-    counter = _tile_counter(kernel, out.device)
-    t_desc = _descriptor(a, (cfg.token_tile, cfg.block_k))
-    w_desc = _descriptor(args.b.reshape(p.num_experts * p.n, p.k), (cfg.weight_tile, cfg.block_k))
-    s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile) if cfg.wide else None
-    tail_desc = tail_s_desc = None
-    if cfg.tail_tokens:  # a slot's last tile: up to tail_tokens more tokens and their scales a stage
-        tail_desc = _descriptor(a, (cfg.tail_tokens, cfg.block_k))
-        tail_s_desc = _token_scale_desc(token_scales, cfg, cfg.tail_tokens)
-    dummy = args.a_offsets
-    epi, key, kwargs = _epilogue(kernel, args)
-    launch_kernel(mxfp8_kernel, (*key, tuple(token_scales.shape)), (kernel.num_programs, ), (
-        t_desc, w_desc, s_desc, tail_desc, tail_s_desc, out, token_scales, _weight_scales(p, args), args.a_offsets,
-        args.expert_ids, _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
-        _or_dummy(counter, dummy), cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
-        math.ceil(p.num_k_scales / 4), 0 if s_desc is not None else token_scales.shape[1], epi), kwargs)
-    return out
-
-
-def _launch_e2m1(kernel: KernelPlan, args: LaunchArgs) -> torch.Tensor:
-    p, cfg, out = kernel.problem, kernel.cfg, args.out
-    token_scales, a = _tokens(kernel, args)
-    counter = _tile_counter(kernel, out.device)
-    t_desc = _descriptor(a, (cfg.token_tile, cfg.block_k))
-    # 128 bytes of each weight row a stage: 256 packed e2m1 (two token tiles).
-    weight_rows = args.b.view(torch.uint8).reshape(p.num_experts * p.n, p.k // 2)
-    w_desc = _descriptor(weight_rows, (cfg.weight_tile, cfg.block_k))
-    s_desc = _token_scale_desc(token_scales, cfg, cfg.token_tile)
-    weight_scales = _weight_scales(p, args)
-    ws_desc = w_half_desc = None
-    if p.scale_layout.swizzled:  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
-        ws_desc = Tma(weight_scales.reshape(-1, 4), [cfg.stage_k // 128 * 32, 4], _unswizzled_32bit_layout())
+def _e2m1_launch(kernel: KernelPlan) -> Callable[[LaunchArgs], torch.Tensor]:
+    p, cfg = kernel.problem, kernel.cfg
+    swizzled, dynamic = p.scale_layout.swizzled, kernel.dynamic
+    t_box, w_box = _Box(cfg.token_tile, cfg.block_k), _Box(cfg.weight_tile, cfg.block_k)
+    half_box = None
     if cfg.split_k and 0 < p.n % cfg.weight_tile <= cfg.weight_tile // 2:  # (gpt-oss down: 2880 = 22.5 x 128)
-        w_half_desc = _descriptor(weight_rows, (cfg.weight_tile // 2, cfg.block_k))
-    dummy = args.a_offsets
-    epi, key, kwargs = _epilogue(kernel, args)
-    launch_kernel(e2m1_kernel, key, (kernel.num_programs, ), (
-        t_desc, w_desc, s_desc, ws_desc, w_half_desc, out, weight_scales, args.a_offsets, args.expert_ids,
-        _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy), _or_dummy(counter, dummy),
-        cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
-        math.ceil(p.num_k_scales / 4), epi), kwargs)
-    return out
+        half_box = _Box(cfg.weight_tile // 2, cfg.block_k)
+    ws_block = [cfg.stage_k // 128 * 32, 4]  # the stage's two atoms of the tile's 128 rows, [32, 4] words each
+    s_block, words_layout = _token_scales_block(cfg, cfg.token_tile), _unswizzled_32bit_layout()
+    weight_view = _rows(p.num_experts * p.n, p.k // 2)  # (packed e2m1: uint8 already)
+    launches = _Launches(e2m1_kernel, kernel, kernel.key)
+    scalars = (cfg.claim_rounds, p.m, p.n, p.k, p.num_experts, p.num_groups, p.num_k_scales,
+               math.ceil(p.num_k_scales / 4))
+
+    def run(args: LaunchArgs) -> torch.Tensor:
+        token_scales, a = _tokens(kernel, args)
+        out, dummy = args.out, args.a_offsets
+        # 128 bytes of each weight row a stage: 256 packed e2m1 (two token tiles).
+        b, ws_desc = args.b, None
+        if swizzled:  # the weight scales as 32-bit words (a row's four K blocks), read [rows, 4] a box
+            weight_scales = args.b_scales.view(torch.int32)
+            ws_desc = Tma(weight_scales, ws_block, words_layout, *_rows(weight_scales.numel() // 4, 4))
+        else:
+            weight_scales = _bytes(args.b_scales)
+        return launches.launch(args, (
+            t_box.of(a), w_box.of(b, *weight_view), Tma(token_scales, s_block, words_layout), ws_desc,
+            half_box.of(b, *weight_view) if half_box is not None else None, out, weight_scales, dummy, args.expert_ids,
+            _or_dummy(args.expert_scales, dummy), _or_dummy(args.row_scales, dummy),
+            _tile_counter(out.device) if dynamic else dummy, *scalars))
+
+    return run
