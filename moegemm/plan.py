@@ -22,6 +22,7 @@ Backends:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -81,10 +82,10 @@ def resolve_backend(backend: str, problem: GroupedProblem, device: torch.device)
     return backend
 
 
-@dataclass(frozen=True)
-class SwigluOutput:
+class SwigluOutput(NamedTuple):
     """What of grouped_matmul_swiglu's output its plan depends on: whether the product runs with
-    the fused SwiGLU epilogue (sm90), and that epilogue's kernel config."""
+    the fused SwiGLU epilogue (sm90), and that epilogue's kernel config. (A NamedTuple: made and
+    hashed in the plan key on every call.)"""
 
     out_fmt: str
     out_form: TokenForm | None  # the output in this token form (out_scale_layout a TokenForm)
@@ -125,8 +126,9 @@ class Plan:
         """grouped_matmul_swiglu of these operands (a plan of swiglu output out_fmt in
         out_scale_layout): the checks as run's, then the fused epilogue's launch, or the product
         and token_quantizers.swiglu_quantize."""
-        check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
-                      b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
+        if _requires_grad(operands, bias):
+            check_no_grad("grouped_matmul_swiglu", a=operands.a, b=operands.b, a_scales=operands.a_scales,
+                          b_scales=operands.b_scales, expert_scales=operands.expert_scales, bias=bias)
         self._check_values(operands, a_offsets, expert_ids)
         if self.fused:
             tokens = None if operands.a_form is None else KernelTokens(operands.a_form, operands.a, operands.a_scales)
@@ -168,15 +170,16 @@ class Plan:
                                operands.expert_scales, row_scales, out)
 
 
-def _requires_grad(operands: Operands, row_scales) -> bool:
-    """Whether grad is enabled and an input requires it (then check_no_grad names it)."""
+def _requires_grad(operands: Operands, other) -> bool:
+    """Whether grad is enabled and an input requires it: an operand or `other` (row_scales, bias;
+    then check_no_grad names it)."""
     if not torch.is_grad_enabled():
         return False
     a_scales, b_scales, expert_scales = operands.a_scales, operands.b_scales, operands.expert_scales
     return (operands.a.requires_grad or operands.b.requires_grad or (a_scales is not None and a_scales.requires_grad)
             or (b_scales is not None and b_scales.requires_grad)
             or (expert_scales is not None and expert_scales.requires_grad)
-            or (row_scales is not None and row_scales.requires_grad))
+            or (isinstance(other, torch.Tensor) and other.requires_grad))
 
 
 @dataclass(frozen=True)
@@ -218,12 +221,10 @@ def _key(operands: Operands, a_offsets, expert_ids, row_scales, out, fmt, out_dt
     context = choice_context()
     if context is None or type(fmt) is not str or type(backend) is not str:
         return None
-    a, b, a_scales, b_scales, a_scale_offsets, expert_scales, placed_by = (
-        operands.a, operands.b, operands.a_scales, operands.b_scales, operands.a_scale_offsets, operands.expert_scales,
-        operands.quantized_a_offsets)
+    _, a, b, a_scales, b_scales, scale_layout, expert_scales, placed_by, a_form, a_scale_offsets, b_prepacked = operands
     try:
         # (one expression, each fact read once: the key is built on every call)
-        return (fmt, operands.scale_layout, operands.a_form, operands.b_prepacked, out_dtype, backend, swiglu, context,
+        return (fmt, scale_layout, a_form, b_prepacked, out_dtype, backend, swiglu, context,
                 a.shape, a.dtype, a.device, a.is_contiguous(),
                 # (b's strides: its major order, which bf16 weights may have either way, decides the kernels)
                 b.shape, b.dtype, b.device, b.stride(),

@@ -67,6 +67,20 @@ class Operands(NamedTuple):
     b_prepacked: bool = False  # b's codes in moegemm.prepack's order (a QuantizedTensor of prepack_weights)
 
 
+def _layout_of(q: QuantizedTensor, name: str, scales, f: Format, fmt) -> ScaleLayout:
+    """The scale layout of QuantizedTensor operand `name`, once it is checked to be the call's
+    operand and format, with no scales given besides its own."""
+    if q.operand != name:
+        made_by = "moegemm.quantize" if name == "a" else "moegemm.quantize_weights"
+        raise ValueError(f"{name}: expected the QuantizedTensor of {made_by}, got one of operand {q.operand!r}")
+    if scales is not None:
+        raise ValueError(f"{name}_scales: expected None when {name} is a QuantizedTensor (its own scales are "
+                         f"used), got a {type(scales).__name__}")
+    if q.fmt != f.name:
+        raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
+    return q.layout
+
+
 def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, expert_scales,
                 a_scale_offsets=None) -> Operands:
     """Unwrap QuantizedTensor operands (moegemm.quantize / quantize_weights): their data and
@@ -84,33 +98,31 @@ def operands_of(a, b, a_scales, b_scales, a_offsets, *, fmt, scale_layout, exper
     a_quantized, b_quantized = isinstance(a, QuantizedTensor), isinstance(b, QuantizedTensor)
     if not a_quantized and not b_quantized:
         return Operands(f, a, b, a_scales, b_scales, scale_layout or PLAIN, expert_scales, None, None, a_scale_offsets)
-    a_form = placed_scale_offsets = global_scale = quantized_a_offsets = None
-    seen = []  # (name, the layout of its scales or None where it has none) of the operands with plain scales
-    for name, q, scales_name, scales in (("a", a, "a_scales", a_scales), ("b", b, "b_scales", b_scales)):
-        if not (a_quantized if name == "a" else b_quantized):
-            continue
-        if q.operand != name:
-            made_by = "moegemm.quantize" if name == "a" else "moegemm.quantize_weights"
-            raise ValueError(f"{name}: expected the QuantizedTensor of {made_by}, got one of operand {q.operand!r}")
-        if scales is not None:
-            raise ValueError(f"{scales_name}: expected None when {name} is a QuantizedTensor (its own scales are "
-                             f"used), got a {type(scales).__name__}")
-        if q.fmt != f.name:
-            raise ValueError(f"fmt: {name} was quantized as {q.fmt!r}, the call says {fmt!r}")
-        layout = q.layout
-        form = layout.form
-        if form is not None:
-            a_form, quantized_a_offsets = form, q.a_offsets
-            continue
-        seen.append((name, layout if q.scales is not None else None))
-        if q.global_scale is not None:
-            global_scale = q.global_scale.float() if global_scale is None else global_scale * q.global_scale.float()
-        if name == "a" and layout.swizzled:
-            quantized_a_offsets, placed_scale_offsets = q.a_offsets, q.a_scale_offsets
-    for name, layout in seen:
-        if layout is not None and scale_layout is not None and layout != scale_layout:
-            raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
-        scale_layout = scale_layout or layout
+    a_form = placed_scale_offsets = global_scale = quantized_a_offsets = a_layout = b_layout = None
+    if a_quantized:
+        layout = _layout_of(a, "a", a_scales, f, fmt)
+        if layout.form is not None:
+            a_form, quantized_a_offsets = layout.form, a.a_offsets
+        else:
+            a_layout = layout if a.scales is not None else None
+            if a.global_scale is not None:
+                global_scale = a.global_scale.float()
+            if layout.swizzled:
+                quantized_a_offsets, placed_scale_offsets = a.a_offsets, a.a_scale_offsets
+    if b_quantized:
+        layout = _layout_of(b, "b", b_scales, f, fmt)
+        if layout.form is not None:
+            a_form, quantized_a_offsets = layout.form, b.a_offsets
+        else:
+            b_layout = layout if b.scales is not None else None
+            if b.global_scale is not None:
+                global_scale = b.global_scale.float() if global_scale is None else global_scale * b.global_scale.float()
+    # (a's scales first: the layout the call takes where it names none)
+    for name, layout in (("a", a_layout), ("b", b_layout)):
+        if layout is not None:
+            if scale_layout is not None and layout != scale_layout:
+                raise ValueError(f"scale_layout: {name} carries {layout!r} scales, the call says {scale_layout!r}")
+            scale_layout = scale_layout or layout
     scale_layout = scale_layout or PLAIN
     if a_quantized:
         a, a_scales = a.data, a.scales

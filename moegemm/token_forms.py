@@ -28,6 +28,7 @@ those of the format's operand, bit for bit (tests/test_token_forms.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -67,12 +68,12 @@ class TokenForm(ScaleLayout):
         return self
 
 
-@dataclass(frozen=True)
-class KernelTokens:
+class KernelTokens(NamedTuple):
     """Tokens in a TokenForm as the sm90 launch takes them (kernels/sm90, LaunchArgs.tokens): data
     e4m3 or bf16 [M, K]; scales fp32 K-block-major for "e4m3", None for "bf16". Rows outside
     every slot hold unspecified data. Callers above the kernels hold the same tokens as a
-    QuantizedTensor whose scale_layout is the TokenForm."""
+    QuantizedTensor whose scale_layout is the TokenForm. (A NamedTuple: made on every launch of
+    tokens in a form, and a frozen dataclass costs several times as much to make.)"""
 
     form: TokenForm
     data: torch.Tensor

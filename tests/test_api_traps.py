@@ -182,6 +182,16 @@ def test_kernel_backends_refuse_inputs_that_require_grad():
     with pytest.raises(ValueError, match="^expert_scales: requires grad"):
         moegemm.grouped_matmul(a.detach(), b, None, None, a_offsets, ids, fmt="bf16", backend="triton",
                                expert_scales=torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError, match="^row_scales: requires grad"):
+        moegemm.grouped_matmul(a.detach(), b, None, None, a_offsets, ids, fmt="bf16", backend="triton",
+                               row_scales=torch.ones(20, requires_grad=True))
+    with pytest.raises(ValueError, match="^b: requires grad"):
+        moegemm.grouped_matmul(a.detach(), b.clone().requires_grad_(), None, None, a_offsets, ids, fmt="bf16",
+                               backend="triton")
+    with pytest.raises(ValueError, match="^bias: requires grad, but grouped_matmul_swiglu"):
+        moegemm.grouped_matmul_swiglu(a.detach(), b, None, None, a_offsets, ids, fmt="bf16",
+                                      gate_up_layout="interleaved", bias=torch.zeros(2, 16, requires_grad=True),
+                                      backend="triton")
 
 
 @needs_interpreter

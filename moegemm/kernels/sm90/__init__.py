@@ -13,8 +13,9 @@ file per kernel on the shared pipeline layer (pipeline.py), one launch entry (la
                   LaunchArgs, EpilogueSpec, supports, launch: the one launch entry
 
 A new kernel is a new file here built on pipeline.py's Ring, Schedule, walk, Producer and Output;
-its config class in moegemm/sm90_configs.py, chosen per shape in moegemm/config.py; and a _launch_<kernel> function
-with one branch in launcher.plan (docs/architecture.md, where a new kernel goes).
+its config class in moegemm/sm90_configs.py, chosen per shape in moegemm/config.py; and a
+_<kernel>_launch function (its launch, made once per plan) with one branch in launcher.plan
+(docs/architecture.md, where a new kernel goes).
 """
 
 from .launcher import EpilogueSpec, KernelPlan, LaunchArgs, fused_supports, launch, plan, supports, zeroes_fresh_out
