@@ -191,3 +191,19 @@ def test_a_descriptor_is_cached_per_encoding(fake_device):
         launch(kernel, ("key",), (1,), _args(x), dict(BLOCK=64))
     assert [c[0] for c in first.calls + second.calls] == ["triton", "direct", "triton", "direct"]
     assert len(fake_device) == 2
+
+
+def test_a_tensor_repeated_across_a_tuple_argument_is_checked_against_each_position():
+    """The tensors of a tuple argument are checked after the other arguments: one given in a
+    tuple before, and again after it, meets the expectation of each of its positions."""
+    kernel = FakeKernel(descriptors=1)
+    ints, floats = torch.zeros(16, dtype=torch.int32), torch.zeros(16)
+
+    def args(first, nested, last):
+        return first, Tma(TILE, (4, 4), LAYOUT), (nested,), last
+
+    kernel.fn = lambda x, desc, pair, y, BLOCK, FLAG=7: None  # (the parameters after the positional ones)
+    launch(kernel, ("key",), (1,), args(floats, ints, ints), dict(BLOCK=64))
+    launch(kernel, ("key",), (1,), args(floats, ints, ints), dict(BLOCK=64))
+    launch(kernel, ("key",), (1,), args(floats, ints, floats), dict(BLOCK=64))  # (float32 where int32 was)
+    assert [c[0] for c in kernel.calls] == ["triton", "direct", "triton"]

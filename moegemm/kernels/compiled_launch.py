@@ -93,7 +93,7 @@ def _raw_launcher(launcher):
 class _Record:
     """One compiled specialization of a kernel and how to call its C launcher."""
 
-    __slots__ = ("raw", "function", "packed_metadata", "coop", "pdl", "tail", "tma", "tensors", "check")
+    __slots__ = ("raw", "function", "packed_metadata", "coop", "pdl", "tail", "tma", "tensors", "nested", "check")
 
     def __init__(self, fn, kernel, args, kwargs):
         launcher = kernel.run
@@ -116,9 +116,13 @@ class _Record:
         # Each tensor argument (also inside a tuple argument): its dtype, whether the kernel was
         # specialized for a 16-byte aligned address, and whether the argument before it had the
         # same two (an argument given again there, as the placeholders are, is checked once).
-        facts = [(i, j, t.dtype, t.data_ptr() % 16 == 0) for i, j, t in _tensor_args(args)]
-        self.tensors = tuple((i, j, dtype, aligned, k > 0 and facts[k - 1][2:] == (dtype, aligned))
-                             for k, (i, j, dtype, aligned) in enumerate(facts))
+        # (in the order fits checks them: the arguments, then the tensors inside tuple arguments)
+        facts = sorted(((i, j, t.dtype, t.data_ptr() % 16 == 0) for i, j, t in _tensor_args(args)),
+                       key=lambda fact: fact[1] >= 0)
+        facts = [(i, j, dtype, aligned, k > 0 and facts[k - 1][2:] == (dtype, aligned))
+                 for k, (i, j, dtype, aligned) in enumerate(facts)]
+        self.tensors = tuple((i, *rest) for i, j, *rest in facts if j < 0)
+        self.nested = tuple(fact for fact in facts if fact[1] >= 0)
         # MOEGEMM_CHECK_LAUNCH=1 (the GPU tests): everything else the key promises, compared on
         # every call.
         self.check = _key_facts(args, kwargs) if os.environ.get("MOEGEMM_CHECK_LAUNCH") == "1" else None
@@ -126,13 +130,18 @@ class _Record:
     def fits(self, args) -> bool:
         """Whether every tensor argument has the dtype and the alignment of the compiled kernel's."""
         last = None
-        for i, j, dtype, aligned, as_before in self.tensors:
-            t = args[i] if j < 0 else args[i][j]
-            if as_before and t is last:
-                continue
-            last = t
-            if t.dtype is not dtype or (aligned and t.data_ptr() & 15):
-                return False
+        for i, dtype, aligned, as_before in self.tensors:
+            t = args[i]
+            if t is not last or not as_before:
+                if t.dtype is not dtype or (aligned and t.data_ptr() & 15):
+                    return False
+                last = t
+        for i, j, dtype, aligned, as_before in self.nested:
+            t = args[i][j]
+            if t is not last or not as_before:
+                if t.dtype is not dtype or (aligned and t.data_ptr() & 15):
+                    return False
+                last = t
         return True
 
     def run(self, grid, args, device: int):
