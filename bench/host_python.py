@@ -1,6 +1,7 @@
-"""The Python host work of an eager grouped_matmul call on the sm90 path, measured on the CPU.
+"""The Python host work of an eager grouped_matmul call (or, with --layer, of an eager moe_forward
+call) on the sm90 path, measured on the CPU.
 
-    python bench/host_python.py [--formats bf16,mxfp8,...] [--tree DIR]
+    python bench/host_python.py [--formats bf16,mxfp8,...] [--tree DIR] [--layer]
 
 The sm90 path runs with a Hopper faked (the capability check, the SM count) and every compiled
 launch stubbed, on CPU tensors, with the value checks off as on a GPU without MOEGEMM_DEBUG: what
@@ -12,6 +13,13 @@ a call dispatches but views and allocations: fills, copies, arithmetic; each ano
 host time there). --tree runs another revision's library (a `git archive` of it), so
 two revisions compare on the same CPU. Launch costs (the driver's, 5-10 us each on a GPU host)
 are not in it: bench/profiling.py host measures those on the GPU.
+
+--layer: moe_forward (eager, no CUDA graph) at Qwen3-30B-A3B's sizes (E 128, I 768, H 2048, top-8)
+at 1 and 64 tokens, with the routing kernels' path taken as on a GPU (routing's backend resolved
+for a CUDA device) and the weights as the transformers backend holds them on a Hopper (the
+format's scale layout and prepacked order; gate/up rows concatenated for bf16 and fp8_block, as
+Qwen3's bf16 checkpoint and DeepSeek's FP8 blocks keep them, interleaved otherwise). T stays
+small: the torch fallbacks would run their math on the CPU.
 """
 
 from __future__ import annotations
@@ -52,16 +60,39 @@ def _stub(moegemm_modules, real, fake):
                 setattr(module, attr, fake)
 
 
+def _measure(call) -> float:
+    """The best of 7 means of 200 calls, in us."""
+    means = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(200):
+            call()
+        means.append((time.perf_counter() - start) / 200 * 1e6)
+    return min(means)
+
+
+def _report(label: str, call, launched: list) -> None:
+    for _ in range(20):
+        call()
+    launched.clear()
+    call()
+    kernels = list(launched)
+    torch_ops = _torch_launches(call)
+    print(f"{label} {_measure(call):7.1f} us   {', '.join(kernels)}; torch: {', '.join(torch_ops) or '-'}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default=None, help="comma-separated (default: all)")
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
+    parser.add_argument("--layer", action="store_true", help="moe_forward at Qwen3-30B-A3B's sizes (module docstring)")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.tree)
     import torch
 
     _fake_hopper(torch)
     import moegemm
+    import moegemm.routing
 
     try:
         from moegemm.kernels import compiled_launch as launches
@@ -75,12 +106,85 @@ def main(argv=None) -> int:
             module.values_checked = lambda device: False
         if hasattr(module, "_is_hopper"):
             module._is_hopper = lambda device: True
+    formats = args.formats.split(",") if args.formats else list(moegemm.FORMATS)
+    if args.layer:
+        _layer(torch, moegemm, formats, launched, args.tree)
+    else:
+        _products(torch, moegemm, formats, launched, args.tree)
+    return 0
+
+
+def _layer_weights(torch, moegemm, fmt: str, n: int, k: int, experts: int):
+    """Weights [experts, n, k] of fmt as the layer holds them on a Hopper (scale layout, prepacked
+    order): one expert quantized, the others uninitialized storage of its shapes (the launches
+    are stubbed: no value is read)."""
+    f = moegemm.get_format(fmt)
+    one = torch.randn(1, n, k) / 32
+    if fmt == "bf16":
+        return moegemm.QuantizedTensor(torch.empty(experts, n, k, dtype=torch.bfloat16), None, fmt, "b")
+    q = moegemm.quantize_weights(one, fmt, scale_layout="swizzled" if f.swizzle_capable else "plain")
+    try:
+        from moegemm.moe.weights import WeightForm
+
+        q = WeightForm(fmt).stored(q)  # (prepacked where a Hopper's layer keeps it so)
+    except ImportError:  # (a revision before moe/weights.py)
+        pass
+    grow = lambda t: None if t is None else torch.empty((experts, *t.shape[1:]), dtype=t.dtype)
+    global_scale = None if q.global_scale is None else torch.ones(experts, dtype=q.global_scale.dtype)
+    return moegemm.QuantizedTensor(grow(q.data), grow(q.scales), fmt, "b", q.scale_layout, global_scale,
+                                   prepacked=q.prepacked)
+
+
+def _gpu_like_memory(torch, moegemm) -> None:
+    """What a call allocates costs the CPU no more than the GPU's host: freed memory kept in the
+    heap (glibc's default returns large blocks to the OS, and every call then pays page faults on
+    fresh ones: ms at 64 tokens), and the unfused chain's product buffer uninitialized, as on a
+    GPU (on the CPU it is zeroed, for Triton's interpreter)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+    plan = sys.modules.get("moegemm.plan")
+    if plan is not None and hasattr(plan, "_product_buffer"):
+        plan._product_buffer = lambda problem, device: torch.empty(problem.m, problem.n, dtype=torch.bfloat16,
+                                                                   device=device)
+
+
+def _layer(torch, moegemm, formats, launched, tree) -> None:
+    experts, inter, hidden, top_k = 128, 768, 2048, 8
+    _gpu_like_memory(torch, moegemm)
+    real_use_triton = moegemm.routing._use_triton
+    cuda = torch.device("cuda")
+    # The routing kernels' path, as a GPU's tensors take it (the backend still checked).
+    moegemm.routing._use_triton = lambda backend, device: real_use_triton(backend, cuda)
+    print(f"# moe_forward, E {experts} I {inter} H {hidden} top-{top_k}, sm90 path, launches stubbed: {tree}")
+    generator = torch.Generator().manual_seed(0)
+    for fmt in formats:
+        w_gate_up = _layer_weights(torch, moegemm, fmt, 2 * inter, hidden, experts)
+        w_down = _layer_weights(torch, moegemm, fmt, hidden, inter, experts)
+        order = "concat" if fmt in ("bf16", "fp8_block") else "interleaved"
+        for tokens in (1, 64):
+            x = torch.randn(tokens, hidden, generator=generator).bfloat16()
+            ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).int()
+            weights = torch.rand(tokens, top_k, generator=generator)
+
+            def call():
+                return moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=order, backend="sm90")
+
+            _report(f"{fmt:11s} T={tokens:<3d} {order:11s}", call, launched)
+
+
+def _products(torch, moegemm, formats, launched, tree) -> None:
     experts, n, k = 8, 512, 1024
     a_offsets = torch.arange(experts + 1, dtype=torch.int32)
     ids = torch.arange(experts, dtype=torch.int32)
     x, w = torch.randn(experts, k), torch.randn(experts, n, k) / 32
-    print(f"# grouped_matmul, sm90 path, launches stubbed: {args.tree}")
-    for fmt in (args.formats.split(",") if args.formats else moegemm.FORMATS):
+    print(f"# grouped_matmul, sm90 path, launches stubbed: {tree}")
+    for fmt in formats:
         f = moegemm.get_format(fmt)
         layout = "swizzled" if f.swizzle_capable else "plain"
         if fmt == "bf16":
@@ -93,20 +197,7 @@ def main(argv=None) -> int:
         def call():
             return moegemm.grouped_matmul(a, b, None, None, a_offsets, ids, fmt=fmt, backend="sm90")
 
-        for _ in range(20):
-            call()
-        launched.clear()
-        call()
-        kernels = list(launched)
-        torch_ops = _torch_launches(call)
-        means = []
-        for _ in range(7):
-            start = time.perf_counter()
-            for _ in range(200):
-                call()
-            means.append((time.perf_counter() - start) / 200 * 1e6)
-        print(f"{fmt:11s} {min(means):7.1f} us   {', '.join(kernels)}; torch: {', '.join(torch_ops) or '-'}")
-    return 0
+        _report(f"{fmt:11s}", call, launched)
 
 
 if __name__ == "__main__":
