@@ -136,18 +136,11 @@ def _layer_weights(torch, moegemm, fmt: str, n: int, k: int, experts: int):
 
 
 def _gpu_like_memory(torch, moegemm) -> None:
-    """What a call allocates costs the CPU no more than the GPU's host: freed memory kept in the
-    heap (glibc's default returns large blocks to the OS, and every call then pays page faults on
-    fresh ones: ms at 64 tokens), and the unfused chain's product buffer uninitialized, as on a
-    GPU (on the CPU it is zeroed, for Triton's interpreter)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
-    except OSError:
-        pass
+    """What a call allocates costs the CPU no more than the GPU's host: one intra-op thread (a fill of
+    a buffer past torch's grain size is split over threads otherwise, which wait for each other for
+    ms on a loaded machine; a GPU's host fills nothing), and the unfused chain's product buffer
+    uninitialized, as on a GPU (on the CPU it is zeroed, for Triton's interpreter)."""
+    torch.set_num_threads(1)
     plan = sys.modules.get("moegemm.plan")
     if plan is not None and hasattr(plan, "_product_buffer"):
         plan._product_buffer = lambda problem, device: torch.empty(problem.m, problem.n, dtype=torch.bfloat16,
