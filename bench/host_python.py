@@ -1,13 +1,13 @@
 """The Python host work of an eager grouped_matmul call (or, with --layer, of an eager moe_forward
 call) on the sm90 path, measured on the CPU.
 
-    python bench/host_python.py [--formats bf16,mxfp8,...] [--tree DIR] [--layer]
+    python bench/host_python.py [--formats bf16,mxfp8,...] [--tree DIR] [--layer] [--calls N]
 
 The sm90 path runs with a Hopper faked (the capability check, the SM count) and every compiled
 launch stubbed, on CPU tensors, with the value checks off as on a GPU without MOEGEMM_DEBUG: what
 is left is the host's own work a call (the plan lookup, the operands, the launch arguments,
 the token pre-pass's allocations and torch ops), at bench/host_time.decode_products' size
-(8 slots of one token, N 512, K 1024). Per format: the best of 7 means of 200 calls in us, the
+(8 slots of one token, N 512, K 1024). Per format: the best of 7 means of 200 calls (--calls) in us, the
 Triton kernels a call launches and the torch ops that would launch one on a GPU (every aten op
 a call dispatches but views and allocations: fills, copies, arithmetic; each another 5-10 us of
 host time there). --tree runs another revision's library (a `git archive` of it), so
@@ -19,7 +19,10 @@ at 1 and 64 tokens, with the routing kernels' path taken as on a GPU (routing's 
 for a CUDA device) and the weights as the transformers backend holds them on a Hopper (the
 format's scale layout and prepacked order; gate/up rows concatenated for bf16 and fp8_block, as
 Qwen3's bf16 checkpoint and DeepSeek's FP8 blocks keep them, interleaved otherwise). T stays
-small: the torch fallbacks would run their math on the CPU.
+small: torch ops run their math on the CPU, which a GPU's host does not pay (the zero fills of
+swizzled token scales, ~1 MB each at E 128: ~50 us of mxfp8's time; nvfp4's dynamic
+intermediate global scale, torch arithmetic over the rows: ms at 64 tokens). One intra-op thread,
+and the unfused chain's product buffer left uninitialized as on a GPU (_gpu_like_memory).
 """
 
 from __future__ import annotations
@@ -60,25 +63,25 @@ def _stub(moegemm_modules, real, fake):
                 setattr(module, attr, fake)
 
 
-def _measure(call) -> float:
-    """The best of 7 means of 200 calls, in us."""
+def _measure(call, calls: int) -> float:
+    """The best of 7 means of `calls` calls, in us."""
     means = []
     for _ in range(7):
         start = time.perf_counter()
-        for _ in range(200):
+        for _ in range(calls):
             call()
-        means.append((time.perf_counter() - start) / 200 * 1e6)
+        means.append((time.perf_counter() - start) / calls * 1e6)
     return min(means)
 
 
-def _report(label: str, call, launched: list) -> None:
-    for _ in range(20):
+def _report(label: str, call, launched: list, calls: int) -> None:
+    for _ in range(min(calls, 20)):
         call()
     launched.clear()
     call()
     kernels = list(launched)
     torch_ops = _torch_launches(call)
-    print(f"{label} {_measure(call):7.1f} us   {', '.join(kernels)}; torch: {', '.join(torch_ops) or '-'}")
+    print(f"{label} {_measure(call, calls):7.1f} us   {', '.join(kernels)}; torch: {', '.join(torch_ops) or '-'}")
 
 
 def main(argv=None) -> int:
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default=None, help="comma-separated (default: all)")
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
     parser.add_argument("--layer", action="store_true", help="moe_forward at Qwen3-30B-A3B's sizes (module docstring)")
+    parser.add_argument("--calls", type=int, default=200, help="calls a timed mean (default 200)")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.tree)
     import torch
@@ -108,9 +112,9 @@ def main(argv=None) -> int:
             module._is_hopper = lambda device: True
     formats = args.formats.split(",") if args.formats else list(moegemm.FORMATS)
     if args.layer:
-        _layer(torch, moegemm, formats, launched, args.tree)
+        _layer(torch, moegemm, formats, launched, args.tree, args.calls)
     else:
-        _products(torch, moegemm, formats, launched, args.tree)
+        _products(torch, moegemm, formats, launched, args.tree, args.calls)
     return 0
 
 
@@ -147,7 +151,7 @@ def _gpu_like_memory(torch, moegemm) -> None:
                                                                    device=device)
 
 
-def _layer(torch, moegemm, formats, launched, tree) -> None:
+def _layer(torch, moegemm, formats, launched, tree, calls: int) -> None:
     experts, inter, hidden, top_k = 128, 768, 2048, 8
     _gpu_like_memory(torch, moegemm)
     real_use_triton = moegemm.routing._use_triton
@@ -168,10 +172,10 @@ def _layer(torch, moegemm, formats, launched, tree) -> None:
             def call():
                 return moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=order, backend="sm90")
 
-            _report(f"{fmt:11s} T={tokens:<3d} {order:11s}", call, launched)
+            _report(f"{fmt:11s} T={tokens:<3d} {order:11s}", call, launched, calls)
 
 
-def _products(torch, moegemm, formats, launched, tree) -> None:
+def _products(torch, moegemm, formats, launched, tree, calls: int) -> None:
     experts, n, k = 8, 512, 1024
     a_offsets = torch.arange(experts + 1, dtype=torch.int32)
     ids = torch.arange(experts, dtype=torch.int32)
@@ -190,7 +194,7 @@ def _products(torch, moegemm, formats, launched, tree) -> None:
         def call():
             return moegemm.grouped_matmul(a, b, None, None, a_offsets, ids, fmt=fmt, backend="sm90")
 
-        _report(f"{fmt:11s}", call, launched)
+        _report(f"{fmt:11s}", call, launched, calls)
 
 
 if __name__ == "__main__":

@@ -267,6 +267,28 @@ def test_scatter_quantize_matches_the_gather_compiled(fmt, layout):
     check_scatter_quantize(fmt, layout, "cuda")
 
 
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("bf16", "fp8_block", "mxfp4"))
+def test_the_quantizer_plans_a_launch_per_host_value(fmt):
+    """The activation kernel's launch is planned once per host values (quantize_kernels.rows_launch):
+    the same 16 x 96 rows as contiguous bf16 (read as word pairs), bf16 at an odd element offset
+    (no pairs), fp32 and fp32 of another row stride, each quantized after the others, get the
+    reference's bytes; the swizzled layout without a_offsets raises at every call."""
+    x = _rows(16, 96)
+    odd = torch.zeros(16 * 96 + 1, dtype=torch.bfloat16)
+    odd[1:] = x.bfloat16().flatten()
+    wide = torch.zeros(16, 97)
+    wide[:, :96] = x
+    rows = {"bf16": x.bfloat16(), "bf16 at an odd offset": odd[1:].view(16, 96), "fp32": x,
+            "fp32 of row stride 97": wide[:, :96]}
+    for name, tokens in rows.items():
+        assert_same_quantized(gather_quantize(tokens, fmt), moegemm.reference.quantize(tokens.float(), fmt)), name
+    if fmt == "mxfp4":
+        for _ in range(2):
+            with pytest.raises(ValueError, match="^a_offsets: required"):
+                gather_quantize(x, fmt, scale_layout="swizzled")
+
+
 def test_token_of_row_is_the_plans_token_index():
     """The scatter form's fallback (no kernel) gathers through token_of_row(grouped_row)."""
     gen = torch.Generator().manual_seed(3)
@@ -567,6 +589,29 @@ def test_moe_forward_plans_its_products_once(monkeypatch):
     assert torch.equal(scaled, first)
     with pytest.raises(ValueError, match="expert_scales"):
         call(gate_up_scales=torch.ones(e + 1))
+
+
+@needs_interpreter
+def test_moe_forward_plans_each_token_count():
+    """The layer plan is kept per shape (moe/plan.py, plan_layer): 5, then 300 tokens (another
+    bound of the swizzled token scales' blocks, which the plan carries), then 5 again give the
+    reference layer's result, the last call the first's bits."""
+    h, i, e, k = 64, 64, 4, 2
+    gate, up, down = _layer_weights(e, i, h)
+    layer = moegemm.MoE(h, i, e, k, fmt="mxfp8").load_experts(gate=gate, up=up, down=down)
+    w_gate_up, w_down = layer.weights()
+    assert w_gate_up.scale_layout == "swizzled"
+    results = []
+    for t in (5, 300, 5):
+        gen = torch.Generator().manual_seed(t)
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+        weights = torch.rand(t, k, generator=gen)
+        y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
+                                backend="reference")
+        assert _rel_err(y, reference_layer(x, ids, weights, *dequantized_experts(layer))) < MOE_TOL["mxfp8"]
+        results.append(y)
+    assert torch.equal(results[0], results[2])
 
 
 def test_moe_bad_inputs_name_the_argument():

@@ -114,7 +114,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, su
         a_scale_offsets.zero_()
         torch.arange(e, out=expert_ids)
         return plan
-    ids = topk_ids.reshape(-1)
+    ids = topk_ids  # (the kernels read the T*k ids flat: a contiguous [T, k] as it is)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()  # as the reference reads them
     ids = ids.contiguous()
