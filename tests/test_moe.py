@@ -146,6 +146,57 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     assert (got[rows] - want[rows]).abs().max() <= 0.35 * want[rows].abs().amax(dim=1).max()
 
 
+def _fills(call) -> list[str]:
+    """The torch fills one call dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("zeros", "zero_", "fill_", "full"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        call()
+    return seen
+
+
+def check_plain_scales_written_whole(device, monkeypatch):
+    """The row quantizer writes every plain scale of a SwiGLU or a gather (each row, each K block,
+    an index past x's rows included): they are allocated without a zero fill (a torch launch less
+    a call on a GPU) and come out the same from memory left dirty. The scatter form, which
+    leaves the rows of dropped choices unwritten, keeps its fill."""
+    from cases import dirty_allocations
+
+    gen = torch.Generator().manual_seed(5)
+    h, x = (torch.randn(24, 256, generator=gen) * 3).to(device), torch.randn(24, 128, generator=gen).to(device)
+    rows = torch.tensor([3, 0, 7, 99], device=device)
+    calls = {"swiglu fp8_block": lambda: swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),
+             "swiglu mxfp8": lambda: swiglu_quantize(h, "mxfp8", gate_up_layout="interleaved"),
+             "gather mxfp4": lambda: gather_quantize(x, "mxfp4", rows)}
+    clean = {name: call() for name, call in calls.items()}
+    for name, call in calls.items():
+        assert _fills(call) == [], name
+    plan = moegemm.route(torch.tensor([[0, -1], [1, 0]], dtype=torch.int32, device=device), 2)
+    assert _fills(lambda: scatter_quantize(x[:2], "fp8_block", plan.grouped_row, plan.expert_of_row,
+                                           a_offsets=plan.a_offsets)) != []
+    dirty_allocations(monkeypatch)
+    for name, call in calls.items():
+        assert_same_quantized(call(), clean[name]), name
+
+
+@needs_interpreter
+def test_plain_scales_are_written_whole_without_a_fill_interpreted(monkeypatch):
+    check_plain_scales_written_whole("cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_plain_scales_are_written_whole_without_a_fill_compiled(monkeypatch):
+    check_plain_scales_written_whole("cuda", monkeypatch)
+
+
 _interpreted_activation_kernels = None  # (a module global: the interpreter resolves names in globals only)
 
 

@@ -121,7 +121,10 @@ def rows_launch(fmt: str, cuda: bool, rows: int, x_rows: int, x_stride: int, bf1
     form_code, m_pad = 0, 0
     if form is None:
         data, scales, num_scale_rows = a_operand_storage(f, rows, k_out, swizzled, num_scale_blocks, num_groups)
-        scales = None if scales is None else (*scales, True)  # (zeroed: allocate_a_operand's rule)
+        # Zeroed where the kernel leaves entries unwritten: the swizzled layout's padding and rows
+        # of no slot, the scatter form's rows of dropped choices. Plain scales of every other
+        # launch are all written (each row < rows, each K block): no fill.
+        scales = None if scales is None else (*scales, swizzled or bool(topk))
         data_view, scales_view = a_operand_views(f)
     else:
         # (the form's scale columns follow a_offsets; its formats have no global scale)
