@@ -201,6 +201,13 @@ def run_scatter_check(plan: str, args) -> dict:
 
 # ---- activation-sweep: launch shapes of the activation kernels at prefill sizes ------------------
 
+def _forget_planned_launches(quantize_kernels) -> None:
+    """Drop the quantizer's launches planned with the module's tiles (rows_launch caches them per
+    host values; a revision before it plans every call)."""
+    if hasattr(quantize_kernels, "rows_launch"):
+        quantize_kernels.rows_launch.cache_clear()
+
+
 def run_activation_sweep(plan: str, args) -> dict:
     """Rows a program x scale blocks a program (times 1, 2, 4) x warps of the gather/scatter and
     SwiGLU quantization kernels at DeepSeek-V3 / gpt-oss 4096 tokens, and of moegemm.quantize at
@@ -262,6 +269,7 @@ def run_activation_sweep(plan: str, args) -> dict:
                         quantize_kernels.CUDA_BLOCK_M, quantize_kernels.CUDA_WARPS = block_m, warps
                         quantize_kernels.output_code = lambda f, m, _o=original[2], _k=factor: (
                             lambda r: (r[0], r[1], r[2] * _k))(_o(f, m))
+                        _forget_planned_launches(quantize_kernels)
                         try:
                             us = timed(fn)
                         except Exception as exc:  # noqa: BLE001 (a shape the kernel refuses)
@@ -272,6 +280,7 @@ def run_activation_sweep(plan: str, args) -> dict:
                         print(rows[-1], flush=True)
     finally:
         quantize_kernels.CUDA_BLOCK_M, quantize_kernels.CUDA_WARPS, quantize_kernels.output_code = original
+        _forget_planned_launches(quantize_kernels)
     return dict(env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          defaults=dict(block_m=original[0], warps=original[1])), rows=rows)
 

@@ -27,6 +27,7 @@ __all__ = [
     "PLAIN",
     "SWIZZLED",
     "ScaleLayout",
+    "layout_named",
     "scale_layout_of",
     "ROWS_PER_BLOCK",
     "a_scale_offsets",
@@ -298,6 +299,11 @@ class _Swizzled(ScaleLayout):
 PLAIN = _Plain()
 SWIZZLED = _Swizzled()
 _BY_NAME = {"plain": PLAIN, "swizzled": SWIZZLED}
+
+
+def layout_named(name: str) -> ScaleLayout | None:
+    """PLAIN or SWIZZLED by its name, None for another string."""
+    return _BY_NAME.get(name)
 
 
 def scale_layout_of(value, name: str = "scale_layout", forms: bool = True) -> ScaleLayout:

@@ -2,7 +2,8 @@
 
     QuantizedTensor       data and scales in their layout, with the format, the operand, the
                           global scale and the group offsets its A scales were placed by
-    allocate_a_operand    an A operand's storage as the kernels write it (bytes, zeroed scales)
+    allocate_a_operand    an A operand's storage as the kernels write it (bytes, zeroed scales);
+                          a_operand_storage its shapes and dtypes, as host values
     as_quantized          those buffers viewed with the format's dtypes, as a QuantizedTensor
     quantized_to_op       an A operand as a torch.library op returns it (three tensors)
     quantized_from_op     and back
@@ -22,7 +23,7 @@ from . import layouts
 from .formats import E2M1, E4M3, Format, get_format
 from .token_forms import TokenForm
 
-__all__ = ["QuantizedTensor", "allocate_a_operand", "as_quantized", "quantized_from_op", "quantized_to_op"]
+__all__ = ["QuantizedTensor", "a_operand_storage", "a_operand_views", "allocate_a_operand", "as_quantized", "quantized_from_op", "quantized_to_op"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,17 @@ class QuantizedTensor:
 
     def __post_init__(self):
         if self.scale_layout.__class__ is not str:  # (a layout object made inside: users see its name)
-            object.__setattr__(self, "scale_layout", layouts.scale_layout_of(self.scale_layout).argument)
+            layout = layouts.scale_layout_of(self.scale_layout)
+            object.__setattr__(self, "scale_layout", layout.argument)
+        else:  # (None for a name no layout has: `layout` raises, naming it)
+            layout = layouts.layout_named(self.scale_layout)
+        object.__setattr__(self, "_layout", layout)  # (looked up once: every op asks for it)
 
     @property
     def layout(self) -> layouts.ScaleLayout:
         """scale_layout as a ScaleLayout object (ValueError naming scale_layout for another value)."""
-        return layouts.scale_layout_of(self.scale_layout)
+        layout = self._layout
+        return layout if layout is not None else layouts.scale_layout_of(self.scale_layout)
 
     @property
     def k(self) -> int:
@@ -104,41 +110,57 @@ def _expert_index(value, name: str) -> int:
 
 # ---- the A operand as the kernels write it, and as the torch.library ops return it ----------
 
-def allocate_a_operand(f: Format, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
-                       num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
-    fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
-    number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
+def a_operand_storage(f: Format, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
+                      num_groups: int) -> tuple[tuple, tuple | None, int]:
+    """The storage allocate_a_operand makes, as host values: ((shape, dtype) of the data,
+    (shape, dtype) of the scales or None, the number of swizzled scale rows)."""
     op = f.a
     if op.element is E2M1:
-        data = torch.empty(rows, k // 2, dtype=torch.uint8, device=device)
+        data = ((rows, k // 2), torch.uint8)
     elif op.element is E4M3:
-        data = torch.empty(rows, k, dtype=torch.uint8, device=device)
+        data = ((rows, k), torch.uint8)
     else:
-        data = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
+        data = ((rows, k), torch.bfloat16)
     if op.scale is None:
         return data, None, 0
     nkb = math.ceil(k / op.block_k)
     if swizzled:
         if num_scale_blocks is None:
             num_scale_blocks = math.ceil(rows / layouts.ROWS_PER_BLOCK) + num_groups
-        scales = torch.zeros(layouts.swizzled_a_shape(num_scale_blocks, nkb), dtype=torch.uint8, device=device)
-        return data, scales, num_scale_blocks * layouts.ROWS_PER_BLOCK
-    dtype = torch.float32 if op.scale == "fp32" else torch.uint8
-    return data, torch.zeros(rows, nkb, dtype=dtype, device=device), 0
+        return data, (layouts.swizzled_a_shape(num_scale_blocks, nkb), torch.uint8), \
+            num_scale_blocks * layouts.ROWS_PER_BLOCK
+    return data, ((rows, nkb), torch.float32 if op.scale == "fp32" else torch.uint8), 0
+
+
+def allocate_a_operand(f: Format, rows: int, k: int, swizzled: bool, num_scale_blocks: int | None,
+                       num_groups: int, device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Storage for `rows` rows of fmt's A operand, K = k, as the kernels write it: data (bytes for
+    fp8/fp4), scales zeroed (padding rows of the swizzled layout must read as zero), and the
+    number of swizzled scale rows (ceil(rows/128) + groups blocks unless given)."""
+    (data_shape, data_dtype), scales, num_scale_rows = a_operand_storage(f, rows, k, swizzled, num_scale_blocks,
+                                                                         num_groups)
+    data = torch.empty(data_shape, dtype=data_dtype, device=device)
+    if scales is None:
+        return data, None, 0
+    return data, torch.zeros(scales[0], dtype=scales[1], device=device), num_scale_rows
+
+
+def a_operand_views(f: Format) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtypes as_quantized views allocate_a_operand's data and scales with (None: as stored)."""
+    op = f.a
+    return (torch.float8_e4m3fn if op.element is E4M3 else None,
+            {"e8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}.get(op.scale))
 
 
 def as_quantized(f: Format, data, scales, swizzled: bool, global_scale, a_offsets,
                  a_scale_offsets=None) -> QuantizedTensor:
     """The kernels' byte buffers viewed with the format's dtypes, as a QuantizedTensor (swizzled
     scales placed by a_offsets, their slots' tiles starting at a_scale_offsets)."""
-    op = f.a
-    if op.element is E4M3:
-        data = data.view(torch.float8_e4m3fn)
-    if scales is not None and op.scale == "e8m0":
-        scales = scales.view(torch.float8_e8m0fnu)
-    elif scales is not None and op.scale == "e4m3":
-        scales = scales.view(torch.float8_e4m3fn)
+    data_view, scales_view = a_operand_views(f)
+    if data_view is not None:
+        data = data.view(data_view)
+    if scales is not None and scales_view is not None:
+        scales = scales.view(scales_view)
     layout = layouts.SWIZZLED if swizzled else layouts.PLAIN
     return QuantizedTensor(data, scales, f.name, "a", layout, global_scale if f.a.global_scale else None,
                            a_offsets if swizzled else None, a_scale_offsets if swizzled else None)

@@ -68,10 +68,9 @@ def _check_index(t: torch.Tensor | None, name: str, device, numel: int | None = 
         raise ValueError(f"{name}: expected {numel} entries, got {t.numel()}")
 
 
-def _prepare_common(device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets, global_scale):
-    _check_index(a_offsets, "a_offsets", device)
-    _check_index(expert_ids, "expert_ids", device)
-    _check_index(a_scale_offsets, "a_scale_offsets", device)
+def _prepare_common(device, fmt, scale_layout, a_offsets, global_scale):
+    """(format, ScaleLayout, global scale as a 0-d fp32 tensor or None) of a quantizer's call, after
+    the checks of its index tensors."""
     f = get_format(fmt)
     layout = check_scale_layout(f, scale_layout, forms=True)
     if layout.form is not None:
@@ -204,9 +203,11 @@ def gather_quantize(
     CUDA tensors, or the CPU through Triton's interpreter.
     """
     _check_rows_input(x, "x")
-    f, layout, global_scale = _prepare_common(x.device, fmt, scale_layout, a_offsets, None, a_scale_offsets,
-                                              global_scale)
-    _check_index(src_rows, "src_rows", x.device)
+    device = x.device
+    _check_index(a_offsets, "a_offsets", device)
+    _check_index(a_scale_offsets, "a_scale_offsets", device)
+    f, layout, global_scale = _prepare_common(device, fmt, scale_layout, a_offsets, global_scale)
+    _check_index(src_rows, "src_rows", device)
     k = x.shape[1]
     if k % f.k_multiple:
         raise ValueError(f"x: K must be a multiple of {f.k_multiple} for {f.name}, got K={k}")
@@ -217,8 +218,7 @@ def gather_quantize(
         picked = x if src_rows is None else x.index_select(0, src_rows.long())
         return reference_quantize(picked, f.name, scale_layout=layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    module = kernels.kernel_module(x.device.type != "cuda")
-    return kernels.quantize_rows(x, f, rows=rows, src_rows=src_rows, act=module.ACT_NONE.value, concat=False,
+    return kernels.quantize_rows(x, f, rows=rows, src_rows=src_rows, act=None, concat=False,
                                  k_out=k, bias=None, a_offsets=a_offsets, expert_ids=None,
                                  a_scale_offsets=a_scale_offsets, scale_layout=layout,
                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=1.0, limit=0.0)
@@ -228,11 +228,14 @@ def _check_scatter_rows(x: torch.Tensor, grouped_row: torch.Tensor, row_slot: to
                         fmt: str):
     """The arguments of the gather in scatter form (scatter_quantize)."""
     _check_rows_input(x, "x")
-    _check_index(a_offsets, "a_offsets", x.device)
-    _check_index(row_slot, "row_slot", x.device, None if not isinstance(grouped_row, torch.Tensor)
-                 else grouped_row.numel())
-    _check_index(grouped_row.reshape(-1) if isinstance(grouped_row, torch.Tensor) else grouped_row, "grouped_row",
-                 x.device)
+    device = x.device
+    _check_index(a_offsets, "a_offsets", device)
+    grouped = isinstance(grouped_row, torch.Tensor)
+    _check_index(row_slot, "row_slot", device, grouped_row.numel() if grouped else None)
+    if not grouped or grouped_row.dtype not in (torch.int32, torch.int64):  # (_check_index of it flattened)
+        _check_index(grouped_row.reshape(-1) if grouped else grouped_row, "grouped_row", device)
+    if grouped_row.device != device:
+        raise ValueError(f"grouped_row: expected device {device}, got {grouped_row.device}")
     if grouped_row.dim() != 2 or grouped_row.shape[0] != x.shape[0]:
         raise ValueError(f"grouped_row: expected [T, k] with T = x.shape[0] = {x.shape[0]}, "
                          f"got {tuple(grouped_row.shape)}")
@@ -266,13 +269,12 @@ def scatter_quantize(x: torch.Tensor, fmt: str, grouped_row: torch.Tensor, row_s
         return gather_quantize(x, f.name, token_of_row(grouped_row), a_offsets=a_offsets,
                                a_scale_offsets=a_scale_offsets, scale_layout=scale_layout,
                                num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    f, layout, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, None, a_scale_offsets,
-                                              global_scale)
+    _check_index(a_scale_offsets, "a_scale_offsets", x.device)
+    f, layout, global_scale = _prepare_common(x.device, f.name, scale_layout, a_offsets, global_scale)
     if f.a.global_scale and global_scale is None:
         global_scale = tokens_global_scale(x)  # (over x, as gather_quantize's)
-    module = kernels.kernel_module(x.device.type != "cuda")
     return kernels.quantize_rows(x, f, rows=grouped_row.numel(), src_rows=grouped_row.contiguous(),
-                                 act=module.ACT_NONE.value, concat=False, k_out=x.shape[1], bias=None,
+                                 act=None, concat=False, k_out=x.shape[1], bias=None,
                                  a_offsets=a_offsets, expert_ids=row_slot, a_scale_offsets=a_scale_offsets,
                                  scale_layout=layout, num_scale_blocks=num_scale_blocks,
                                  global_scale=global_scale, alpha=1.0, limit=0.0, topk=grouped_row.shape[1])
@@ -304,8 +306,11 @@ def swiglu_quantize(
     """
     _check_rows_input(h, "h")
     check_activation(activation, gate_up_layout)
-    f, layout, global_scale = _prepare_common(h.device, fmt, scale_layout, a_offsets, expert_ids, a_scale_offsets,
-                                              global_scale)
+    device = h.device
+    _check_index(a_offsets, "a_offsets", device)
+    _check_index(expert_ids, "expert_ids", device)
+    _check_index(a_scale_offsets, "a_scale_offsets", device)
+    f, layout, global_scale = _prepare_common(device, fmt, scale_layout, a_offsets, global_scale)
     if h.shape[1] % 2:
         raise ValueError(f"h: expected an even number of columns (gate and up), got {h.shape[1]}")
     k_out = h.shape[1] // 2
@@ -324,9 +329,7 @@ def swiglu_quantize(
     if not usable:
         return reference_quantize(y, f.name, scale_layout=layout, a_offsets=a_offsets,
                                   num_scale_blocks=num_scale_blocks, global_scale=global_scale)
-    module = kernels.kernel_module(h.device.type != "cuda")
-    act = module.ACT_SWIGLU.value if activation == "swiglu" else module.ACT_SWIGLU_OAI.value
-    return kernels.quantize_rows(h, f, rows=h.shape[0], src_rows=None, act=act,
+    return kernels.quantize_rows(h, f, rows=h.shape[0], src_rows=None, act=activation,
                                  concat=gate_up_layout == "concat", k_out=k_out, bias=bias, a_offsets=a_offsets,
                                  expert_ids=expert_ids, a_scale_offsets=a_scale_offsets, scale_layout=layout,
                                  num_scale_blocks=num_scale_blocks, global_scale=global_scale, alpha=alpha,

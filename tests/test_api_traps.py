@@ -78,6 +78,15 @@ def test_a_layout_is_checked_where_it_enters_and_users_see_its_name():
                                       gate_up_layout="interleaved", out_scale_layout="Swizzled", backend="reference")
     made = moegemm.QuantizedTensor(qa.data, qa.scales, "mxfp8", "a", layouts.SWIZZLED, None, a_offsets)
     assert made.scale_layout == "swizzled" and type(made.scale_layout) is str and made.layout is layouts.SWIZZLED
+    # (the layout object is kept from construction: a copy with another name has that name's)
+    import copy
+    import dataclasses
+
+    assert dataclasses.replace(made, scale_layout="plain").layout is layouts.PLAIN
+    assert copy.deepcopy(made).layout is layouts.SWIZZLED
+    misspelt = dataclasses.replace(made, scale_layout="Swizzled")
+    with pytest.raises(ValueError, match="^scale_layout: expected 'plain', 'swizzled' or a TokenForm, got 'Swizzled'"):
+        misspelt.layout
 
 
 # ---- b. swizzled A scales placed for other offsets --------------------------------------

@@ -77,3 +77,21 @@ def test_hf_generate_runs_on_the_cpu(tmp_path):
     assert rows[("tiny-gpt-oss", "moegemm:bf16")]["check_err"] < 2e-2
     assert all(r["eager_b2_tok_s"] > 0 for r in rows.values())
     assert record["record"]["script"] == "bench/hf_generate.py"
+
+
+def test_host_python_layer_mode_rows_and_launches():
+    """bench/host_python.py --layer (a process of its own: it fakes a Hopper and stubs every launch):
+    a row per format at 1 and 64 tokens, each naming the routing kernels, the format's product
+    kernels and the combine."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, str(Path(BENCH) / "host_python.py"), "--layer", "--formats", "bf16,mxfp8",
+                          "--calls", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line and not line.startswith("#")]
+    assert [row.split()[:2] for row in rows] == [["bf16", "T=1"], ["bf16", "T=64"], ["mxfp8", "T=1"],
+                                                 ["mxfp8", "T=64"]]
+    for row, product in zip(rows, ("dense_kernel", "dense_kernel", "mxfp8_kernel", "mxfp8_kernel")):
+        assert float(row.split()[3]) > 0 and row.split()[4] == "us"
+        assert "routing_histogram_kernel, routing_offsets_kernel, routing_scatter_kernel" in row
+        assert product in row and "routing_combine_kernel" in row

@@ -146,6 +146,57 @@ def test_swiglu_quantize_with_bias_requantizes(fmt):
     assert (got[rows] - want[rows]).abs().max() <= 0.35 * want[rows].abs().amax(dim=1).max()
 
 
+def _fills(call) -> list[str]:
+    """The torch fills one call dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("zeros", "zero_", "fill_", "full"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        call()
+    return seen
+
+
+def check_plain_scales_written_whole(device, monkeypatch):
+    """The row quantizer writes every plain scale of a SwiGLU or a gather (each row, each K block,
+    an index past x's rows included): they are allocated without a zero fill (a torch launch less
+    a call on a GPU) and come out the same from memory left dirty. The scatter form, which
+    leaves the rows of dropped choices unwritten, keeps its fill."""
+    from cases import dirty_allocations
+
+    gen = torch.Generator().manual_seed(5)
+    h, x = (torch.randn(24, 256, generator=gen) * 3).to(device), torch.randn(24, 128, generator=gen).to(device)
+    rows = torch.tensor([3, 0, 7, 99], device=device)
+    calls = {"swiglu fp8_block": lambda: swiglu_quantize(h, "fp8_block", gate_up_layout="concat"),
+             "swiglu mxfp8": lambda: swiglu_quantize(h, "mxfp8", gate_up_layout="interleaved"),
+             "gather mxfp4": lambda: gather_quantize(x, "mxfp4", rows)}
+    clean = {name: call() for name, call in calls.items()}
+    for name, call in calls.items():
+        assert _fills(call) == [], name
+    plan = moegemm.route(torch.tensor([[0, -1], [1, 0]], dtype=torch.int32, device=device), 2)
+    assert _fills(lambda: scatter_quantize(x[:2], "fp8_block", plan.grouped_row, plan.expert_of_row,
+                                           a_offsets=plan.a_offsets)) != []
+    dirty_allocations(monkeypatch)
+    for name, call in calls.items():
+        assert_same_quantized(call(), clean[name]), name
+
+
+@needs_interpreter
+def test_plain_scales_are_written_whole_without_a_fill_interpreted(monkeypatch):
+    check_plain_scales_written_whole("cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_plain_scales_are_written_whole_without_a_fill_compiled(monkeypatch):
+    check_plain_scales_written_whole("cuda", monkeypatch)
+
+
 _interpreted_activation_kernels = None  # (a module global: the interpreter resolves names in globals only)
 
 
@@ -265,6 +316,28 @@ def test_scatter_quantize_matches_the_gather_interpreted(fmt, layout):
 @pytest.mark.parametrize("fmt,layout", SCATTER_CASES)
 def test_scatter_quantize_matches_the_gather_compiled(fmt, layout):
     check_scatter_quantize(fmt, layout, "cuda")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ("bf16", "fp8_block", "mxfp4"))
+def test_the_quantizer_plans_a_launch_per_host_value(fmt):
+    """The activation kernel's launch is planned once per host values (quantize_kernels.rows_launch):
+    the same 16 x 96 rows as contiguous bf16 (read as word pairs), bf16 at an odd element offset
+    (no pairs), fp32 and fp32 of another row stride, each quantized after the others, get the
+    reference's bytes; the swizzled layout without a_offsets raises at every call."""
+    x = _rows(16, 96)
+    odd = torch.zeros(16 * 96 + 1, dtype=torch.bfloat16)
+    odd[1:] = x.bfloat16().flatten()
+    wide = torch.zeros(16, 97)
+    wide[:, :96] = x
+    rows = {"bf16": x.bfloat16(), "bf16 at an odd offset": odd[1:].view(16, 96), "fp32": x,
+            "fp32 of row stride 97": wide[:, :96]}
+    for name, tokens in rows.items():
+        assert_same_quantized(gather_quantize(tokens, fmt), moegemm.reference.quantize(tokens.float(), fmt)), name
+    if fmt == "mxfp4":
+        for _ in range(2):
+            with pytest.raises(ValueError, match="^a_offsets: required"):
+                gather_quantize(x, fmt, scale_layout="swizzled")
 
 
 def test_token_of_row_is_the_plans_token_index():
@@ -567,6 +640,29 @@ def test_moe_forward_plans_its_products_once(monkeypatch):
     assert torch.equal(scaled, first)
     with pytest.raises(ValueError, match="expert_scales"):
         call(gate_up_scales=torch.ones(e + 1))
+
+
+@needs_interpreter
+def test_moe_forward_plans_each_token_count():
+    """The layer plan is kept per shape (moe/plan.py, plan_layer): 5, then 300 tokens (another
+    bound of the swizzled token scales' blocks, which the plan carries), then 5 again give the
+    reference layer's result, the last call the first's bits."""
+    h, i, e, k = 64, 64, 4, 2
+    gate, up, down = _layer_weights(e, i, h)
+    layer = moegemm.MoE(h, i, e, k, fmt="mxfp8").load_experts(gate=gate, up=up, down=down)
+    w_gate_up, w_down = layer.weights()
+    assert w_gate_up.scale_layout == "swizzled"
+    results = []
+    for t in (5, 300, 5):
+        gen = torch.Generator().manual_seed(t)
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+        weights = torch.rand(t, k, generator=gen)
+        y = moegemm.moe_forward(x, ids, weights, w_gate_up, w_down, gate_up_layout=layer.gate_up_layout,
+                                backend="reference")
+        assert _rel_err(y, reference_layer(x, ids, weights, *dequantized_experts(layer))) < MOE_TOL["mxfp8"]
+        results.append(y)
+    assert torch.equal(results[0], results[2])
 
 
 def test_moe_bad_inputs_name_the_argument():

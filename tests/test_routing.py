@@ -152,6 +152,19 @@ def test_triton_route_matches_reference_bitwise(t, k, e, drop):
 
 
 @needs_interpreter
+def test_triton_route_plans_each_shape_of_one_choice_count():
+    """The routing launches are planned once per (choices, experts, k, tiling) (routing_kernels'
+    cache): 24 choices as 6 x 4 and as 12 x 2, over 8 then 5 experts, each get the reference's
+    plan, as does a shape seen before; a tiling that is no power of two raises at every call."""
+    for t, k, e in ((6, 4, 8), (12, 2, 8), (6, 4, 5), (6, 4, 8)):
+        check_route(t, k, e, 0.2, "cpu")
+    ids, _ = messy_topk(6, 4, 8, 0.0)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^block, sub: expected powers of two with sub <= block, got 48, 8"):
+            routing_kernels.route(ids, 8, block=48, sub=8)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])
 def test_triton_route_id_dtypes(dtype):
     check_route(23, 3, 6, 0.3 if dtype != torch.uint8 else 0.0, "cpu", dtype)

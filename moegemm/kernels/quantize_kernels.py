@@ -15,12 +15,13 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from .. import layouts
-from ..formats import E2M1, E4M3, Format
-from ..quantized_tensor import QuantizedTensor, allocate_a_operand, as_quantized
+from ..formats import E2M1, E4M3, Format, get_format
+from ..quantized_tensor import QuantizedTensor, a_operand_storage, a_operand_views
 from ..token_forms import kb_major_columns
 from . import tl_source
 from .compiled_launch import launch
@@ -78,85 +79,148 @@ def output_code(f: Format, module) -> tuple[int, int, int]:
     return module.OUT_E2M1_E4M3.value, op.block_k, 8
 
 
-def quantize_rows(x, f: Format, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
-                  scale_layout, num_scale_blocks, global_scale, alpha, limit, topk: int = 0) -> QuantizedTensor:
-    """One launch of the activation kernel into fresh storage of format f's A operand in scale_layout
-    (a ScaleLayout: PLAIN, SWIZZLED, or a TokenForm); the token quantizers have checked the
-    arguments."""
-    device = x.device
-    module = kernel_module(device.type != "cuda")
+class RowsLaunch(NamedTuple):
+    """What quantize_rows needs of one launch shape, from host values alone (rows_launch): the
+    output's storage, the kernel's grid, sizes, launch key and constexprs, and the scatter form's
+    scale move."""
+
+    swizzled: bool  # the output's scales placed by slot (the swizzled layout, a scaled A operand)
+    derive_scale_offsets: bool  # a_scale_offsets made from a_offsets (not given)
+    data: tuple  # (shape, dtype) of the data the kernel writes (bytes for fp8 and e2m1)
+    data_view: torch.dtype | None  # the data's dtype in the result (None: as written)
+    scales: tuple | None  # (shape, dtype, zeroed) of the scales the kernel writes
+    scales_view: torch.dtype | None  # the scales' dtype in the result
+    scale_bytes: tuple | None  # (shape) of the scatter form's byte scales, moved by kb_major_scales_kernel
+    pair_words: bool  # bf16 x read as int32 words (the kernel's PAIR_WORDS)
+    kernel: tuple | None  # (kernel, grid, sizes, key, constexprs) of activation_quantize_kernel; None: no launch
+    move: tuple | None  # (kernel, grid, sizes, key, constexprs) of kb_major_scales_kernel
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_launch(fmt: str, cuda: bool, rows: int, x_rows: int, x_stride: int, bf16_pairs: bool, act: str | None,
+                concat: bool,
+                k_out: int, src_rows: bool, bias: bool, num_groups: int | None, expert_ids: bool, a_scale_offsets: bool,
+                global_scale: bool, scale_layout: layouts.ScaleLayout, num_scale_blocks: int | None,
+                topk: int) -> RowsLaunch:
+    """The launch of quantize_rows for these host values (its arguments as they are, each tensor by
+    whether it is given; act: None (the gather) or the activation's name; num_groups None: no a_offsets; bf16_pairs: x is bf16, contiguous, at an
+    even element offset), made once. ValueError where a_offsets (and expert_ids for a bias) are
+    missing where the output needs them."""
+    f = get_format(fmt)
+    module = kernel_module(not cuda)
     out_code, vec, nb = output_code(f, module)
+    act = {None: module.ACT_NONE, "swiglu": module.ACT_SWIGLU, "swiglu_oai": module.ACT_SWIGLU_OAI}[act].value
     op = f.a
     form = scale_layout.form
     swizzled = scale_layout.swizzled and op.scale is not None
-    if (swizzled or bias is not None or form is not None) and (
-            a_offsets is None or (bias is not None and expert_ids is None)):
+    has_offsets = num_groups is not None
+    if (swizzled or bias or form is not None) and (not has_offsets or (bias and not expert_ids)):
         raise ValueError("a_offsets: required (with expert_ids for a bias) to place rows in their groups")
-    num_groups = 0 if a_offsets is None else a_offsets.numel() - 1
-    if swizzled and a_scale_offsets is None:
-        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    num_groups = num_groups or 0
     nkb = math.ceil(k_out / op.block_k) if op.scale is not None else 0
     form_code, m_pad = 0, 0
     if form is None:
-        data, scales, num_scale_rows = allocate_a_operand(f, rows, k_out, swizzled, num_scale_blocks,
-                                                          num_groups, device)
+        data, scales, num_scale_rows = a_operand_storage(f, rows, k_out, swizzled, num_scale_blocks, num_groups)
+        # Zeroed where the kernel leaves entries unwritten: the swizzled layout's padding and rows
+        # of no slot, the scatter form's rows of dropped choices. Plain scales of every other
+        # launch are all written (each row < rows, each K block): no fill.
+        scales = None if scales is None else (*scales, swizzled or bool(topk))
+        data_view, scales_view = a_operand_views(f)
     else:
         # (the form's scale columns follow a_offsets; its formats have no global scale)
-        num_scale_rows, a_scale_offsets, global_scale = 0, None, None
+        num_scale_rows, a_scale_offsets, global_scale, scales_view = 0, False, False, None
         if form.kind == "bf16":
-            form_code = module.FORM_BF16.value
-            data, scales = torch.empty(rows, k_out, dtype=torch.bfloat16, device=device), None
+            form_code, data, scales, data_view = module.FORM_BF16.value, ((rows, k_out), torch.bfloat16), None, None
         else:
             form_code, m_pad = module.FORM_E4M3.value, kb_major_columns(rows, num_groups, form.column_block)
-            data = torch.empty(rows, k_out, dtype=torch.uint8, device=device)
-            scales = torch.empty(nkb, m_pad, dtype=torch.float32, device=device)
+            data, scales = ((rows, k_out), torch.uint8), ((nkb, m_pad), torch.float32, False)
+            data_view = torch.float8_e4m3fn
     # bf16 pairs are read as one int32 word each (the kernel's PAIR_WORDS): interleaved gate/up
     # pairs; and the gather's pairs of elements into bf16 or e2m1 operands, where that takes fewer
     # instructions (sm_90 SASS, bench/quantize_sass.py: nvfp4 25.7 -> 22.5 an element; e4m3 outputs
     # take more, their blocks spread over more threads).
     gather_words = act == module.ACT_NONE.value and form is None and op.element is not E4M3
-    pair_words = ((gather_words or (act != module.ACT_NONE.value and not concat)) and x.dtype == torch.bfloat16
-                  and x.is_contiguous() and x.storage_offset() % 2 == 0)
+    pair_words = (gather_words or (act != module.ACT_NONE.value and not concat)) and bf16_pairs
     if pair_words:
-        x = x.view(torch.int32)
+        x_stride //= 2  # (of x seen as int32 words)
     # The scatter form stores its scales as bytes by grouped row, then moves them (module docstring
     # of _activation_tl.py, kb_major_scales_kernel).
-    scale_bytes = None
+    scale_bytes = move = kernel = None
     if topk and form_code == module.FORM_E4M3.value and rows and nkb:
-        scale_bytes = torch.empty(rows, nkb, dtype=torch.uint8, device=device)
+        scale_bytes = (rows, nkb)
+        move = (module.kb_major_scales_kernel, (math.ceil(rows / SCALE_MOVE_ROWS), math.ceil(nkb / SCALE_MOVE_BLOCKS)),
+                (rows, num_groups, nkb, m_pad), (rows, num_groups, nkb, m_pad, form.column_block),
+                dict(COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS, BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4))
     if rows and k_out:
-        dummy = data
-        block_m = cuda_block_m(rows, act == module.ACT_NONE.value and not topk) if device.type == "cuda" else 32
+        block_m = cuda_block_m(rows, act == module.ACT_NONE.value and not topk) if cuda else 32
         # (the scatter form's programs take tokens, each stored to its topk grouped rows)
-        row_tiles = math.ceil((x.shape[0] if topk else rows) / block_m)
+        row_tiles = math.ceil((x_rows if topk else rows) / block_m)
         grid = (math.ceil(k_out / (nb * vec)), min(row_tiles, MAX_GRID_Y), math.ceil(row_tiles / MAX_GRID_Y))
-        sizes = (rows, x.shape[0], x.stride(0), k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
+        sizes = (rows, x_rows, x_stride, k_out, num_groups, nkb, math.ceil(nkb / 4), num_scale_rows, m_pad)
         consts = dict(
-            ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows is not None,
-            HAS_BIAS=bias is not None, LOG_G=max(num_groups, 1).bit_length() + 1,
+            ACT=act, CONCAT=concat, OUT=out_code, SWIZZLED=swizzled, GATHER=src_rows,
+            HAS_BIAS=bias, LOG_G=max(num_groups, 1).bit_length() + 1,
             BLOCK_M=block_m, NB=nb, VEC=vec, FORM=form_code, EXP=form.exponent if form else 0,
             EVEN_ODD=bool(form and form.even_odd), TOPK=topk, TOPK_P2=1 << (max(topk, 1) - 1).bit_length(),
             PAIR_WORDS=pair_words, COLUMN_BLOCK=form.column_block if form else 4,
-            num_warps=CUDA_WARPS if device.type == "cuda" else 4)
-        given = (expert_ids is None, a_offsets is None, a_scale_offsets is None, global_scale is None, scales is None,
-                 scale_bytes is None)
-        launch(module.activation_quantize_kernel, (sizes, given, *consts.values()), grid, (
-            x, src_rows if src_rows is not None else dummy, bias if bias is not None else dummy,
-            expert_ids if expert_ids is not None else dummy, a_offsets if a_offsets is not None else dummy,
-            a_scale_offsets if a_scale_offsets is not None else dummy,
-            global_scale if global_scale is not None else dummy,
-            data, scales if scales is not None else dummy, scale_bytes if scale_bytes is not None else dummy,
-            *sizes, float(alpha), float(limit)), consts)
-    if scale_bytes is not None:
-        grid = (math.ceil(rows / SCALE_MOVE_ROWS), math.ceil(nkb / SCALE_MOVE_BLOCKS))
-        launch(module.kb_major_scales_kernel, (rows, num_groups, nkb, m_pad, form.column_block), grid,
-               (scale_bytes, expert_ids, a_offsets, scales, rows, num_groups, nkb, m_pad),
-               dict(COLUMN_BLOCK=form.column_block, BLOCK_R=SCALE_MOVE_ROWS, BLOCK_KB=SCALE_MOVE_BLOCKS, num_warps=4))
+            num_warps=CUDA_WARPS if cuda else 4)
+        derived = swizzled and not a_scale_offsets  # (made from a_offsets for the launch)
+        given = (not expert_ids, not has_offsets, not (a_scale_offsets or derived), not global_scale,
+                 scales is None, scale_bytes is None)
+        kernel = (module.activation_quantize_kernel, grid, sizes, (sizes, given, *consts.values()), consts)
+    return RowsLaunch(swizzled, swizzled and not a_scale_offsets, data, data_view, scales,
+                      scales_view, scale_bytes, pair_words, kernel, move)
+
+
+def quantize_rows(x, f: Format, *, rows, src_rows, act, concat, k_out, bias, a_offsets, expert_ids, a_scale_offsets,
+                  scale_layout, num_scale_blocks, global_scale, alpha, limit, topk: int = 0) -> QuantizedTensor:
+    """One launch of the activation kernel into fresh storage of format f's A operand in scale_layout
+    (a ScaleLayout: PLAIN, SWIZZLED, or a TokenForm): act None gathers the rows of x (through
+    src_rows where given; into topk grouped rows each in the scatter form), an activation's name
+    ("swiglu", "swiglu_oai") applies it to gate/up rows. The token quantizers have checked the
+    arguments; the host values are planned once (rows_launch)."""
+    device = x.device
+    plan = rows_launch(f.name, device.type == "cuda", rows, x.shape[0], x.stride(0),
+                       x.dtype == torch.bfloat16 and x.is_contiguous() and x.storage_offset() % 2 == 0, act, concat,
+                       k_out, src_rows is not None, bias is not None,
+                       None if a_offsets is None else a_offsets.numel() - 1, expert_ids is not None,
+                       a_scale_offsets is not None, global_scale is not None, scale_layout, num_scale_blocks, topk)
+    form = scale_layout.form
+    if plan.derive_scale_offsets:
+        a_scale_offsets = layouts.a_scale_offsets(a_offsets)
+    if form is not None:  # (the form's scale columns follow a_offsets; its formats have no global scale)
+        a_scale_offsets = global_scale = None
+    # (sizes unpacked: torch parses ints faster than a tuple)
+    data = torch.empty(*plan.data[0], dtype=plan.data[1], device=device)
+    scales = None
+    if plan.scales is not None:
+        shape, dtype, zeroed = plan.scales
+        scales = (torch.zeros if zeroed else torch.empty)(*shape, dtype=dtype, device=device)
+    scale_bytes = None if plan.scale_bytes is None else torch.empty(*plan.scale_bytes, dtype=torch.uint8,
+                                                                    device=device)
+    if plan.kernel is not None:
+        kernel, grid, sizes, key, consts = plan.kernel
+        dummy = data
+        launch(kernel, key, grid, (
+            x.view(torch.int32) if plan.pair_words else x, src_rows if src_rows is not None else dummy,
+            bias if bias is not None else dummy, expert_ids if expert_ids is not None else dummy,
+            a_offsets if a_offsets is not None else dummy, a_scale_offsets if a_scale_offsets is not None else dummy,
+            global_scale if global_scale is not None else dummy, data, scales if scales is not None else dummy,
+            scale_bytes if scale_bytes is not None else dummy, *sizes, float(alpha), float(limit)), consts)
+    if plan.move is not None:
+        kernel, grid, sizes, key, consts = plan.move
+        launch(kernel, key, grid,
+               (scale_bytes, expert_ids, a_offsets, scales, *sizes), consts)
+    if plan.data_view is not None:
+        data = data.view(plan.data_view)
+    if plan.scales_view is not None:
+        scales = scales.view(plan.scales_view)
     if form is not None:
-        if form.kind == "e4m3":
-            data = data.view(torch.float8_e4m3fn)
         return QuantizedTensor(data, scales, f.name, "a", form, None, a_offsets)
-    return as_quantized(f, data, scales, swizzled, global_scale, a_offsets, a_scale_offsets)
+    if not plan.swizzled:
+        return QuantizedTensor(data, scales, f.name, "a", layouts.PLAIN, global_scale if f.a.global_scale else None)
+    return QuantizedTensor(data, scales, f.name, "a", layouts.SWIZZLED, global_scale if f.a.global_scale else None,
+                           a_offsets, a_scale_offsets)
 
 
 def tokens_amax_bits(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +57,35 @@ def tiling(num_choices: int, num_experts: int) -> tuple[int, int]:
     return block, min(sub, block)
 
 
+class _RouteLaunches(NamedTuple):
+    """The three launches of route for one (choices, experts, k, tiling): their grids, launch keys
+    and constexprs (host values only, made once)."""
+
+    num_blocks: int
+    key: tuple
+    histogram: dict
+    offsets: dict
+    scatter: dict
+
+
+@functools.lru_cache(maxsize=256)
+def _route_launches(n: int, e: int, k: int, block: int | None, sub: int | None) -> _RouteLaunches:
+    default_block, default_sub = tiling(n, e)
+    block, sub = block or default_block, sub or default_sub
+    if block & (block - 1) or sub & (sub - 1) or sub > block:
+        raise ValueError(f"block, sub: expected powers of two with sub <= block, got {block}, {sub}")
+    bins = num_bins(e)
+    return _RouteLaunches(math.ceil(n / block), (n, e, k, block, sub), dict(NUM_BINS=bins, BLOCK=block, num_warps=4),
+                          dict(NUM_BINS=bins, CHUNK=offsets_chunk(bins), num_warps=8),
+                          dict(NUM_BINS=bins, BLOCK=block, SUB=sub, num_warps=4))
+
+
+def _per_expert(e: int, device: torch.device) -> torch.Tensor:
+    """int32 [e], on storage of size >= 1: no kernel is handed an empty (null) tensor when E == 0."""
+    return torch.empty(e, dtype=torch.int32, device=device) if e else torch.empty(1, dtype=torch.int32,
+                                                                                   device=device)[:0]
+
+
 def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, sub: int | None = None):
     """Stable sort of the T*k choices by expert (dropped last), on the device of topk_ids.
 
@@ -64,51 +94,41 @@ def route(topk_ids: torch.Tensor, num_experts: int, block: int | None = None, su
     a_scale_offsets int32 [E]: the RoutingPlan fields but topk_weights. `block` / `sub` (powers of two,
     sub <= block) override the tiling (tests use small ones to cover many programs).
     """
-    device = topk_ids.device
     n = topk_ids.numel()
     e = num_experts
-    i32 = {"dtype": torch.int32, "device": device}
-    # Size >= 1 allocations: no kernel is handed an empty (null) tensor when E == 0.
     if n >= 2**31:
         raise ValueError(f"topk_ids: at most 2**31 - 1 choices (int32 rows), got {n}")
-    plan = {
-        "token_index": torch.empty(n, dtype=torch.int64, device=device),
-        "grouped_row": torch.empty(topk_ids.shape, dtype=torch.int64, device=device),
-        "valid": torch.empty(topk_ids.shape, dtype=torch.bool, device=device),
-        "expert_of_row": torch.empty(n, **i32),
-        "a_offsets": torch.empty(e + 1, **i32),
-        # Size >= 1 allocations: no kernel is handed an empty (null) tensor when E == 0.
-        "expert_ids": torch.empty(max(e, 1), **i32)[:e],
-        "a_scale_offsets": torch.empty(max(e, 1), **i32)[:e],
-    }
+    # Each output its own storage (the route op of torch.compile may return no aliases), every
+    # element written by the kernels. (Sizes as ints: torch parses them faster than a tuple.)
+    device, (t, k), i32 = topk_ids.device, topk_ids.shape, torch.int32
+    token_index = torch.empty(n, dtype=torch.int64, device=device)
+    grouped_row = torch.empty(t, k, dtype=torch.int64, device=device)
+    valid = torch.empty(t, k, dtype=torch.bool, device=device)
+    expert_of_row = torch.empty(n, dtype=i32, device=device)
+    a_offsets = torch.empty(e + 1, dtype=i32, device=device)
+    expert_ids, a_scale_offsets = _per_expert(e, device), _per_expert(e, device)
+    plan = dict(token_index=token_index, grouped_row=grouped_row, valid=valid, expert_of_row=expert_of_row,
+                a_offsets=a_offsets, expert_ids=expert_ids, a_scale_offsets=a_scale_offsets)
     if n == 0:  # nothing to launch for
-        plan["a_offsets"].zero_()
-        plan["a_scale_offsets"].zero_()
-        torch.arange(e, out=plan["expert_ids"])
+        a_offsets.zero_()
+        a_scale_offsets.zero_()
+        torch.arange(e, out=expert_ids)
         return plan
-    ids = topk_ids.reshape(-1)
+    ids = topk_ids  # (the kernels read the T*k ids flat: a contiguous [T, k] as it is)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()  # as the reference reads them
     ids = ids.contiguous()
-    interpret = device.type == "cpu"
-    module = kernel_module(interpret)
-    default_block, default_sub = tiling(n, e)
-    block, sub = block or default_block, sub or default_sub
-    if block & (block - 1) or sub & (sub - 1) or sub > block:
-        raise ValueError(f"block, sub: expected powers of two with sub <= block, got {block}, {sub}")
-    bins = num_bins(e)
-    num_blocks = math.ceil(n / block)
-    counts = torch.empty(num_blocks, e + 1, **i32)
-    base = torch.empty(num_blocks, e + 1, **i32)
-    key = (n, e, topk_ids.shape[1], block, sub)
-    launch(module.routing_histogram_kernel, key, (num_blocks,), (ids, counts, n, e),
-           dict(NUM_BINS=bins, BLOCK=block, num_warps=4))
-    launch(module.routing_offsets_kernel, key, (1,),
-           (counts, base, plan["a_offsets"], plan["a_scale_offsets"], plan["expert_ids"], num_blocks, e),
-           dict(NUM_BINS=bins, CHUNK=offsets_chunk(bins), num_warps=8))
+    module = kernel_module(device.type == "cpu")
+    launches = _route_launches(n, e, k, block, sub)
+    num_blocks, key = launches.num_blocks, launches.key
+    counts, base = torch.empty(num_blocks, e + 1, dtype=i32, device=device), \
+        torch.empty(num_blocks, e + 1, dtype=i32, device=device)
+    launch(module.routing_histogram_kernel, key, (num_blocks,), (ids, counts, n, e), launches.histogram)
+    launch(module.routing_offsets_kernel, key, (1,), (counts, base, a_offsets, a_scale_offsets, expert_ids, num_blocks, e),
+           launches.offsets)
     launch(module.routing_scatter_kernel, key, (num_blocks,),
-           (ids, base, plan["grouped_row"], plan["token_index"], plan["expert_of_row"], plan["valid"].view(torch.uint8),
-            n, e, topk_ids.shape[1]), dict(NUM_BINS=bins, BLOCK=block, SUB=sub, num_warps=4))
+           (ids, base, grouped_row, token_index, expert_of_row, valid.view(torch.uint8), n, e, k),
+           launches.scatter)
     return plan
 
 
@@ -117,6 +137,14 @@ def combine_blocks(num_cols: int, interpret: bool, num_tokens: int = 1 << 20) ->
     for the few rows), else 32; 64 in the interpreter."""
     block_n = max(16, min(128, _pow2(num_cols)))
     return (64 if interpret else 32 if num_tokens >= 1024 else 8), block_n
+
+
+@functools.lru_cache(maxsize=256)
+def _combine_launch(t: int, n: int, k: int, strides: tuple, weights: bool, bias: bool, interpret: bool) -> tuple:
+    """(grid, launch key, constexprs) of the combine for these host values, made once."""
+    block_t, block_n = combine_blocks(n, interpret, t)
+    return ((math.ceil(t / block_t), math.ceil(n / block_n)), (t, n, k, strides, not weights, bias, block_t, block_n),
+            dict(K=k, HAS_WEIGHTS=weights, HAS_BIAS=bias, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=COMBINE_WARPS))
 
 
 def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor | None,
@@ -135,23 +163,19 @@ def unpermute(y: torch.Tensor, grouped_row: torch.Tensor, valid: torch.Tensor, w
     if k == 0:
         return out.zero_()
     interpret = device.type == "cpu"
-    module = kernel_module(interpret)
-    block_t, block_n = combine_blocks(n, interpret, t)
     grouped_row = grouped_row.contiguous()
     valid = valid.contiguous().view(torch.uint8)
     dummy = grouped_row  # stands in for absent optional pointers; never read
     has_bias = expert_bias is not None and expert_bias.numel() > 0  # E == 0: every choice is dropped
-    grid = (math.ceil(t / block_t), math.ceil(n / block_n))
     strides = (y.stride(0), y.stride(1), expert_bias.stride(0) if has_bias else 0,
                expert_bias.stride(1) if has_bias else 0)
-    launch(module.routing_combine_kernel, (t, n, k, strides, weights is None, has_bias, block_t, block_n), grid, (
+    grid, key, consts = _combine_launch(t, n, k, strides, weights is not None, has_bias, interpret)
+    launch(kernel_module(interpret).routing_combine_kernel, key, grid, (
         y, grouped_row, valid,
         weights.contiguous() if weights is not None else dummy,
         expert_of_row.contiguous() if has_bias else dummy,
         expert_bias if has_bias else dummy,
-        out, t, n, *strides), dict(
-        K=k, HAS_WEIGHTS=weights is not None, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_N=block_n,
-        num_warps=COMBINE_WARPS))
+        out, t, n, *strides), consts)
     return out
 
 

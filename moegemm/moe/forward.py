@@ -32,7 +32,6 @@ import torch
 
 from .. import config, distributed, layouts, token_quantizers
 from ..compile_boundary import traced_as
-from ..formats import get_format
 from ..gate_up import check_activation
 from ..quantized_tensor import QuantizedTensor
 from ..routing import RoutingPlan, route, row_experts, scatter_tokens, unpermute_tokens
@@ -43,7 +42,9 @@ from .plan import call_facts, plan_layer
 __all__ = ["moe_forward", "moe_forward_local", "moe_forward_received"]
 
 
-def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
+def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down) -> int:
+    """The layer's arguments' types and shapes (ValueError / TypeError naming the first bad one);
+    returns the hidden size."""
     if isinstance(x, QuantizedTensor):  # tokens already in the format's A operand (expert parallelism)
         if x.operand != "a" or x.layout is not layouts.PLAIN or x.fmt != getattr(w_gate_up, "fmt", x.fmt):
             raise ValueError(f"x: expected the plain A operand of the weights' format, got {x.fmt} {x.operand} "
@@ -74,6 +75,7 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
     if w_down.data.shape[0] != e or w_down.k != two_i // 2:
         raise ValueError(f"w_down: expected [{e}, H, {two_i // 2}] (E and I of w_gate_up), got K={w_down.k} "
                          f"and shape {tuple(w_down.data.shape)}")
+    return hidden
 
 
 def moe_forward(
@@ -133,15 +135,19 @@ def moe_forward(
     """
     if isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
-    layer = dict(activation=activation, gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias,
-                 down_bias=down_bias, gate_up_scales=gate_up_scales, down_scales=down_scales,
-                 intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit, fused=fused,
-                 backend=backend)
-    if ep_group is not None:
-        return _moe_forward_parallel(x, topk_ids, topk_weights, w_gate_up, w_down, group=ep_group, path=ep_path,
-                                     capacity=ep_capacity, input_global_scale=input_global_scale, **layer)
-    return moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, input_global_scale=input_global_scale,
-                             **layer)
+    if ep_group is None:
+        return moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_layout=gate_up_layout,
+                                 activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                 gate_up_scales=gate_up_scales, down_scales=down_scales,
+                                 input_global_scale=input_global_scale,
+                                 intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+                                 fused=fused, backend=backend)
+    return _moe_forward_parallel(x, topk_ids, topk_weights, w_gate_up, w_down, group=ep_group, path=ep_path,
+                                 capacity=ep_capacity, input_global_scale=input_global_scale, activation=activation,
+                                 gate_up_layout=gate_up_layout, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                 gate_up_scales=gate_up_scales, down_scales=down_scales,
+                                 intermediate_global_scale=intermediate_global_scale, alpha=alpha, limit=limit,
+                                 fused=fused, backend=backend)
 
 
 @torch.compiler.disable  # collectives and a host read of the counts: not traced
@@ -184,7 +190,7 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     partial sum for the combine). tokens_per_expert: the batch's average that decides the fused
     epilogue (rows / E when None); expert parallelism passes the group's, so that every rank
     decides as one GPU would."""
-    _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    hidden = _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     given = isinstance(x, QuantizedTensor)
     out_dtype = torch.float32 if given else x.dtype
     check_no_grad("moe_forward", x=x.data if given else x, topk_weights=topk_weights, gate_up_bias=gate_up_bias,
@@ -195,37 +201,35 @@ def moe_forward_local(x, topk_ids, topk_weights, w_gate_up, w_down, *, gate_up_l
     if w_gate_up.scales is not None and (w_gate_up.layout != w_down.layout):
         raise ValueError(f"w_down: expected scale layout {w_gate_up.scale_layout!r}, got {w_down.scale_layout!r}")
     layout = w_gate_up.layout if w_gate_up.scales is not None else layouts.PLAIN  # the tokens follow the weights
-    num_experts = w_gate_up.data.shape[0]
+    num_experts, two_i = w_gate_up.data.shape[0], w_gate_up.data.shape[1]
+    rows = topk_ids.numel()  # (the routing's grouped rows, one a choice)
+    per_expert = rows / max(num_experts, 1) if tokens_per_expert is None else tokens_per_expert
+    shapes = (fmt, layout, rows, num_experts, hidden, two_i, num_experts, gate_up_layout, backend, topk_ids.device,
+              bool(fused), intermediate_global_scale is not None, given, float(per_expert), w_gate_up.prepacked,
+              w_down.prepacked)
+    plan = plan_layer(*shapes) if isinstance(backend, str) else plan_layer.__wrapped__(*shapes)
     routing = route(topk_ids, num_experts, topk_weights)
     row_slot = row_experts(routing)  # (the slot of each grouped row, for the gather's stores)
-    bound = routing.scale_blocks_bound
     # Only swizzled token scales have them (a weight-only format's bf16 tokens have no scales).
-    aso = routing.a_scale_offsets if layout.swizzled and get_format(fmt).a_scaled else None
-    hidden = w_gate_up.k
-    per_expert = routing.num_grouped_rows / max(num_experts, 1) if tokens_per_expert is None else tokens_per_expert
-    shapes = (fmt, layout, routing.num_grouped_rows, routing.expert_ids.shape[0], hidden, w_gate_up.data.shape[1],
-              num_experts, gate_up_layout, backend, topk_ids.device, bool(fused), intermediate_global_scale is not None,
-              given, float(per_expert), w_gate_up.prepacked, w_down.prepacked)
-    plan = plan_layer(*shapes) if isinstance(backend, str) else plan_layer.__wrapped__(*shapes)
+    aso = routing.a_scale_offsets if plan.token_scale_offsets else None
     # Every row the combine reads lies in a group, and the down product writes all of them: no zero
     # fill (it took 143 us of DeepSeek-V3's layer at 4096 tokens, H100).
-    c = torch.empty(routing.num_grouped_rows, w_down.data.shape[1], dtype=torch.bfloat16, device=topk_ids.device)
+    c = torch.empty(rows, w_down.data.shape[1], dtype=torch.bfloat16, device=topk_ids.device)
     # Where both products run on the sm90 block-format kernels, the gather and the activation
     # write the tokens in the form the next kernel reads (token_forms.py): no pre-pass.
     if given:
-        a = _place_tokens(x, routing, row_slot, layout, aso, bound)
+        a = _place_tokens(x, routing, row_slot, layout, aso, plan.scale_blocks)
     else:
         a = token_quantizers.scatter_quantize(x, fmt, routing.grouped_row, row_slot, a_offsets=routing.a_offsets,
-                                 a_scale_offsets=aso, scale_layout=plan.up_form or layout, num_scale_blocks=bound,
-                                 global_scale=input_global_scale)
+                                              a_scale_offsets=aso, scale_layout=plan.up_form or layout,
+                                              num_scale_blocks=plan.scale_blocks, global_scale=input_global_scale)
     facts = call_facts(w_gate_up.data, w_gate_up.scales, w_gate_up.global_scale, w_down.data, w_down.scales,
                        w_down.global_scale, gate_up_scales, down_scales,
                        *((x.data, x.scales, x.global_scale) if given else ()))
-    plan.run_products(a, w_gate_up, w_down, routing.a_offsets, routing.expert_ids, c, facts=facts, fmt=fmt,
-                      scale_layout=layout, backend=backend, gate_up_layout=gate_up_layout, activation=activation,
-                      gate_up_bias=gate_up_bias, gate_up_scales=gate_up_scales, down_scales=down_scales,
-                      a_scale_offsets=aso, num_scale_blocks=bound, intermediate_global_scale=intermediate_global_scale,
-                      alpha=alpha, limit=limit)
+    plan.run_products(a, w_gate_up, w_down, routing.a_offsets, routing.expert_ids, aso, c, facts=facts,
+                      activation=activation, gate_up_bias=gate_up_bias, gate_up_scales=gate_up_scales,
+                      down_scales=down_scales, intermediate_global_scale=intermediate_global_scale, alpha=alpha,
+                      limit=limit)
     return unpermute_tokens(c, routing, topk_weights, out_dtype=out_dtype, expert_bias=down_bias)
 
 
