@@ -33,7 +33,7 @@ def check_no_grad(without_backward: str, **tensors):
     if not torch.is_grad_enabled():
         return
     for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.requires_grad:
+        if t is not None and isinstance(t, torch.Tensor) and t.requires_grad:  # (None first: most are)
             raise ValueError(f"{name}: requires grad, but {without_backward} has no backward (the output would drop "
                              f"the gradient); call it under torch.no_grad() or torch.inference_mode()")
 

@@ -62,7 +62,8 @@ def amax_module(interpret: bool):
 
 def kernel_usable(device: torch.device) -> bool:
     """Whether the kernels run on `device`: compiled on CUDA, interpreted on the CPU where usable."""
-    return device.type == "cuda" or (device.type == "cpu" and tl_source.interpreter_usable())
+    kind = device.type
+    return kind == "cuda" or (kind == "cpu" and tl_source.interpreter_usable())
 
 
 def output_code(f: Format, module) -> tuple[int, int, int]:
