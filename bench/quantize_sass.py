@@ -142,24 +142,30 @@ def compiled(kernel, args: tuple, consts: dict):
 
 
 def fast_path_counts(sass_text: str) -> collections.Counter:
-    """Opcode counts of the instructions a thread runs when every division takes its fast path:
-    those up to the kernel's last EXIT, less each region a conditional forward branch skips that
-    holds a CALL (a division's slow path), less NOPs."""
+    """Opcode counts of the instructions a thread runs when every division takes its fast path,
+    less NOPs: the code up to the kernel's last EXIT walked from its start, over each region a
+    conditional forward branch skips that holds a CALL (a division's slow path, or a branch of
+    the kernel that divides each element in its place), along every unconditional forward
+    branch (past the other side of such a branch), through everything else."""
     from moegemm.kernels import offline
 
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text)
     code = [(int(address, 16), text.strip()) for address, text in lines]
     last_exit = max(i for i, (_, text) in enumerate(code) if re.search(r"\bEXIT\b", text))
     code = code[:last_exit + 1]
-    skipped = set()
-    for i, (_, text) in enumerate(code):
-        branch = re.match(r"@!?P\d\s+BRA\s+(?:!?P\d,\s*)?0x([0-9a-f]+)", text)
-        if branch:
-            target = int(branch.group(1), 16)
-            region = [j for j in range(i + 1, len(code)) if code[j][0] < target]
-            if any("CALL" in code[j][1] for j in region):
-                skipped.update(region)
-    kept = "".join(f"/*{address:04x}*/ {text} ;\n" for j, (address, text) in enumerate(code) if j not in skipped)
+    index = {address: i for i, (address, _) in enumerate(code)}
+    kept, i = [], 0
+    while i < len(code):
+        address, text = code[i]
+        kept.append(i)
+        branch = re.match(r"(@!?P\d\s+)?BRA\s+(?:!?P\d,\s*)?0x([0-9a-f]+)", text)
+        target = int(branch.group(2), 16) if branch else -1
+        if target > address and target in index and (
+                not branch.group(1) or any("CALL" in text for _, text in code[i + 1:index[target]])):
+            i = index[target]
+        else:
+            i += 1
+    kept = "".join(f"/*{code[j][0]:04x}*/ {code[j][1]} ;\n" for j in kept)
     counts = offline.opcode_counts(kept)
     counts.pop("NOP", None)
     return counts
