@@ -14,8 +14,9 @@ _codecs_tl.py, which produce the bytes of moegemm.quantize in either mode (docs/
 section 3; the tests check them bit for bit), and _portable_tl.py's kb_major_column. Where the
 hardware gives the same result in fewer instructions the compiled build takes it and the
 interpreter keeps the arithmetic that defines it (tl_source.interpreted): e4m3 conversions, and
-fp8_block's division (`magnitudes`: div.rn's fast path, its reciprocal once a block; the
-kernels are instruction-bound, bench/quantize_sass.py counts them).
+the element divisions of fp8_block and nvfp4 (`magnitudes`, `magnitudes_e2m1`: div.rn's fast
+path, its reciprocal once a block; the kernels are instruction-bound, bench/quantize_sass.py
+counts them).
 
 Program (i, j) takes rows [i*BLOCK_M, (i+1)*BLOCK_M) and output columns
 [j*CHUNK, (j+1)*CHUNK), CHUNK = NB scale blocks of VEC columns.
@@ -83,30 +84,71 @@ def _reciprocal_approx(d):
 
 
 @triton.jit
-def _magnitudes_fast(y, denom):
-    """_magnitudes_divided with the division's reciprocal once a block. ptxas's div.rn.f32 is
-    r = rcp(d) refined by one Newton step, q0 = a * r, then q = q0 + r * (a - d * q0) (two FMAs),
-    and a slow path for operands FCHK finds out of that sequence's range; here r is computed once
-    per block and the three per-element steps run on (|y| * f, d * f), f a power of two that
-    brings a tiny denom (< 2^-64: a subnormal one's reciprocal overflows) up, which leaves the
-    quotient as it is. Every quotient the encoders can tell from zero (>= 2^-11: e4m3's smallest
-    nonzero is 2^-9, e2m1's 0.5) then has operands in the fast path's range (scaled by a power of
-    two if FCHK is stricter than the arithmetic: no step overflows or underflows there, so the
-    steps round as they do on the scaled operands), so it is RN(|y| / d) bit for bit; smaller
-    ones stay below 2^-10."""
-    f = tl.where(denom < 5.421010862427522e-20, 18446744073709551616.0, 1.0)  # (2^-64, 2^64)
-    # A denom that is not > 0 (zero, or NaN: nvfp4's NaN scale times its global) quotients +0 as
-    # the reference's where does: d = 1 and r = 0 there, so that no NaN reaches the steps.
-    d = tl.where(denom > 0, denom * f, 1.0)
+def _reciprocal(d):
+    """div.rn.f32's reciprocal of d: ptxas compiles div.rn.f32 a / d (sm_90) to r0 = MUFU.RCP(d),
+    r = fma(r0, fma(-d, r0, 1), r0), then _quotient_steps, taken where FCHK(a, d) passes; else
+    a subroutine that runs the same steps on a and d brought to [1, 2) and puts the exponents
+    back (bench/quantize_sass.py counts the kernels without it)."""
     r0 = _reciprocal_approx(d)
-    r = tl.where(denom > 0, tl.fma(r0, tl.fma(-d, r0, 1.0), r0), 0.0)[:, :, None]  # (0: +0 quotients)
-    a = tl.abs(y) * f[:, :, None]
+    return tl.fma(r0, tl.fma(-d, r0, 1.0), r0)
+
+
+@triton.jit
+def _quotient_steps(a, d, r):
+    """div.rn.f32's fast path of a / d given r = _reciprocal(d): q0 = a * r, then one correction
+    q0 + r * (a - d * q0) (two FMAs). Bit for bit RN(a / d) where d, r and every step's result
+    are normal numbers (or exact zeros) and a >= 2^-102 or a = 0: each step rounds as the same
+    step on a * 2^-ea and d * 2^-ed in [1, 2) does, its result scaled by a power of two
+    (MUFU.RCP takes its exponent off d's, as a table on the significand does), and such
+    operands take div.rn's fast path; a >= 2^-102 keeps the remainder a - d * q0 (a multiple of
+    2^(ea - 47), q0 within an ulp of a / d) exact below 2^-126 too."""
     q0 = a * r
-    return tl.fma(r, tl.fma(-d[:, :, None], q0, a), q0)
+    return tl.fma(r, tl.fma(-d, q0, a), q0)
+
+
+@triton.jit
+def _magnitudes_fast(y, denom):
+    """_magnitudes_divided with the reciprocal once a block, for fp8_block's denom = amax / 448:
+    _quotient_steps on (|y| * f, denom * f), f = 2^64 where denom < 2^-64, else 1, which leaves
+    the quotients as they are. denom <= 2^128 / 448 keeps r normal, and f brings a tiny denom (a
+    subnormal's reciprocal overflows) to >= 2^-85, its elements (<= 448 * denom) staying
+    finite. A quotient the e4m3 encoder can tell from zero (>= 2^-11: its smallest nonzero is
+    2^-9) then has a >= 2^-96 and normal steps, so it is RN(|y| / denom); smaller ones stay
+    below 2^-10 (each step within a few ulps or 2^-149 of exact)."""
+    f = tl.where(denom < 5.421010862427522e-20, 18446744073709551616.0, 1.0)  # (2^-64, 2^64)
+    # A denom that is not > 0 (an all-zero block's) quotients +0 as the reference's where does:
+    # d = 1 and r = 0 there, so that no NaN reaches the steps.
+    d = tl.where(denom > 0, denom * f, 1.0)
+    r = tl.where(denom > 0, _reciprocal(d), 0.0)
+    return _quotient_steps(tl.abs(y) * f[:, :, None], d[:, :, None], r[:, :, None])
+
+
+# The least nvfp4 global scale for which _magnitudes_e2m1 is exact (see there): 2^-90.
+E2M1_STEPS_MIN_GLOBAL = tl.constexpr(8.077935669463161e-28)
+
+
+@triton.jit
+def _magnitudes_e2m1(y, denom):
+    """_magnitudes_divided as e2m1_magnitude sees it, with the reciprocal once a block, for
+    nvfp4's denom = s * g (s its e4m3 scale decoded) with g >= 2^-90: _quotient_steps on (|y|,
+    denom), which differ only where both are code 7 (NaN for a quotient that overflows). e2m1
+    gives code 0 to every quotient up to 0.25; from 2^-3 up |y| >= 2^-3 denom >= 2^-102 (a
+    nonzero s is >= 2^-9, so denom >= 2^-99) and below an overflow every step is normal, so the
+    steps are exact there; smaller quotients stay below 0.25 (each step within a few ulps or
+    2^-149 of exact). r is normal: for a finite block amax denom < 2^126, as s is at most amax / (6 g)
+    rounded up by e4m3 (1 + 2^-4, or 2x for a subnormal s, which needs g > amax * 2^6 / 6: amax
+    < 2^125 there), or 448 < amax / (6 g) where it saturates. A block of infinite amax has
+    unspecified elements (docs/contract.md section 3); denom = 0 or NaN quotients +0 (finite
+    elements) as the reference's where."""
+    ok = denom > 0
+    d = tl.where(ok, denom, 1.0)
+    r = tl.where(ok, _reciprocal(d), 0.0)
+    return _quotient_steps(tl.abs(y), d[:, :, None], r[:, :, None])
 
 
 # The interpreter has neither the hardware reciprocal nor fused multiply-adds: it divides.
 magnitudes = _magnitudes_divided if tl_source.interpreted() else _magnitudes_fast
+magnitudes_e2m1 = _magnitudes_divided if tl_source.interpreted() else _magnitudes_e2m1
 
 
 @triton.jit
@@ -278,9 +320,11 @@ def activation_quantize_kernel(
             g = tl.load(global_ptr)
             stored = codecs.encode_e4m3(tl.math.div_rn(amax, g * 6.0))
             denom = codecs.decode_e4m3_nan(stored) * g  # (a NaN scale, 0x7F, only for a NaN amax)
-            # (nvfp4 divides each element: one reciprocal a block differed from the reference's
-            # division on the GPU for some blocks, tests/test_quantize.py rounding_edge_rows)
-            codes = codecs.e2m1_magnitude(_magnitudes_divided(y, denom)) | _sign_where(y, denom, 3)
+            if g >= E2M1_STEPS_MIN_GLOBAL:  # (the launch's global: one branch for all programs)
+                quotients = magnitudes_e2m1(y, denom)
+            else:  # (a division an element)
+                quotients = _magnitudes_divided(y, denom)
+            codes = codecs.e2m1_magnitude(quotients) | _sign_where(y, denom, 3)
         else:
             e = codecs.e8m0_exponent(amax, 448.0 if OUT == OUT_E4M3_E8M0 else 6.0)
             scaled = y * codecs.pow2(-e)[:, :, None]
