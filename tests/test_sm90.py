@@ -551,7 +551,7 @@ def fresh_output_matches_a_zeroed_one(p, out_dtype=torch.bfloat16):
     """A call without out, its memory dirty, gives the bits of a call into a zeroed out: +0 in every
     row outside valid slots, the same product in the others."""
     want = torch.zeros(p.m, p.n, dtype=out_dtype, device="cuda")
-    moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=want, backend="sm90")
+    moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=want, out_dtype=out_dtype, backend="sm90")
     dirty_cached_blocks(p.m * p.n * out_dtype.itemsize)
     got = moegemm.grouped_matmul(*p.args(), **p.kwargs(), out_dtype=out_dtype, backend="sm90")
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
