@@ -110,10 +110,22 @@ class _PointerGraph:
     __slots__ = ("graph",)
 
     def __init__(self, fn, inputs, out: torch.Tensor, pool):
-        _warm_up(fn, inputs)
+        # Not torch.cuda.graph, whose entry empties the allocator's cache: the blocks it frees
+        # would move the very addresses pointer graphs wait to see repeat, in every layer, and a
+        # capture of each would follow. The warm-up runs on the current stream for the same reason
+        # (a side stream's blocks stay its own): it makes what the capture cannot (a TMA
+        # descriptor of a new address, launch records).
+        fn(*inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            out.copy_(fn(*inputs))
+        with torch.cuda.stream(side):
+            self.graph.capture_begin(pool=pool)
+            try:
+                out.copy_(fn(*inputs))
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
 
     def __call__(self):
         self.graph.replay()
