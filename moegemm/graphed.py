@@ -11,24 +11,35 @@ buffers, and afterwards replayed:
 
 The key names everything the graph bakes in besides the inputs' values: their shapes, dtypes
 and strides (added here), and what the caller adds (the weights' addresses, the options). The
-result is a fresh tensor (a copy of the graph's output), so callers may keep it.
+result is a fresh tensor, so callers may keep it.
+
+Pointer graphs: the copies in and out cost more host time than the replay. In steady-state
+decode the caching allocator hands a layer's inputs, and its fresh output, the same addresses
+step after step, so a second graph is also keyed by those addresses: captured on the caller's
+own tensors, writing into the fresh output, it replays with no copy. At most MAX_POINTER_GRAPHS
+a layer (the least recently used freed first); a shape whose captures of them outrun their
+replays (addresses that do not repeat within MAX_POINTER_GRAPHS) captures none any more. A call
+no pointer graph matches takes the copying graph of its shape.
 
 Used only where capture is safe and cheap: CUDA tensors, no gradient needed, not inside
 another capture or torch.compile (where the outer graph already captures the launches), not on
 the reference backend nor under MOEGEMM_DEBUG=1 (both read device values on the host, which a
 capture forbids), at most MAX_TOKENS tokens (the graphs' buffers stay allocated). A shape whose
-capture fails anyway runs eagerly from then on. MOEGEMM_EAGER_GRAPHS=0 turns it off. The key
-also holds what changes what a call computes without changing its inputs: autocast, inference
-mode, a forced kernel config (moegemm/config.py). Copies of a layer (deepcopy, pickle) start
-with no graphs.
-A shape is captured at its second call (one warm-up call and the captured one): the decode
-steps of a batch size repeat it, a prompt's length usually does not.
+capture fails anyway runs eagerly from then on, one whose pointer capture fails from its
+copying graph. MOEGEMM_EAGER_GRAPHS=0 turns it off. The key also holds what changes what a call
+computes without changing its inputs: autocast, inference mode, a forced kernel config
+(moegemm/config.py). Copies of a layer (deepcopy, pickle) start with no graphs. One layer's
+calls are stream-ordered (not run concurrently on two streams): its graphs' buffers serve every
+call.
+A shape is captured at its second call (one warm-up call and the captured one), and a pointer
+graph at the second call with the same addresses: the decode steps of a batch size repeat
+them, a prompt's length usually does not.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -40,6 +51,13 @@ __all__ = ["GraphedCalls", "MAX_TOKENS", "usable"]
 
 MAX_TOKENS = 256  # tokens of a call replayed from a graph, at most
 MAX_GRAPHS = 8  # graphs kept per GraphedCalls (the least recently used one freed first)
+MAX_POINTER_GRAPHS = 4  # pointer graphs kept per GraphedCalls (likewise)
+# A capture costs milliseconds, a copying replay microseconds: beyond MAX_POINTER_GRAPHS captures,
+# a shape keeps capturing pointer graphs only while each one has paid for itself this many times.
+REPLAYS_PER_CAPTURE = 16
+# A call's fresh output, like the graph's (the CPU tests put an allocator whose addresses they
+# choose in its place: the caching allocator's reuse is what pointer graphs rely on).
+_fresh_output = torch.empty_like
 
 
 def usable(x: torch.Tensor, *tensors, backend: str = "auto") -> bool:
@@ -54,46 +72,96 @@ def usable(x: torch.Tensor, *tensors, backend: str = "auto") -> bool:
         t.requires_grad for t in (x, *tensors) if isinstance(t, torch.Tensor))
 
 
+def _warm_up(fn, inputs):
+    """One call on a side stream (compiles, creates launch records and caches), as torch asks
+    before a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+
+
 class _Graph:
+    """fn captured on buffers of its own: the inputs copied in, the output copied out."""
+
     __slots__ = ("graph", "inputs", "output")
 
     def __init__(self, fn, inputs):
         self.inputs = [t.clone() for t in inputs]
-        # Warm-up on a side stream (compiles, creates launch records and caches), as torch asks
-        # before a capture; then the capture itself.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        _warm_up(fn, self.inputs)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.output = fn(*self.inputs)
 
-    def __call__(self, inputs) -> torch.Tensor:
+    def __call__(self, inputs, out: torch.Tensor) -> torch.Tensor:
         for static, given in zip(self.inputs, inputs):
             static.copy_(given)
         self.graph.replay()
-        return self.output.clone()
+        return out.copy_(self.output)
+
+
+class _PointerGraph:
+    """fn captured on the caller's own tensors, its result copied (a node of the graph) into
+    `out`. It holds none of them: a replay reads and writes the addresses it was captured
+    with, which is right only where the caller's tensors and a fresh output lie there now;
+    GraphedCalls replays it only then (its key holds those addresses)."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, fn, inputs, out: torch.Tensor, pool):
+        # Not torch.cuda.graph, whose entry empties the allocator's cache: the blocks it frees
+        # would move the very addresses pointer graphs wait to see repeat, in every layer, and a
+        # capture of each would follow. The warm-up runs on the current stream for the same reason
+        # (a side stream's blocks stay its own): it makes what the capture cannot (a TMA
+        # descriptor of a new address, launch records).
+        fn(*inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            self.graph.capture_begin(pool=pool)
+            try:
+                out.copy_(fn(*inputs))
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def __call__(self):
+        self.graph.replay()
 
 
 class GraphedCalls:
-    """The graphs of one layer's calls, by key (module docstring)."""
+    """The graphs of one layer's calls, by key (module docstring). `stats` counts what the calls
+    ran: "eager", "captures", "replays", "pointer_captures", "pointer_replays"."""
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, max_pointer_graphs: int = MAX_POINTER_GRAPHS):
         self.max_graphs = max_graphs
+        self.max_pointer_graphs = max_pointer_graphs
         self.graphs: OrderedDict = OrderedDict()
         self.seen: OrderedDict = OrderedDict()  # keys called once, not captured (yet)
         self.eager: set = set()  # keys whose capture failed
+        self.pointer_graphs: OrderedDict = OrderedDict()  # (key, input addresses, output address) -> _PointerGraph
+        self.pointers_seen: OrderedDict = OrderedDict()  # pointer keys called once, not captured (yet)
+        self.pointer_counts: dict = {}  # key -> [pointer graphs captured, pointer replays]
+        self.no_pointers: set = set()  # keys that capture no pointer graphs (thrash, or a failed capture)
+        self.stats: Counter = Counter()
+        # The pointer graphs share one memory pool, for their temporaries only: each one's output
+        # lies outside it (the caller's fresh tensor) and every tensor it allocates is dead at its
+        # end, so a later capture may reuse those blocks. Replays are stream-ordered (module
+        # docstring), so one graph's use of a block ends before the next graph writes it, and a
+        # graph writes each temporary before reading it.
+        self.pool = None
 
     def __deepcopy__(self, memo) -> GraphedCalls:
-        return GraphedCalls(self.max_graphs)  # (a graph holds the original's buffers: not copied)
+        # (a graph holds the original's buffers: not copied)
+        return GraphedCalls(self.max_graphs, self.max_pointer_graphs)
 
     def __getstate__(self) -> dict:
-        return {"max_graphs": self.max_graphs}
+        return {"max_graphs": self.max_graphs, "max_pointer_graphs": self.max_pointer_graphs}
 
     def __setstate__(self, state: dict):
-        self.__init__(state["max_graphs"])
+        self.__init__(state["max_graphs"], state.get("max_pointer_graphs", MAX_POINTER_GRAPHS))
 
     def __call__(self, key, fn, *inputs: torch.Tensor) -> torch.Tensor:
         """fn(*inputs), from the graph of `key` and the inputs' shapes: captured at the second call
@@ -103,11 +171,12 @@ class GraphedCalls:
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)
-            return graph(inputs)
+            return self._replay(key, graph, fn, inputs)
         if key in self.eager or self.seen.pop(key, None) is None:
             self.seen[key] = True
             if len(self.seen) > 4 * self.max_graphs:
                 self.seen.popitem(last=False)
+            self.stats["eager"] += 1
             return fn(*inputs)
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
@@ -115,11 +184,72 @@ class GraphedCalls:
             graph = _Graph(fn, inputs)
         except RuntimeError:  # (a capture CUDA refused: the call runs eagerly, and so does its shape from now on)
             self.eager.add(key)
+            self.stats["eager"] += 1
             return fn(*inputs)
         self.graphs[key] = graph
-        return graph(inputs)
+        self.stats["captures"] += 1
+        return self._replay(key, graph, fn, inputs)
+
+    def _replay(self, key, graph: _Graph, fn, inputs) -> torch.Tensor:
+        """fn(*inputs) into a fresh tensor: from the pointer graph of the inputs' and that tensor's
+        addresses where there is one (captured at their second call), else from `graph`."""
+        out = _fresh_output(graph.output)
+        if key in self.no_pointers:
+            self.stats["replays"] += 1
+            return graph(inputs, out)
+        # A pointer graph reads its inputs and writes its output at the addresses it was captured
+        # with. Its key holds those addresses beside the shapes, dtypes and strides (`key`), so a
+        # hit means the caller's tensors lie exactly there now (addresses are unique across
+        # devices), and `out`, allocated above, is ours: the replay, in stream order, reads the
+        # caller's values of this call and writes only our fresh result.
+        pointer_key = (key, *(t.data_ptr() for t in inputs), out.data_ptr())
+        pointer_graph = self.pointer_graphs.get(pointer_key)
+        if pointer_graph is not None:
+            self.pointer_graphs.move_to_end(pointer_key)
+            pointer_graph()
+            self.pointer_counts[key][1] += 1
+            self.stats["pointer_replays"] += 1
+            return out
+        if self.pointers_seen.pop(pointer_key, None) is None:
+            self.pointers_seen[pointer_key] = True
+            if len(self.pointers_seen) > 4 * self.max_pointer_graphs:
+                self.pointers_seen.popitem(last=False)
+            self.stats["replays"] += 1
+            return graph(inputs, out)
+        counts = self.pointer_counts.setdefault(key, [0, 0])
+        captures, replays = counts
+        if captures >= self.max_pointer_graphs and replays < REPLAYS_PER_CAPTURE * captures:
+            self._stop_pointers(key)  # (addresses that do not repeat within the cache: captures would thrash)
+            self.stats["replays"] += 1
+            return graph(inputs, out)
+        if len(self.pointer_graphs) >= self.max_pointer_graphs:
+            self.pointer_graphs.popitem(last=False)
+        if not self.pointer_graphs:  # (a pool no graph holds any more is being freed: not shared)
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            pointer_graph = _PointerGraph(fn, inputs, out, self.pool)
+        except RuntimeError:  # (a capture CUDA refused: the shape's calls take its copying graph from now on)
+            self._stop_pointers(key)
+            self.stats["replays"] += 1
+            return graph(inputs, out)
+        self.pointer_graphs[pointer_key] = pointer_graph
+        counts[0] += 1
+        self.stats["pointer_captures"] += 1
+        pointer_graph()
+        return out
+
+    def _stop_pointers(self, key):
+        """No pointer graphs for `key` from now on (its copying graph instead)."""
+        self.no_pointers.add(key)
+        for pointer_key in [k for k in self.pointer_graphs if k[0] == key]:
+            del self.pointer_graphs[pointer_key]
 
     def clear(self):
         self.graphs.clear()
         self.seen.clear()
         self.eager.clear()
+        self.pointer_graphs.clear()
+        self.pointers_seen.clear()
+        self.pointer_counts.clear()
+        self.no_pointers.clear()
+        self.stats.clear()
