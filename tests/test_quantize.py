@@ -510,7 +510,8 @@ def test_quantize_kernels_fit_their_instruction_budget():
 def test_quantize_sass_counts_the_fast_path_only():
     """bench/quantize_sass.py's fast path: past a division's slow path (a conditional branch over
     a CALL) and past the other side of a branch of the kernel (an unconditional branch), whichever
-    side holds the CALLs; the subroutine after EXIT not at all."""
+    side holds the CALLs; past a branch over work with no CALL (a rare launch's: nvfp4's rescaling);
+    the subroutine after EXIT not at all."""
     bench = str(Path(__file__).resolve().parents[1] / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
@@ -536,6 +537,15 @@ def test_quantize_sass_counts_the_fast_path_only():
         "FFMA R1, R2, R3, R4 ;\n        /*0060*/ BRA 0x90", "FADD R1, R2, R3 ;\n        /*0060*/ CALL.REL.NOINC 0xa0").replace(
         "FADD R1, R2, R3 ;\n        /*0080*/ CALL.REL.NOINC 0xa0", "FFMA R1, R2, R3, R4 ;\n        /*0080*/ NOP")
     assert dict(quantize_sass.fast_path_counts(divisions_fall_through)) == {"FMUL": 1, "BRA": 2, "FFMA": 1, "EXIT": 1}
+    rescaling = """
+        /*0000*/ FSETP.GEU.AND P1, PT, |R3|, 8.0779356694631608874e-28, PT ;
+        /*0010*/ @P1 BRA 0x40 ;
+        /*0020*/ FMUL R2, R2, 1.84467440737095516160e+19 ;
+        /*0030*/ FMUL R4, R4, 1.84467440737095516160e+19 ;
+        /*0040*/ FFMA R1, R2, R3, R4 ;
+        /*0050*/ EXIT ;
+    """
+    assert dict(quantize_sass.fast_path_counts(rescaling)) == {"FSETP": 1, "BRA": 1, "FFMA": 1, "EXIT": 1}
 
 @needs_interpreter
 @pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "mxfp4", "nvfp4"])
