@@ -9,7 +9,8 @@ options and the argument specialization (ints equal to 1 or multiples of 16, 16-
 pointers) Triton's launcher derives from those arguments, compiled for sm_90 offline
 (moegemm/kernels/offline.py). The kernel is straight-line code but for the slow paths of IEEE
 divisions (a branch around a CALL, taken only for operands out of the fast path's range, and the
-subroutine after the kernel's EXIT): its instructions on the fast path (fast_path_counts) over
+subroutine after the kernel's EXIT) and nvfp4's branch around its rescaling of global scales
+below 2^-90: its instructions on the fast path (fast_path_counts) over
 the elements a thread quantizes (BLOCK_M rows x NB * VEC columns over the program's threads) is
 the work an element costs (its issue slots). Opcode classes: F = fp32 arithmetic, I = integer and logic, M = loads and
 stores, C = conversions, P = predicate and select, other.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
 import sys
@@ -142,11 +144,13 @@ def compiled(kernel, args: tuple, consts: dict):
 
 
 def fast_path_counts(sass_text: str) -> collections.Counter:
-    """Opcode counts of the instructions a thread runs when every division takes its fast path,
-    less NOPs: the code up to the kernel's last EXIT walked from its start, over each region a
-    conditional forward branch skips that holds a CALL (a division's slow path, or a branch of
-    the kernel that divides each element in its place), along every unconditional forward
-    branch (past the other side of such a branch), through everything else."""
+    """Opcode counts of the instructions a thread runs when every division takes its fast path and
+    every rarely taken branch of the kernel is skipped, less NOPs: of the code up to the kernel's
+    last EXIT, the path from its start with the fewest instructions and no CALL (a division's
+    slow path), each forward branch followed or not (an unconditional one followed), everything
+    else in order. The kernels are straight-line code but for such branches: around divisions'
+    slow paths, and around the work of a rare launch (nvfp4's rescaling for global scales below
+    2^-90), whose path is the longer."""
     from moegemm.kernels import offline
 
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text)
@@ -154,17 +158,24 @@ def fast_path_counts(sass_text: str) -> collections.Counter:
     last_exit = max(i for i, (_, text) in enumerate(code) if re.search(r"\bEXIT\b", text))
     code = code[:last_exit + 1]
     index = {address: i for i, (address, _) in enumerate(code)}
-    kept, i = [], 0
-    while i < len(code):
+    # rest[i]: (instructions, next index) of the fewest-instruction path from instruction i to the end
+    rest = [(0, None)] * (len(code) + 1)
+    for i in range(len(code) - 1, -1, -1):
         address, text = code[i]
-        kept.append(i)
+        if re.search(r"\bCALL\b", text):
+            rest[i] = (math.inf, None)
+            continue
         branch = re.match(r"(@!?P\d\s+)?BRA\s+(?:!?P\d,\s*)?0x([0-9a-f]+)", text)
         target = int(branch.group(2), 16) if branch else -1
-        if target > address and target in index and (
-                not branch.group(1) or any("CALL" in text for _, text in code[i + 1:index[target]])):
-            i = index[target]
-        else:
-            i += 1
+        nexts = [i + 1]
+        if target > address and target in index:
+            nexts = [index[target]] if not branch.group(1) else [i + 1, index[target]]
+        best = min(nexts, key=lambda j: rest[j][0])
+        rest[i] = (rest[best][0] + (not text.startswith("NOP")), best)
+    kept, i = [], 0
+    while i is not None and i < len(code):
+        kept.append(i)
+        i = rest[i][1]
     kept = "".join(f"/*{code[j][0]:04x}*/ {code[j][1]} ;\n" for j in kept)
     counts = offline.opcode_counts(kept)
     counts.pop("NOP", None)
