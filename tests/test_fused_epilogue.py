@@ -158,3 +158,28 @@ def test_fused_epilogue_choice_follows_the_measurements():
     assert fused_pays("mxfp8", 4096, 7168, 40.0)  # 64-token promotion tiles
     for fmt in ("bf16", "mxfp4", "nvfp4", "w4a8", "fp8_block"):
         assert fused_pays(fmt, 4096, 7168, 128.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_fmt", ("mxfp8", "nvfp4", "mxfp4"))
+def test_fused_swiglu_epilogue_gives_nan_blocks_the_nan_scale(out_fmt):
+    """One NaN weight makes one output column NaN in its expert's rows, a NaN among finite
+    values in each of their blocks: the fused requantization gives those blocks the NaN scale
+    (their values NaN), as the reference quantizer does with the fp32 truth, and every other
+    block a finite one (a block amax that dropped the NaN would read it back as a number)."""
+    counts, ids = [65, 127, 3], [0, 1, 2]
+    offsets, expert_ids, a, b, layout, m, _ = _gpu_problem("bf16", counts, ids, 256, 256)
+    b.data[1, 6, 5] = float("nan")  # (interleaved gate/up: the gate of output column 3, expert 1)
+    kw = dict(fmt="bf16", out_fmt=out_fmt, gate_up_layout="interleaved", activation="swiglu", scale_layout=layout,
+              out_global_scale=torch.tensor([0.01], device="cuda") if out_fmt == "nvfp4" else None)
+    fused = moegemm.grouped_matmul_swiglu(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fused=True,
+                                          backend="sm90", **kw)
+    h32 = moegemm.grouped_matmul(a.data, b.data, a.scales, b.scales, offsets, expert_ids, fmt="bf16",
+                                 out_dtype=torch.float32, backend="sm90")
+    y32 = reference_activation(h32, "swiglu", "interleaved", None, offsets, expert_ids, 1.702, 7.0)
+    truth = moegemm.reference.quantize(y32, out_fmt, global_scale=kw["out_global_scale"])
+    valid = torch.zeros(m, dtype=torch.bool, device="cuda")
+    valid[:int(offsets[-1])] = True
+    nan = moegemm.dequantize(truth)[valid].isnan()
+    assert bool(nan[65:192].any()) and not bool(nan[:65].any())
+    assert torch.equal(moegemm.dequantize(fused)[valid].isnan(), nan)

@@ -492,6 +492,38 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, layout):
     assert_same_fields(got, want)
 
 
+def assert_nan_blocks_as_the_reference(x: torch.Tensor, fmt: str, backend: str):
+    """x with NaN in two blocks: the kernel path gives the reference's scales bit for bit (a block holding a NaN
+    the NaN scale, not one from its finite elements) and elements that decode to the same values,
+    NaN where the reference's do (docs/contract.md section 3: their bits are unspecified)."""
+    x = x.clone()
+    x[1, 3] = float("nan")
+    x[5, -1] = float("nan")
+    given = 0.5 if FORMATS[fmt].a.global_scale else None
+    got = moegemm.quantize(x, fmt, global_scale=given, backend=backend)
+    want = moegemm.reference.quantize(x, fmt, global_scale=given)
+    assert torch.equal(bits(got.scales), bits(want.scales))
+    got_values, want_values = moegemm.dequantize(got), moegemm.dequantize(want)
+    nan = want_values.isnan()
+    assert bool(nan[1].any()) and bool(nan[5].any()) and not bool(nan[0].any())
+    assert torch.equal(got_values.isnan(), nan)
+    assert torch.equal(got_values[~nan], want_values[~nan])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8"])
+def test_quantize_kernel_gives_nan_blocks_the_nan_scale(fmt):
+    assert_nan_blocks_as_the_reference(torch.randn(8, 256), fmt, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "mxfp4", "nvfp4", "w4a8"])
+def test_quantize_on_cuda_gives_nan_blocks_the_nan_scale(fmt):
+    """The compiled block amax keeps a NaN (a float maximum that drops it would give the block a
+    finite scale and finite codes: a NaN input read back as a number)."""
+    assert_nan_blocks_as_the_reference(torch.randn(4096 + 8, 1024, device="cuda").bfloat16(), fmt, "auto")
+
+
 # Instructions an element moegemm.quantize's kernel may issue on its fast path (sm_90 SASS): an
 # H100 issues ~25e12 a second at best, so 28 keep 0.9e12 elements a second, the e2m1 formats'
 # 70% of the copy bandwidth (2.5 bytes an element); the kernels were 25-57 before it was set.

@@ -50,7 +50,9 @@ FORM_BF16 = tl.constexpr(2)  # the dequantized values in bf16, no scales
 
 @triton.jit
 def _max_abs(a, b):
-    return tl.maximum(a, b)
+    # NaN kept, as torch's amax keeps it: a block holding a NaN gets the NaN scale (max.NaN.f32,
+    # one instruction as the plain max, which would drop it).
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

@@ -33,6 +33,7 @@ bit on the same fp32 input.
 """
 
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
@@ -45,6 +46,13 @@ OUT_E4M3_E8M0 = gl.constexpr(2)  # mxfp8, w4a8
 OUT_E2M1_E8M0 = gl.constexpr(3)  # mxfp4
 OUT_E2M1_E4M3 = gl.constexpr(4)  # nvfp4
 LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _max_keeping_nan(a, b):
+    # As torch's amax and the activation kernel's: a block holding a NaN gets the NaN scale (gl.max
+    # drops NaN operands).
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @gluon.jit
@@ -171,7 +179,7 @@ def swiglu_epilogue(acc, out_ptr, out_scale_ptr, bias_ptr, global_ptr, expert_sc
         y = gl.convert_layout(y, out_layout)
         NBLK: gl.constexpr = OC // VEC
         y3 = gl.reshape(y, [TR, NBLK, VEC])
-        amax = gl.max(gl.abs(y3), axis=2)  # [TR, NBLK]
+        amax = gl.reduce(gl.abs(y3), 2, _max_keeping_nan)  # [TR, NBLK]
         if OUT == OUT_E2M1_E4M3:
             g = gl.load(global_ptr)
             stored = _e4m3_bits(gl.div_rn(amax, g * 6.0))
