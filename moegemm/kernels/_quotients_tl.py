@@ -153,7 +153,7 @@ def _scale_quotient_steps(amax, d):
     d = tl.where(infinite, 0.0, d)
     a = amax * f
     q0 = a * r
-    return tl.where(tl.abs(q0) < 1.2676506002282294e30, tl.fma(r, tl.fma(-d, q0, a), q0), q0)  # (2^100)
+    return tl.where(tl.abs(q0) < 1.2676506002282294e30, _quotient_steps(a, d, r), q0)  # (2^100)
 
 
 @triton.jit
