@@ -72,14 +72,25 @@ def usable(x: torch.Tensor, *tensors, backend: str = "auto") -> bool:
         t.requires_grad for t in (x, *tensors) if isinstance(t, torch.Tensor))
 
 
-def _warm_up(fn, inputs):
-    """One call on a side stream (compiles, creates launch records and caches), as torch asks
-    before a capture."""
+def _on_a_side_stream(call):
+    """call() on a fresh stream ordered after the current one's work, which then waits for it
+    (a capture needs a stream of its own; torch asks for the warm-up before one there too)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn(*inputs)
+        call()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def _seen_twice(seen: OrderedDict, key, bound: int) -> bool:
+    """Whether `key` was seen once before (then forgotten); else it is remembered, the oldest of
+    more than `bound` forgotten."""
+    if seen.pop(key, None) is not None:
+        return True
+    seen[key] = True
+    if len(seen) > bound:
+        seen.popitem(last=False)
+    return False
 
 
 class _Graph:
@@ -89,7 +100,7 @@ class _Graph:
 
     def __init__(self, fn, inputs):
         self.inputs = [t.clone() for t in inputs]
-        _warm_up(fn, self.inputs)
+        _on_a_side_stream(lambda: fn(*self.inputs))  # (compiles, creates launch records and caches)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.output = fn(*self.inputs)
@@ -116,16 +127,16 @@ class _PointerGraph:
         # (a side stream's blocks stay its own): it makes what the capture cannot (a TMA
         # descriptor of a new address, launch records).
         fn(*inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
+
+        def capture():
             self.graph.capture_begin(pool=pool)
             try:
                 out.copy_(fn(*inputs))
             finally:
                 self.graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
+
+        _on_a_side_stream(capture)
 
     def __call__(self):
         self.graph.replay()
@@ -172,10 +183,7 @@ class GraphedCalls:
         if graph is not None:
             self.graphs.move_to_end(key)
             return self._replay(key, graph, fn, inputs)
-        if key in self.eager or self.seen.pop(key, None) is None:
-            self.seen[key] = True
-            if len(self.seen) > 4 * self.max_graphs:
-                self.seen.popitem(last=False)
+        if key in self.eager or not _seen_twice(self.seen, key, 4 * self.max_graphs):
             self.stats["eager"] += 1
             return fn(*inputs)
         if len(self.graphs) >= self.max_graphs:
@@ -194,34 +202,35 @@ class GraphedCalls:
         """fn(*inputs) into a fresh tensor: from the pointer graph of the inputs' and that tensor's
         addresses where there is one (captured at their second call), else from `graph`."""
         out = _fresh_output(graph.output)
-        if key in self.no_pointers:
+        pointer_graph = None if key in self.no_pointers else self._pointer_graph(key, fn, inputs, out)
+        if pointer_graph is None:
             self.stats["replays"] += 1
             return graph(inputs, out)
+        pointer_graph()
+        return out
+
+    def _pointer_graph(self, key, fn, inputs, out: torch.Tensor) -> _PointerGraph | None:
+        """The pointer graph of the inputs' and out's addresses: one captured before (its replay
+        counted), or captured now at their second call; None where there is none to replay."""
         # A pointer graph reads its inputs and writes its output at the addresses it was captured
         # with. Its key holds those addresses beside the shapes, dtypes and strides (`key`), so a
         # hit means the caller's tensors lie exactly there now (addresses are unique across
-        # devices), and `out`, allocated above, is ours: the replay, in stream order, reads the
-        # caller's values of this call and writes only our fresh result.
+        # devices), and `out`, allocated by the caller, is ours: the replay, in stream order, reads
+        # the caller's values of this call and writes only our fresh result.
         pointer_key = (key, *(t.data_ptr() for t in inputs), out.data_ptr())
         pointer_graph = self.pointer_graphs.get(pointer_key)
         if pointer_graph is not None:
             self.pointer_graphs.move_to_end(pointer_key)
-            pointer_graph()
             self.pointer_counts[key][1] += 1
             self.stats["pointer_replays"] += 1
-            return out
-        if self.pointers_seen.pop(pointer_key, None) is None:
-            self.pointers_seen[pointer_key] = True
-            if len(self.pointers_seen) > 4 * self.max_pointer_graphs:
-                self.pointers_seen.popitem(last=False)
-            self.stats["replays"] += 1
-            return graph(inputs, out)
+            return pointer_graph
+        if not _seen_twice(self.pointers_seen, pointer_key, 4 * self.max_pointer_graphs):
+            return None
         counts = self.pointer_counts.setdefault(key, [0, 0])
         captures, replays = counts
         if captures >= self.max_pointer_graphs and replays < REPLAYS_PER_CAPTURE * captures:
             self._stop_pointers(key)  # (addresses that do not repeat within the cache: captures would thrash)
-            self.stats["replays"] += 1
-            return graph(inputs, out)
+            return None
         if len(self.pointer_graphs) >= self.max_pointer_graphs:
             self.pointer_graphs.popitem(last=False)
         if not self.pointer_graphs:  # (a pool no graph holds any more is being freed: not shared)
@@ -230,13 +239,11 @@ class GraphedCalls:
             pointer_graph = _PointerGraph(fn, inputs, out, self.pool)
         except RuntimeError:  # (a capture CUDA refused: the shape's calls take its copying graph from now on)
             self._stop_pointers(key)
-            self.stats["replays"] += 1
-            return graph(inputs, out)
+            return None
         self.pointer_graphs[pointer_key] = pointer_graph
         counts[0] += 1
         self.stats["pointer_captures"] += 1
-        pointer_graph()
-        return out
+        return pointer_graph
 
     def _stop_pointers(self, key):
         """No pointer graphs for `key` from now on (its copying graph instead)."""
