@@ -158,12 +158,14 @@ def _scale_quotient_steps(amax, d):
 
 @triton.jit
 def e2m1_rescale(g):
-    """nvfp4's factor for the elements and denominators under global g: 2^64 where |g| < 2^-90
-    (E2M1_STEPS_MIN_GLOBAL; zero and subnormals included), whose scales times g can be
-    subnormal (their reciprocals overflow) and elements tiny, else 1 (NaN too). Exact: a
-    denominator s g times 2^64 is >= 2^-85 (but for 0) and < 2^-17; an element that overflows has
-    a quotient e2m1 saturates anyway."""
-    return tl.where(tl.abs(g) < E2M1_STEPS_MIN_GLOBAL, 18446744073709551616.0, 1.0)  # (2^64)
+    """nvfp4's factor for the elements and denominators under global g: 2^64 where 0 < |g| < 2^-90
+    (E2M1_STEPS_MIN_GLOBAL; subnormals included), whose scales times g can be subnormal (their
+    reciprocals overflow) and elements tiny, else 1 (NaN too). Exact: a denominator s g times
+    2^64 is >= 2^-85 (but for 0) and < 2^-17; an element that overflows has a quotient e2m1
+    saturates anyway. g = +-0 keeps 1: every denominator is then 0 (or NaN), whose quotients are
+    +0 only for finite elements, and a finite element times 2^64 could overflow."""
+    rescaled = (tl.abs(g) < E2M1_STEPS_MIN_GLOBAL) & (g != 0)
+    return tl.where(rescaled, 18446744073709551616.0, 1.0)  # (2^64)
 
 
 # The interpreter has neither the hardware reciprocal nor fused multiply-adds: it divides.
