@@ -79,11 +79,13 @@ SM90_CASES = [
 ]
 
 
-def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False, dynamic=True):
+def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, n_major=False, dynamic=True,
+                         fill=False):
     """kernels/sm90/dense.py for cfg (bf16/fp32 out; the fused epilogue's output when given); with_scales:
     the specialization with expert and row scales (a call without them compiles another); n_major:
     for N-major bf16 weights (their [1, block_k, weight_tile] boxes, launcher._weight_descriptor);
-    dynamic: the last rounds' tiles claimed (the launcher's choice where the config claims rounds)."""
+    dynamic: the last rounds' tiles claimed (the launcher's choice where the config claims rounds); fill:
+    the variant of a fresh output, which zeroes the rows no valid slot owns (free_rows.py)."""
     from moegemm.kernels.sm90 import dense
 
     dt = "fp8e4nv" if fmt == "fp8_block" else "bf16"
@@ -101,7 +103,7 @@ def sm90_kernel_compiled(fmt, cfg, out="bf16", epilogue=None, with_scales=True, 
     constexprs = dict(STAGES=cfg.stages, GROUP_M=cfg.group_m, SWAP=cfg.swap, PROMOTE=fmt == "fp8_block",
                       HAS_EXPERT_SCALES=with_scales, HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs,
-                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=dynamic, SCALE_RING=cfg.scale_ring)
+                      EPI=epilogue or PLAIN_EPILOGUE, DYNAMIC=dynamic, SCALE_RING=cfg.scale_ring, FILL=fill)
     return offline.gluon_compile_for_sm90(dense.dense_kernel, signature, constexprs, {"num_warps": 4},
                                           aligned=("out_ptr", "N"))
 
@@ -276,7 +278,7 @@ def check_wgmma_pipelining(sass, fmt, tokens_per_slot):
                    if not any("64x32x32" in t for t in loop)), "a wide loop waits for every wgmma"
 
 
-def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True, prepacked=False):
+def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=True, prepacked=False, fill=False):
     from moegemm.config import sm90_mx_config
     from moegemm.kernels.sm90 import decode, launcher
     from moegemm.sm90_configs import DecodeConfig, weight_bytes, with_epilogue_scratch
@@ -306,7 +308,7 @@ def mx_kernel_compiled(fmt, tokens_per_slot, layout, epilogue=None, with_scales=
                       SWIZZLED=layout == "swizzled", HAS_EXPERT_SCALES=with_scales,
                       HAS_ROW_SCALES=with_scales and epilogue is None,
                       CONSUMER_REGS=cfg.consumer_regs, EPI=epilogue or PLAIN_EPILOGUE, PREPACKED=cfg.prepacked,
-                      CONSUMER_ROWS=cfg.consumer_rows)
+                      CONSUMER_ROWS=cfg.consumer_rows, FILL=fill)
     return offline.gluon_compile_for_sm90(decode.decode_kernel, signature, constexprs,
                                           {"num_warps": 4})
 
@@ -997,3 +999,41 @@ def test_ptxas_infos_report_serialized_wgmma():
     serialized = offline.ptxas_infos(Compiled(SERIALIZING_PTX.replace("REDEFINE", "mov.f32 %f0, 0f3F800000;")))
     assert [code for code, _ in serialized if code in SERIALIZED_WGMMA], serialized
     assert not offline.ptxas_infos(Compiled(SERIALIZING_PTX.replace("REDEFINE", "")))
+
+
+# The variants of a fresh output (no out given) of the kernels with no token pre-pass: the dense
+# kernel's tile arrangements (swapped at decode, split-n, normal, fp8_block's staged scales) and
+# the decoding kernel's (64- and 128-row consumers, prepacked 256-row tiles).
+FILL_CASES = [("sm90", "bf16", 1, False), ("sm90", "bf16", 40, False), ("sm90", "bf16", 8192, False),
+              ("sm90", "fp8_block", 1, False), ("sm90", "fp8_block", 8192, False),
+              ("mx", "bf16_mxfp4", 1, False), ("mx", "bf16_mxfp4", 16, True), ("mx", "bf16_nvfp4", 16, True),
+              ("mx", "bf16_mxfp8", 16, False)]
+
+
+@pytest.mark.parametrize("family,fmt,tokens_per_slot,prepacked", FILL_CASES)
+def test_fresh_output_fill_variants_compile_for_sm90(family, fmt, tokens_per_slot, prepacked):
+    """FILL (kernels/sm90/free_rows.py): the kernel zeroes a fresh output's rows no valid slot owns
+    after its tiles. The variant stores zeros (STG) beside the plain variant's stores, spills
+    nothing, touches no register of an in-flight wgmma, and grows no K loop by more than 2
+    instructions (ptxas orders a loop's instructions differently with the values the fill holds
+    through it: the loops keep their length, lose one, or gain 2 of ~100-330)."""
+    if family == "sm90":
+        from moegemm.config import sm90_config
+
+        cfg = sm90_config(FORMATS[fmt], 4096, 7168, tokens_per_slot, 2)
+
+        def compiled(fill):
+            return sm90_kernel_compiled(fmt, cfg, fill=fill)
+    else:
+        def compiled(fill):
+            return mx_kernel_compiled(fmt, tokens_per_slot, "swizzled", prepacked=prepacked, fill=fill)
+    plain, filling = wgmma_sass(compiled(False)), wgmma_sass(compiled(True))
+    ops = offline.opcode_counts(filling)
+    assert ops["LDL"] + ops["STL"] == offline.opcode_counts(plain)["LDL"] + offline.opcode_counts(plain)["STL"] == 0
+    assert sum(n for op, n in ops.items() if op.startswith("STG")) > sum(
+        n for op, n in offline.opcode_counts(plain).items() if op.startswith("STG")), "no zero stores"
+
+    lengths, plain_lengths = [len(loop) for loop in innermost_mma_loops(filling)], [
+        len(loop) for loop in innermost_mma_loops(plain)]
+    assert len(lengths) == len(plain_lengths) and all(a <= b + 2 for a, b in zip(lengths, plain_lengths)), (
+        f"K loops of {lengths} instructions with the fill, {plain_lengths} without")

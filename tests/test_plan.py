@@ -218,6 +218,32 @@ def test_sm90_fresh_output_is_zeroed_by_the_token_prepass(fmt, out_dtype, patter
         assert not launched and fills, "G = 0: nothing launches, the output is allocated zeroed"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8"])
+def test_sm90_fresh_output_of_a_format_with_no_prepass_is_zeroed_by_its_kernel(fmt, monkeypatch):
+    """A call without out on the sm90 path of a format with no token pre-pass: the output is
+    allocated uninitialized, with no torch fill, and the one launch is the kernel's FILL variant,
+    which zeroes the rows no valid slot owns after its tiles (kernels/sm90/free_rows.py; the bits
+    on a GPU: test_sm90.py). A call into a given out launches the plain variant."""
+    from moegemm.kernels import compiled_launch
+
+    _sm90_on_the_cpu(monkeypatch, prepasses=False)
+    stubbed, variants = compiled_launch.LaunchSite.launch, []
+
+    def launch(site, grid, args, kwargs):
+        variants.append((site.fn.__name__, kwargs.get("FILL", False)))
+        stubbed(site, grid, args, kwargs)
+
+    monkeypatch.setattr(compiled_launch.LaunchSite, "launch", launch)
+    p = make_problem(fmt, "swizzled" if fmt.startswith("bf16_") else "plain", EDGE_ROWS, 48, 64, "cpu")
+    kernel = "dense_kernel" if fmt in ("bf16", "fp8_block") else "decode_kernel"
+    fills = _fills_of(lambda: moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90"), (p.m, p.n),
+                      torch.bfloat16)
+    assert not fills, f"the fresh output was filled by torch ({fills}) besides the kernel"
+    assert variants == [(kernel, True)]
+    moegemm.grouped_matmul(*p.args(), **p.kwargs(), out=torch.zeros(p.m, p.n, dtype=torch.bfloat16), backend="sm90")
+    assert variants[1:] == [(kernel, False)]
+
+
 @pytest.fixture
 def faked_sm90(monkeypatch):
     """The sm90 path planned on the CPU (_sm90_on_the_cpu, every launch stubbed): the (name,

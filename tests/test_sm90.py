@@ -570,12 +570,33 @@ def test_sm90_fresh_output_reads_zero_outside_valid_slots(fmt, layout, pattern):
     fresh_output_matches_a_zeroed_one(make_problem(fmt, layout, pattern, 512, 1024, "cuda"))
 
 
+# The formats with no token pre-pass: their kernel's FILL variant zeroes those rows after its
+# tiles (kernels/sm90/free_rows.py). N 512, K 1024 at decode (swapped and decoding tiles), and at
+# 1024 tokens a slot (normal dense tiles, the fp8_block scales staged in the ring).
+NO_PREPASS_FORMATS = ("bf16", "fp8_block", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
+PREFILL_SKIPS = TokenPattern("prefill_skips", (1000, 24, 1100, 900), (0, -1, 2, 3), start=70, tail=130,
+                             why="normal tiles, a skipped slot between, rows before the first and after the last")
+
+
+@pytest.mark.parametrize("pattern", [*FRESH_PATTERNS, PREFILL_SKIPS], ids=lambda p: p.name)
+@pytest.mark.parametrize("fmt", NO_PREPASS_FORMATS)
+def test_sm90_fresh_output_of_the_filling_kernels_reads_zero_outside_valid_slots(fmt, pattern):
+    layout = "swizzled" if fmt.startswith("bf16_") else "plain"
+    fresh_output_matches_a_zeroed_one(make_problem(fmt, layout, pattern, 512, 1024, "cuda"))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "bf16_mxfp4"])
+def test_sm90_fresh_fp32_output_of_the_filling_kernels_reads_zero_outside_valid_slots(fmt):
+    layout = "swizzled" if fmt.startswith("bf16_") else "plain"
+    fresh_output_matches_a_zeroed_one(make_problem(fmt, layout, EDGE_ROWS, 512, 1024, "cuda"), torch.float32)
+
+
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_sm90_fresh_fp32_output_reads_zero_outside_valid_slots(fmt):
     fresh_output_matches_a_zeroed_one(make_problem(fmt, "plain", EDGE_ROWS, 512, 1024, "cuda"), torch.float32)
 
 
-@pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.parametrize("fmt", [*MX_FORMATS, *NO_PREPASS_FORMATS])
 def test_sm90_cuda_graph_zeroes_its_fresh_output_at_every_replay(fmt):
     """A captured call without out: each replay's pre-pass zeroes the output's rows outside the
     replay's valid slots (new routing, the output poisoned between)."""

@@ -65,6 +65,7 @@ from .pipeline import (
     scale_row_offsets,
     walk,
 )
+from .free_rows import zero_free_rows
 from .swiglu import Swiglu
 
 
@@ -635,8 +636,10 @@ class DecodeConsumer:
 
 
 @gluon.jit
-def _consume(consumer, sched):
+def _consume(consumer, sched, FILL: gl.constexpr):
     walk(sched, consumer)
+    if FILL and consumer.WG == 0:
+        zero_free_rows(sched, consumer.out.out_ptr)
 
 
 @gluon.jit
@@ -644,7 +647,7 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
                   row_scales_ptr, M, N, K, E, G, NUM_KB, KB4, epi, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                   VEC: gl.constexpr, NV_SCALE: gl.constexpr, SWIZZLED: gl.constexpr, HAS_EXPERT_SCALES: gl.constexpr,
                   HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPI: gl.constexpr,
-                  PREPACKED: gl.constexpr, CONSUMER_ROWS: gl.constexpr):
+                  PREPACKED: gl.constexpr, CONSUMER_ROWS: gl.constexpr, FILL: gl.constexpr = False):
     """t_desc: bf16 token tiles [TOK_TILE, BLOCK_K] of the decoded A; w_desc: raw weight tiles
     [W_TILE (128, or 256 prepacked), SUB * BLOCK_K bytes (fp8) or SUB * BLOCK_K / 2 (packed fp4)] of
     B viewed as [E*N, K or K/2]: SUB token tiles and one weight tile fill a ring stage. b_scale_ptr:
@@ -653,7 +656,8 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
     prepacked e2m1 seen as [atoms * 32, 4] int32 (a 128 x 4 atom is 32 x 4 words), a box of one
     128-row block's atoms of a stage, W_TILE / 128 boxes a stage, read from the ring (_staged_chain).
     CONSUMER_ROWS: weight rows of a consumer warpgroup, 64, or 128 (staged scales: two 64-row
-    accumulators a warpgroup, two warpgroups on a 256-row tile). epi, EPI: the fused epilogue (Swiglu.create)."""
+    accumulators a warpgroup, two warpgroups on a 256-row tile). epi, EPI: the fused epilogue (Swiglu.create).
+    FILL: out is fresh; its rows no valid slot owns are zeroed after the tiles (free_rows.py)."""
     TOK_TILE: gl.constexpr = t_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = t_desc.block_type.shape[1]
     W_TILE: gl.constexpr = w_desc.block_type.shape[0]
@@ -705,11 +709,11 @@ def decode_kernel(t_desc, w_desc, ws_desc, out_ptr, b_scale_ptr, a_offsets_ptr, 
                                    KB4, 2, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
         consumer3 = DecodeConsumer(ring, t_bufs, w_bufs, a_bufs, ws_bufs, out, swiglu, b_scale_ptr, K, NUM_KB,
                                    KB4, 3, SUB, VEC, NV_SCALE, SWIZZLED, PREPACKED, M_BLOCKS)
-        gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
-                            (_consume, (consumer2, sched)), (_consume, (consumer3, sched)),
+        gl.warp_specialize([(_consume, (consumer0, sched, FILL)), (_consume, (consumer1, sched, FILL)),
+                            (_consume, (consumer2, sched, FILL)), (_consume, (consumer3, sched, FILL)),
                             (produce, (producer, sched))],
                            [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS,
                                           producer_registers(4, CONSUMER_REGS)])
     else:
-        gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)),
+        gl.warp_specialize([(_consume, (consumer0, sched, FILL)), (_consume, (consumer1, sched, FILL)),
                             (produce, (producer, sched))], [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

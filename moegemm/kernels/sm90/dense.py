@@ -43,6 +43,7 @@ from .pipeline import (
     producer_registers,
     walk,
 )
+from .free_rows import zero_free_rows
 from .stage_scales import SCALE_COPY_LANES, StageScales
 from .swiglu import Swiglu
 
@@ -312,8 +313,10 @@ class DenseConsumer:
 
 
 @gluon.jit
-def _consume(consumer, sched):
+def _consume(consumer, sched, FILL: gl.constexpr):
     walk(sched, consumer)
+    if FILL and consumer.WG == 0:
+        zero_free_rows(sched, consumer.out.out_ptr)
     tma.store_wait(pendings=0)
 
 
@@ -322,7 +325,7 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
                  expert_scales_ptr, row_scales_ptr, tile_counter_ptr, claim_rounds, M, N, K, E, G, NUM_KB, epi,
                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, SWAP: gl.constexpr, PROMOTE: gl.constexpr,
                  HAS_EXPERT_SCALES: gl.constexpr, HAS_ROW_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 EPI: gl.constexpr, DYNAMIC: gl.constexpr, SCALE_RING: gl.constexpr):
+                 EPI: gl.constexpr, DYNAMIC: gl.constexpr, SCALE_RING: gl.constexpr, FILL: gl.constexpr = False):
     """a_desc: token tiles [TOK_TILE, BLOCK_K] of A; b_desc: weight tiles [W_TILE, BLOCK_K] of B
     viewed as [E*N, K], or for N-major bf16 weights [1, BLOCK_K, W_TILE] boxes of B's [E, K, N]
     storage (pipeline.n_major); c_desc: [64, SUB_N] tiles of C (unused when SWAP). The tile
@@ -330,7 +333,8 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
     fp8_block scales (PROMOTE), NUM_KB K blocks a row; SCALE_RING: staged by the producer into the
     ring (normal tiles). epi, EPI: the fused epilogue (Swiglu.create).
     DYNAMIC: the last claim_rounds * nprog tiles are claimed from tile_counter_ptr (an int32 that
-    is zero at launch), else all are dealt round-robin (pipeline.py, schedule)."""
+    is zero at launch), else all are dealt round-robin (pipeline.py, schedule). FILL: out is fresh,
+    and its rows no valid slot owns are zeroed after the tiles (free_rows.py)."""
     TOK_TILE: gl.constexpr = a_desc.block_type.shape[0]
     N_MAJOR: gl.constexpr = n_major(b_desc)
     W_TILE: gl.constexpr = b_desc.block_type.shape[2] if N_MAJOR else b_desc.block_type.shape[0]
@@ -367,5 +371,6 @@ def dense_kernel(a_desc, b_desc, c_desc, out_ptr, a_scale_ptr, b_scale_ptr, a_of
     consumer1 = DenseConsumer(ring, a_bufs, b_bufs, c_desc, c_smem.index(1), out, swiglu, a_scale_ptr, b_scale_ptr,
                               scales, K, NUM_KB, 1, SUB_N, SWAP, SPLIT_N, PROMOTE, N_MAJOR)
     producer = Producer.create(ring, a_desc, b_desc, a_bufs, b_bufs, K, scales=scales)
-    gl.warp_specialize([(_consume, (consumer0, sched)), (_consume, (consumer1, sched)), (produce, (producer, sched))],
+    gl.warp_specialize([(_consume, (consumer0, sched, FILL)), (_consume, (consumer1, sched, FILL)),
+                        (produce, (producer, sched))],
                        [4, 1], [CONSUMER_REGS, producer_registers(2, CONSUMER_REGS)])

@@ -131,7 +131,7 @@ class KernelPlan:
     `run`, its launch of a call's tensors (LaunchArgs -> the output), made once from them by
     cfg's kernel's _<kernel>_launch: the TMA boxes, the scalar arguments, the launch site."""
 
-    __slots__ = ("problem", "cfg", "num_programs", "dynamic", "tokens", "key", "kwargs", "run")
+    __slots__ = ("problem", "cfg", "num_programs", "dynamic", "tokens", "fills", "key", "kwargs", "run")
 
     def __init__(self, problem: GroupedProblem, cfg, launches: Callable, num_programs: int, dynamic: bool,
                  tokens: TokenPass | None, key: tuple, kwargs: dict):
@@ -140,6 +140,10 @@ class KernelPlan:
         self.num_programs = num_programs
         self.dynamic = dynamic  # a tile counter claims the last rounds' tiles (tile_counter)
         self.tokens = tokens  # the pre-pass of A (None: the kernel reads A as given, or in a token form)
+        # its kernel zeroes a fresh output's rows no valid slot owns (FILL, free_rows.py): the dense
+        # and the decoding kernel, where no pre-pass runs before them (the weight-only formats'
+        # pass of their bf16 tokens launches nothing)
+        self.fills = (tokens is None or tokens.site is None) and launches in (_dense_launch, _decode_launch)
         self.key = key  # the launch key but the epilogue's (kernels/compiled_launch.py)
         self.kwargs = kwargs  # the constexprs and launch options but EPI, the epilogue's
         self.run: Callable[[LaunchArgs], torch.Tensor] = launches(self)
@@ -211,16 +215,18 @@ def _token_pass(p: GroupedProblem, cfg, device: torch.device, scale_blocks: int)
 
 def launch(kernel: KernelPlan | None, args: LaunchArgs) -> torch.Tensor:
     """Run a planned problem on the call's tensors (module docstring)."""
-    if args.fresh_out and (args.tokens is not None or not zeroes_fresh_out(kernel)):
-        raise ValueError("fresh_out: this launch runs no token pre-pass that zeroes out's rows outside valid slots; "
-                         "pass a zeroed out")
+    if args.fresh_out and (args.epilogue is not None or not zeroes_fresh_out(kernel)
+                           or (args.tokens is not None and not kernel.fills)):
+        raise ValueError("fresh_out: this launch zeroes no rows of out outside valid slots (no token pre-pass that "
+                         "does, nor a kernel that does); pass a zeroed out")
     return args.out if kernel is None else kernel.run(args)
 
 
 def zeroes_fresh_out(kernel: KernelPlan | None) -> bool:
     """Whether a launch of `kernel` may take an uninitialized [M, N] out (LaunchArgs.fresh_out):
-    its token pre-pass runs first and zeroes the rows no valid slot owns (kernels/tokens.py)."""
-    return kernel is not None and kernel.tokens is not None and kernel.tokens.fill is not None
+    its token pre-pass runs first and zeroes the rows no valid slot owns (kernels/tokens.py), or,
+    with no pre-pass, the kernel zeroes them after its tiles (fills_in_kernel)."""
+    return kernel is not None and (kernel.fills or (kernel.tokens is not None and kernel.tokens.fill is not None))
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32,
@@ -303,19 +309,26 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 
 class _Launches:
     """A plan's launches of its kernel under `key`: with the plain epilogue through the key's
-    site, with the fused epilogue (the call's EpilogueSpec) by the key and the epilogue's."""
+    site, with the fused epilogue (the call's EpilogueSpec) by the key and the epilogue's.
+    FILLS (the dense and the decoding kernel, no pre-pass): a fresh output's launch is the
+    kernel's FILL variant, which zeroes the rows no valid slot owns (free_rows.py)."""
 
-    __slots__ = ("fn", "key", "kwargs", "grid", "plain")
+    __slots__ = ("fn", "key", "kwargs", "grid", "plain", "filling")
 
     def __init__(self, fn, kernel: KernelPlan, key: tuple):
         self.fn, self.key, self.kwargs, self.grid = fn, key, kernel.kwargs, (kernel.num_programs, )
         self.plain = site(fn, key)
+        self.filling = site(fn, (*key, "fill")) if kernel.fills else None
 
     def launch(self, args: LaunchArgs, positional: tuple) -> torch.Tensor:
         """fn(*positional, epi) of the call's epilogue; returns args.out."""
         dummy = args.a_offsets
         if args.epilogue is None:  # (plain_epilogue_args')
-            self.plain.launch(self.grid, (*positional, (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0)), self.kwargs)
+            positional = (*positional, (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0))
+            if args.fresh_out and self.filling is not None:
+                self.filling.launch(self.grid, positional, dict(self.kwargs, FILL=True))
+            else:
+                self.plain.launch(self.grid, positional, self.kwargs)
         else:
             epi, consts = args.epilogue.kernel_args(dummy)
             launch_kernel(self.fn, (*self.key, args.epilogue.launch_key()), self.grid, (*positional, epi),
@@ -368,7 +381,7 @@ def _tokens(kernel: KernelPlan, args: LaunchArgs) -> tuple[torch.Tensor | None, 
     if args.tokens is not None:
         return args.tokens.scales, args.tokens.data
     return kernel.tokens.run(args.a, args.a_scales, args.a_offsets, args.expert_ids, args.a_scale_offsets,
-                             args.out if args.fresh_out else None)
+                             args.out if args.fresh_out and not kernel.fills else None)
 
 
 def _decode_launch(kernel: KernelPlan) -> Callable[[LaunchArgs], torch.Tensor]:
