@@ -3,6 +3,8 @@ no register spills, every format and layout. Catches API and resource errors bef
 GPU time is spent."""
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -1037,3 +1039,21 @@ def test_fresh_output_fill_variants_compile_for_sm90(family, fmt, tokens_per_slo
         len(loop) for loop in innermost_mma_loops(plain)]
     assert len(lengths) == len(plain_lengths) and all(a <= b + 2 for a, b in zip(lengths, plain_lengths)), (
         f"K loops of {lengths} instructions with the fill, {plain_lengths} without")
+
+
+def test_promotion_ceiling_variants_compile_for_sm90():
+    """bench/promotion_ceiling.py's variants of the fp8_block kernel (no scale work; no promotion)
+    build from dense.py's source and compile at the prefill config: no spills, no serialized
+    wgmma, and K loops no longer than the kernel's (the script then times them on a GPU)."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import promotion_ceiling
+
+    rows = {r["variant"]: r for r in promotion_ceiling.sass_report()}
+    assert set(rows) == {"as run", "unscaled", "chained"}
+    for r in rows.values():
+        assert r["spills"] == 0 and not r["serialized"], r
+    as_run = rows["as run"]["loop_instructions"]
+    assert all(u <= a for u, a in zip(rows["unscaled"]["loop_instructions"], as_run))
+    assert all(c < a for c, a in zip(rows["chained"]["loop_instructions"], as_run))

@@ -1,0 +1,232 @@
+"""How fast fp8_block's dense kernel (kernels/sm90/dense.py) could run if its per-block promotion
+cost nothing: the same kernel with its K loop's scale work removed, timed beside the real one,
+DeepGEMM and torch's FP8 rowwise grouped mm, in one process.
+
+fp8_block multiplies each 128-K block's partial sums by the token and weight scales (docs/contract.md),
+so its K loop issues a fresh wgmma a block, waits for it, and adds the scaled tile into the
+accumulator. Two ceiling variants, built from dense.py's source at run time (nothing of them ships)
+and swapped into the launcher for their rows; their results are wrong on purpose and not checked:
+    unscaled   the same wgmmas, waits and adds a block, with no scale read and no multiply (what the
+               promotion's scale loads and FMAs cost)
+    chained    no promotion at all: the wgmmas accumulate in place, one step in flight, as bf16's
+               K loop (what the per-block wait and add cost: the loop a plain FP8 GEMM runs)
+The producer, the ring (with the scales the config stages there), the schedule and the epilogue
+stay. If even `chained` trails DeepGEMM, the gap is outside the promotion.
+
+    python bench/promotion_ceiling.py --out DIR [--only t-] [--regimes 4x8192,8x4096,32x256,64x128]
+    python bench/promotion_ceiling.py --sass      (CPU: each variant's K loops at the prefill config,
+                                                  compiled offline: instructions a million MACs,
+                                                  spills, and ptxas' wgmma serialization infos)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(ROOT))
+
+# The promotion loops' calls in DenseConsumer.tile, each replaced by a variant with its signature.
+STAGED_CALL = "_promote_staged(m_op, n_op, self.ring, self.scales, zero, it, k_steps, WG, N_SUB)"
+LOADED_CALL = "_promote(m_op, n_op, self.ring, zero, a_scale_rows, tok_mask, b_scale_row, self.NUM_KB,"
+VARIANT_STUBS = '''
+
+@gluon.jit
+def _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG: gl.constexpr, SPLIT_N: gl.constexpr,
+                  N_SUB: gl.constexpr, CHAINED: gl.constexpr):
+    SUB_N: gl.constexpr = zero.shape[1]
+    acc0 = zero
+    acc1 = zero
+    prev = 0
+    for kk in range(k_steps):
+        stage = ring.wait_ready(it)
+        a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, SPLIT_N, SUB_N, False, False)
+        if CHAINED:
+            acc0 = warpgroup_mma(a, b, acc0, is_async=True)
+            if N_SUB == 2:
+                a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, SPLIT_N, SUB_N, False, False)
+                acc1 = warpgroup_mma(a, b, acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+            else:
+                acc0 = warpgroup_mma_wait(1, deps=(acc0, ))
+            ring.release(prev, pred=kk > 0)
+            prev = stage
+        else:
+            part = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            if N_SUB == 2:
+                acc0 = acc0 + part
+                a, b = _wgmma_operands(m_op, n_op, stage, SUB_N, WG, SPLIT_N, SUB_N, False, False)
+                part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(0, deps=(part, ))
+                ring.release(stage)
+                acc1 = acc1 + part
+            else:
+                ring.release(stage)
+                acc0 = acc0 + part
+        it += 1
+    if CHAINED:
+        if N_SUB == 2:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0, ))
+        ring.release(prev)
+    return acc0, acc1, it
+
+
+@gluon.jit
+def _staged_ceiling(m_op, n_op, ring, scales, zero, it, k_steps, WG: gl.constexpr, N_SUB: gl.constexpr):
+    return _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG, False, N_SUB, CEILING_CHAINED)
+
+
+@gluon.jit
+def _loaded_ceiling(m_op, n_op, ring, zero, a_scale_rows, tok_mask, b_scale_row, NUM_KB, high_valid, it, k_steps,
+                    WG: gl.constexpr, SPLIT_N: gl.constexpr, N_SUB: gl.constexpr, tok_dim: gl.constexpr):
+    return _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG, SPLIT_N, N_SUB, CEILING_CHAINED)
+'''
+VARIANTS = ("unscaled", "chained")
+REGIMES = ((4, 8192), (8, 4096), (32, 256), (64, 128))
+
+
+def variant_kernel(variant: str):
+    """dense.py's kernel with its promotion loops replaced by the `variant` ceiling (module docstring)."""
+    from moegemm.kernels.sm90 import launcher
+
+    source = Path(launcher.__file__).with_name("dense.py").read_text()
+    for call, stub in ((STAGED_CALL, "_staged_ceiling("), (LOADED_CALL, "_loaded_ceiling(")):
+        if source.count(call) != 1:
+            raise RuntimeError(f"dense.py changed: the ceiling variant expects one {call!r}")
+        source = source.replace(call, stub + call.split("(", 1)[1])
+    source += VARIANT_STUBS + f"\n\nCEILING_CHAINED = gl.constexpr({variant == 'chained'})\n"
+    name = f"_promotion_ceiling_{variant}"
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"moegemm{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"moegemm.kernels.sm90.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "moegemm.kernels.sm90"
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.dense_kernel
+
+
+def sass_report() -> list[dict]:
+    """Each variant's K loops at the fp8_block prefill config of 6144 x 7168 (8 x 4096), offline."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_compile_sm90 as compiled_cases
+    from moegemm.config import sm90_config
+    from moegemm.formats import FORMATS
+    from moegemm.kernels import offline
+    from moegemm.kernels.sm90 import dense
+
+    cfg = sm90_config(FORMATS["fp8_block"], 6144, 7168, 4096, 2)
+    rows, real = [], dense.dense_kernel
+    for variant in ("as run", *VARIANTS):
+        dense.dense_kernel = real if variant == "as run" else variant_kernel(variant)
+        try:
+            compiled = compiled_cases.sm90_kernel_compiled("fp8_block", cfg)
+        finally:
+            dense.dense_kernel = real
+        text = offline.sass(compiled)
+        loops = compiled_cases.innermost_mma_loops(text)
+        per_mmac = [round(len(loop) / compiled_cases.mma_loop_macs(loop) * 1e6, 1) for loop in loops]
+        ops = offline.opcode_counts(text)
+        rows.append(dict(variant=variant, config=str(cfg), loop_instructions=[len(loop) for loop in loops],
+                         per_million_macs=per_mmac, spills=ops["LDL"] + ops["STL"],
+                         serialized=[code for code, _ in offline.ptxas_infos(compiled) if code.startswith("C751")]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def timed(fn) -> float:
+    import torch
+
+    from moegemm import benchmark
+
+    fn()
+    torch.cuda.synchronize()
+    return benchmark._bench_graph(fn)
+
+
+def run(out_dir: Path, only: str, regimes) -> None:
+    import torch
+
+    from moegemm import benchmark, benchmark_inputs, benchmark_rows
+    from moegemm.config import override_config, sm90_config
+    from moegemm.formats import FORMATS
+    from moegemm.kernels.sm90 import launcher
+
+    device = torch.device("cuda")
+    env = {**benchmark.provenance("bench/promotion_ceiling.py"), "gpu": torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "triton": __import__("triton").__version__}
+    print(json.dumps(env), flush=True)
+    real, variants = launcher.dense_kernel, {v: variant_kernel(v) for v in VARIANTS}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"promotion-ceiling-{env['gpu'].replace(' ', '-')}.json"
+    rows = []
+    for shape, (n, k) in benchmark_rows.TARGET_SHAPES.items():
+        if only and not shape.startswith(only):
+            continue
+        for groups, nominal in regimes:
+            sizes = benchmark_rows.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
+            inp = benchmark_inputs.Inputs("fp8_block", n, k, sizes, device)
+            row = {"shape": shape, "n": n, "k": k, "groups": groups, "nominal": nominal, "tokens": sum(sizes),
+                   "ms": timed(inp.ours), "torch_rowwise_ms": timed(inp.torch_baseline)}
+            try:
+                deepgemm = benchmark_inputs.deepgemm_runner(inp)
+                row["deepgemm_ms"] = timed(deepgemm) if deepgemm is not None else None
+            except Exception as error:  # noqa: BLE001 (the peer's failure is recorded, the run goes on)
+                row["deepgemm_ms"], row["deepgemm_failed"] = None, repr(error)[:300]
+            cfg = sm90_config(FORMATS["fp8_block"], n, k, sum(sizes) / groups, 2)
+            row["config"] = str(cfg)
+            with override_config(cfg):  # (a forced config: no cached plan, so the swapped kernel is planned)
+                for variant, kernel in variants.items():
+                    launcher.dense_kernel = kernel
+                    try:
+                        row[f"{variant}_ms"] = timed(inp.ours)
+                    finally:
+                        launcher.dense_kernel = real
+            flops = 2.0 * row["tokens"] * n * k
+            for key in ("ms", *(f"{v}_ms" for v in VARIANTS)):
+                stem = key[:-3] or "as_run"
+                row[f"{stem}_tflops"] = flops / row[key] / 1e9
+                if row["deepgemm_ms"]:
+                    row[f"{stem}_x_deepgemm"] = row["deepgemm_ms"] / row[key]
+                row[f"{stem}_x_torch_rowwise"] = row["torch_rowwise_ms"] / row[key]
+            rows.append(row)
+            path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # (a run cut short keeps its rows)
+            print(f"{shape:12} {groups}x{nominal:<5} as run {row['ms']:.3f} ms, unscaled {row['unscaled_ms']:.3f}, "
+                  f"chained {row['chained_ms']:.3f}, DeepGEMM {row['deepgemm_ms'] or float('nan'):.3f}, torch "
+                  f"rowwise {row['torch_rowwise_ms']:.3f} | x DeepGEMM: as run "
+                  f"{row.get('as_run_x_deepgemm', float('nan')):.2f}, unscaled "
+                  f"{row.get('unscaled_x_deepgemm', float('nan')):.2f}, chained "
+                  f"{row.get('chained_x_deepgemm', float('nan')):.2f}", flush=True)
+            del inp
+            torch.cuda.empty_cache()
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--only", default="t-", help="shapes of benchmark_rows.TARGET_SHAPES starting so")
+    parser.add_argument("--regimes", default=",".join(f"{g}x{t}" for g, t in REGIMES), help="GROUPSxTOKENS, ...")
+    parser.add_argument("--sass", action="store_true", help="the variants' K loops offline (CPU), no timing")
+    args = parser.parse_args(argv)
+    start = time.time()
+    if args.sass:
+        sass_report()
+    else:
+        regimes = tuple(tuple(int(v) for v in r.split("x")) for r in args.regimes.split(",") if r)
+        run(Path(args.out), args.only, regimes)
+    print(f"# {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
