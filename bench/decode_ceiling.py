@@ -22,7 +22,6 @@ expert shapes; the decode rows also give the copy bandwidth and each row's bytes
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -40,6 +39,9 @@ from moegemm.formats import FORMATS, PREPACK_FORMATS
 from moegemm.kernels.sm90 import launcher
 from moegemm.prepack import prepack_codes
 from moegemm.sm90_configs import MX_FORMATS, DecodeConfig, Mxfp8Config, deepest_ring
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from source_variants import module_variant  # (beside this script)
 
 # the model-formats preset's shapes and regimes (moegemm/benchmark_rows.py)
 SHAPES = {name: benchmark_rows.MODEL_SHAPES[name] for name in benchmark_rows.MODEL_FORMAT_SHAPES}
@@ -74,22 +76,8 @@ def ceiling_kernel(lines=DECODE_LINES, stubs: str = "", name: str = "_decode_cei
     """decode.py's kernel with `lines` replaced (module docstring): by default without the decode
     and store of the weights in the plain order; REGISTER_DECODE_LINES: without the decode of
     prepacked e2m1 into the wgmma's registers."""
-    source_path = Path(launcher.__file__).with_name("decode.py")
-    source = source_path.read_text()
-    for line, replacement in lines:
-        if source.count(line) != 1:
-            raise RuntimeError(f"decode.py changed: the ceiling variant expects one {line.strip()!r}")
-        source = source.replace(line, replacement)
-    source += stubs
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"moegemm{name}.py"
-    path.write_text(source)
-    name = f"moegemm.kernels.sm90.{name}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "moegemm.kernels.sm90"
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.decode_kernel
+    return module_variant(Path(launcher.__file__).with_name("decode.py"), lines, stubs, name,
+                          "moegemm.kernels.sm90").decode_kernel
 
 
 def prepacked_call(inp: benchmark_inputs.Inputs):
@@ -250,7 +238,6 @@ def run_few_tokens(fmts, out_dir: Path, variants=(), regimes=FP4_REGIMES):
            "torch": torch.__version__, "triton": __import__("triton").__version__,
            **{k: round(v, 3) for k, v in ceilings.items()}}
     print(json.dumps(env), flush=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import peer_triton_kernels as peer
 
     has_peer = peer.available()

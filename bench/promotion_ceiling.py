@@ -22,7 +22,6 @@ stay. If even `chained` trails DeepGEMM, the gap is outside the promotion.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("MOEGEMM_TREE") or str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The promotion loops' calls in DenseConsumer.tile, each replaced by a variant with its signature.
 STAGED_CALL = "_promote_staged(m_op, n_op, self.ring, self.scales, zero, it, k_steps, WG, N_SUB)"
@@ -96,29 +96,22 @@ REGIMES = ((4, 8192), (8, 4096), (32, 256), (64, 128))
 
 def variant_kernel(variant: str):
     """dense.py's kernel with its promotion loops replaced by the `variant` ceiling (module docstring)."""
+    from source_variants import module_variant
+
     from moegemm.kernels.sm90 import launcher
 
-    source = Path(launcher.__file__).with_name("dense.py").read_text()
-    for call, stub in ((STAGED_CALL, "_staged_ceiling("), (LOADED_CALL, "_loaded_ceiling(")):
-        if source.count(call) != 1:
-            raise RuntimeError(f"dense.py changed: the ceiling variant expects one {call!r}")
-        source = source.replace(call, stub + call.split("(", 1)[1])
-    source += VARIANT_STUBS + f"\n\nCEILING_CHAINED = gl.constexpr({variant == 'chained'})\n"
-    name = f"_promotion_ceiling_{variant}"
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"moegemm{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"moegemm.kernels.sm90.{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "moegemm.kernels.sm90"
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.dense_kernel
+    replacements = [(call, stub + call.split("(", 1)[1])
+                    for call, stub in ((STAGED_CALL, "_staged_ceiling("), (LOADED_CALL, "_loaded_ceiling("))]
+    stubs = VARIANT_STUBS + f"\n\nCEILING_CHAINED = gl.constexpr({variant == 'chained'})\n"
+    return module_variant(Path(launcher.__file__).with_name("dense.py"), replacements, stubs,
+                          f"_promotion_ceiling_{variant}", "moegemm.kernels.sm90").dense_kernel
 
 
 def sass_report() -> list[dict]:
     """Each variant's K loops at the fp8_block prefill config of 6144 x 7168 (8 x 4096), offline."""
     sys.path.insert(0, str(ROOT / "tests"))
     import test_compile_sm90 as compiled_cases
+
     from moegemm.config import sm90_config
     from moegemm.formats import FORMATS
     from moegemm.kernels import offline
@@ -136,9 +129,9 @@ def sass_report() -> list[dict]:
         loops = compiled_cases.innermost_mma_loops(text)
         per_mmac = [round(len(loop) / compiled_cases.mma_loop_macs(loop) * 1e6, 1) for loop in loops]
         ops = offline.opcode_counts(text)
-        rows.append(dict(variant=variant, config=str(cfg), loop_instructions=[len(loop) for loop in loops],
-                         per_million_macs=per_mmac, spills=ops["LDL"] + ops["STL"],
-                         serialized=[code for code, _ in offline.ptxas_infos(compiled) if code.startswith("C751")]))
+        rows.append({"variant": variant, "config": str(cfg), "loop_instructions": [len(loop) for loop in loops],
+                     "per_million_macs": per_mmac, "spills": ops["LDL"] + ops["STL"],
+                     "serialized": [code for code, _ in offline.ptxas_infos(compiled) if code.startswith("C751")]})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -40,7 +40,7 @@ def zero_free_rows(sched, out_ptr):
         for g0 in range(0, G, FILL_SLOTS):
             # (slots past G repeat slot G - 1: the same rows again)
             g = gl.minimum(g0 + gl.arange(0, FILL_SLOTS, layout=slot_layout), G - 1)
-            s, t, _, rows_owned = _slot_tiles(gl.load(sched.a_offsets_ptr + g), gl.load(sched.a_offsets_ptr + g + 1),
+            s, _, _, rows_owned = _slot_tiles(gl.load(sched.a_offsets_ptr + g), gl.load(sched.a_offsets_ptr + g + 1),
                                               gl.load(sched.expert_ids_ptr + g), M, sched.E, 1, 0)
             end = s + rows_owned
             inside = (gl.expand_dims(rows, 1) >= gl.expand_dims(s, 0)) & (gl.expand_dims(rows, 1) < gl.expand_dims(end, 0))
