@@ -292,3 +292,14 @@ def dequantized_experts(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     else:
         gate, up = moegemm.gate_up.deinterleave_gate_up(gate_up)
     return gate, up, down
+
+
+def dirty_cached_blocks(nbytes: int):
+    """Leave the caching allocator's free blocks of nbytes all-ones bits (NaN in every float
+    dtype), so that the next tensors of that size start dirty; checked, else a test of fresh
+    outputs would prove nothing."""
+    blocks = [torch.full((nbytes, ), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
+    del blocks
+    probe = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    assert int(probe.min()) == 255, "the allocator handed out clean memory"
+    del probe

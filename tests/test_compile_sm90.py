@@ -1004,9 +1004,10 @@ def test_ptxas_infos_report_serialized_wgmma():
 
 
 # The variants of a fresh output (no out given) of the kernels with no token pre-pass: the dense
-# kernel's tile arrangements (swapped at decode, split-n, normal, fp8_block's staged scales) and
-# the decoding kernel's (64- and 128-row consumers, prepacked 256-row tiles).
-FILL_CASES = [("sm90", "bf16", 1, False), ("sm90", "bf16", 40, False), ("sm90", "bf16", 8192, False),
+# kernel's tile arrangements (swapped at decode, split-n at 128 tokens a slot, normal, fp8_block's
+# staged scales at 8192) and the decoding kernel's (plain and prepacked 256-row tiles, 64-row consumers).
+FILL_CASES = [("sm90", "bf16", 1, False), ("sm90", "bf16", 40, False), ("sm90", "bf16", 128, False),
+              ("sm90", "bf16", 8192, False),
               ("sm90", "fp8_block", 1, False), ("sm90", "fp8_block", 8192, False),
               ("mx", "bf16_mxfp4", 1, False), ("mx", "bf16_mxfp4", 16, True), ("mx", "bf16_nvfp4", 16, True),
               ("mx", "bf16_mxfp8", 16, False)]
@@ -1037,7 +1038,8 @@ def test_fresh_output_fill_variants_compile_for_sm90(family, fmt, tokens_per_slo
 
     lengths, plain_lengths = [len(loop) for loop in innermost_mma_loops(filling)], [
         len(loop) for loop in innermost_mma_loops(plain)]
-    assert len(lengths) == len(plain_lengths) and all(a <= b + 2 for a, b in zip(lengths, plain_lengths)), (
+    assert len(lengths) == len(plain_lengths) and all(a <= b + 2 for a, b in zip(lengths, plain_lengths,
+                                                                                   strict=True)), (
         f"K loops of {lengths} instructions with the fill, {plain_lengths} without")
 
 
@@ -1055,5 +1057,5 @@ def test_promotion_ceiling_variants_compile_for_sm90():
     for r in rows.values():
         assert r["spills"] == 0 and not r["serialized"], r
     as_run = rows["as run"]["loop_instructions"]
-    assert all(u <= a for u, a in zip(rows["unscaled"]["loop_instructions"], as_run))
-    assert all(c < a for c, a in zip(rows["chained"]["loop_instructions"], as_run))
+    assert all(u <= a for u, a in zip(rows["unscaled"]["loop_instructions"], as_run, strict=True))
+    assert all(c < a for c, a in zip(rows["chained"]["loop_instructions"], as_run, strict=True))

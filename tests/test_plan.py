@@ -244,6 +244,30 @@ def test_sm90_fresh_output_of_a_format_with_no_prepass_is_zeroed_by_its_kernel(f
     assert variants[1:] == [(kernel, False)]
 
 
+def test_sm90_fresh_output_of_a_token_form_is_zeroed_by_the_decoding_kernel(monkeypatch):
+    """mxfp4 tokens in the decoding kernel's bf16 form (the layer's kernels write them; no
+    pre-pass runs), called without out: no torch fill, the FILL variant of the decoding kernel."""
+    from moegemm.kernels import compiled_launch
+    from moegemm.token_forms import TokenForm
+
+    _sm90_on_the_cpu(monkeypatch, prepasses=False)
+    stubbed, variants = compiled_launch.LaunchSite.launch, []
+
+    def launch(site, grid, args, kwargs):
+        variants.append((site.fn.__name__, kwargs.get("FILL", False)))
+        stubbed(site, grid, args, kwargs)
+
+    monkeypatch.setattr(compiled_launch.LaunchSite, "launch", launch)
+    offsets, ids = torch.tensor([1, 21, 41], dtype=torch.int32), torch.tensor([0, -1], dtype=torch.int32)
+    w = moegemm.quantize_weights(torch.randn(2, 64, 64), "mxfp4")
+    tokens = moegemm.QuantizedTensor(torch.randn(44, 64).bfloat16(), None, "mxfp4", "a", TokenForm("bf16"), None,
+                                     offsets)
+    fills = _fills_of(lambda: moegemm.grouped_matmul(tokens, w, None, None, offsets, ids, fmt="mxfp4",
+                                                     backend="sm90"), (44, 64), torch.bfloat16)
+    assert not fills, f"the fresh output was filled by torch ({fills}) besides the kernel"
+    assert variants == [("decode_kernel", True)]
+
+
 @pytest.fixture
 def faked_sm90(monkeypatch):
     """The sm90 path planned on the CPU (_sm90_on_the_cpu, every launch stubbed): the (name,

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-from cases import (EDGE_ROWS, ROWS_NO_GROUPS, TOKEN_PATTERNS, TokenPattern, check_output, make_problem, poison_like,
-                   run_sm90, tolerance)
+from cases import (EDGE_ROWS, ROWS_NO_GROUPS, TOKEN_PATTERNS, TokenPattern, check_output, dirty_cached_blocks,
+                   make_problem, poison_like, run_sm90, tolerance)
 
 import moegemm
 from moegemm import config, sm90_configs
@@ -536,17 +536,6 @@ DECODE_SKIPS = TokenPattern("decode_skips", (1,) * 8, (0, 1, -1, 3, 4, -1, 6, 7)
 FRESH_PATTERNS = [DECODE_SKIPS, EDGE_ROWS, TOKEN_PATTERNS[13], TOKEN_PATTERNS[10], ROWS_NO_GROUPS]
 
 
-def dirty_cached_blocks(nbytes: int):
-    """Leave the caching allocator's free blocks of nbytes all-ones bits (NaN in every float
-    dtype), so that the next tensors of that size start dirty; checked, else a test of fresh
-    outputs would prove nothing."""
-    blocks = [torch.full((nbytes, ), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
-    del blocks
-    probe = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    assert int(probe.min()) == 255, "the allocator handed out clean memory"
-    del probe
-
-
 def fresh_output_matches_a_zeroed_one(p, out_dtype=torch.bfloat16):
     """A call without out, its memory dirty, gives the bits of a call into a zeroed out: +0 in every
     row outside valid slots, the same product in the others."""
@@ -572,7 +561,8 @@ def test_sm90_fresh_output_reads_zero_outside_valid_slots(fmt, layout, pattern):
 
 # The formats with no token pre-pass: their kernel's FILL variant zeroes those rows after its
 # tiles (kernels/sm90/free_rows.py). N 512, K 1024 at decode (swapped and decoding tiles), and at
-# 1024 tokens a slot (normal dense tiles, the fp8_block scales staged in the ring).
+# ~800 tokens a slot (normal dense tiles; at N 512 fp8_block loads its scales, the staged-scale
+# variant is compiled offline: test_compile_sm90.py).
 NO_PREPASS_FORMATS = ("bf16", "fp8_block", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8")
 PREFILL_SKIPS = TokenPattern("prefill_skips", (1000, 24, 1100, 900), (0, -1, 2, 3), start=70, tail=130,
                              why="normal tiles, a skipped slot between, rows before the first and after the last")
@@ -598,8 +588,9 @@ def test_sm90_fresh_fp32_output_reads_zero_outside_valid_slots(fmt):
 
 @pytest.mark.parametrize("fmt", [*MX_FORMATS, *NO_PREPASS_FORMATS])
 def test_sm90_cuda_graph_zeroes_its_fresh_output_at_every_replay(fmt):
-    """A captured call without out: each replay's pre-pass zeroes the output's rows outside the
-    replay's valid slots (new routing, the output poisoned between)."""
+    """A captured call without out: each replay zeroes the output's rows outside the replay's
+    valid slots, in the token pre-pass or the kernel's FILL variant (new routing, the output
+    poisoned between)."""
     p = make_problem(fmt, "plain", EDGE_ROWS, 512, 1024, "cuda")
     moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90")  # (compiled before the capture)
     torch.cuda.synchronize()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moegemm
+from cases import dirty_cached_blocks
 from moegemm.formats import get_format
 from moegemm.kernels import tokens as token_passes
 from moegemm.kernels.tl_source import interpreter_usable
@@ -254,3 +255,26 @@ def test_prepacked_e2m1_weights_take_the_decoding_kernels_form(monkeypatch):
         assert layer.up_form == layer.down_form == TokenForm("bf16") and layer.fused
         layer = plan.plan_layer.__wrapped__(*shapes, False, True)
         assert layer.up_form == plain and layer.down_form == TokenForm("bf16") and not layer.fused
+
+
+@pytest.mark.gpu
+def test_a_fresh_output_of_bf16_form_tokens_reads_zero_outside_valid_slots():
+    """mxfp4 tokens in the decoding kernel's bf16 form, called without out (its memory dirty): the
+    kernel's FILL variant zeroes the rows no valid slot owns (dropped choices, rows past the last
+    slot), and the other rows are the bits of a call into a zeroed out."""
+    t, k, e, n, hidden = 300, 4, 8, 512, 1024
+    plan = _routing(t, k, e, "cuda", seed=11)
+    x = torch.randn(t, hidden, device="cuda").bfloat16()
+    w = moegemm.quantize_weights(torch.randn(e, n, hidden, device="cuda") / 32, "mxfp4")
+    tokens = gather_quantize(x, "mxfp4", plan.token_index, a_offsets=plan.a_offsets,
+                             scale_layout=token_form(get_format("mxfp4"), n, hidden, t * k, e))
+    assert tokens.scale_layout == TokenForm("bf16")
+    rows = tokens.data.shape[0]
+    args = (tokens, w, None, None, plan.a_offsets, plan.expert_ids)
+    want = torch.zeros(rows, n, dtype=torch.bfloat16, device="cuda")
+    moegemm.grouped_matmul(*args, fmt="mxfp4", out=want, backend="sm90")
+    dirty_cached_blocks(rows * n * 2)
+    got = moegemm.grouped_matmul(*args, fmt="mxfp4", backend="sm90")
+    free = got[int(plan.a_offsets[-1]):].view(torch.int16)
+    assert free.numel() and torch.equal(free, torch.zeros_like(free)), "a row past the last slot is not +0"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -235,7 +235,7 @@ def activation_quantize_kernel(
         # nvfp4: the elements and below their denominators times e2m1_rescale(g), the same quotients
         g = tl.load(global_ptr)
         rescale = quotients.e2m1_rescale(g)
-        if rescale != 1.0:  # (the launch's global: one branch for all programs, taken below 2^-90)
+        if rescale != 1.0:  # (the launch's global: one branch for all programs, taken for 0 < |g| < 2^-90)
             y = y * rescale
     if OUT == OUT_BF16:
         codes = codecs.to_bf16_rne(y)

@@ -105,7 +105,7 @@ def _magnitudes_fast(y, denom):
     return _quotient_steps(tl.abs(y) * f[:, :, None], d[:, :, None], r[:, :, None])
 
 
-# The least |global| nvfp4 quantizes as it is (below it e2m1_rescale's 2^64): 2^-90, whose
+# The least nonzero |global| nvfp4 quantizes as it is (below it e2m1_rescale's 2^64): 2^-90, whose
 # denominators, a nonzero e4m3 scale (>= 2^-9) times it, are >= 2^-99 (_magnitudes_e2m1).
 E2M1_STEPS_MIN_GLOBAL = tl.constexpr(8.077935669463161e-28)
 
@@ -138,7 +138,7 @@ def _scale_quotient_divided(amax, d):
 @triton.jit
 def _scale_quotient_steps(amax, d):
     """RN(amax / d) as e4m3 sees it (nvfp4's block scale before its rounding, d = g * 6, or both
-    times 2^64 where |g| < 2^-90: |d| >= 6 * 2^-90 but for 0) with no division's slow path, a
+    times 2^64 where 0 < |g| < 2^-90: |d| >= 6 * 2^-90 but for 0) with no division's slow path, a
     subroutine CALL across which ptxas keeps every live value (+25 registers): _quotient_steps
     on (amax f, d f), f = 2^-64 where |d| > 2^64 (r normal), else 1. Quotients from 2^-11 up
     (e4m3's least nonzero is 2^-9) are exact, amax f then exact and >= 2^-99; smaller ones stay

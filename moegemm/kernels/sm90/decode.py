@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.core import _aggregate as aggregate
 
 from ...prepack import E2M1_WORD_TERMS
+from .free_rows import zero_free_rows
 from .pipeline import (
     OPTIONAL_SMEM,
     WG_ROWS,
@@ -65,7 +66,6 @@ from .pipeline import (
     scale_row_offsets,
     walk,
 )
-from .free_rows import zero_free_rows
 from .swiglu import Swiglu
 
 

@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
+from .free_rows import zero_free_rows
 from .pipeline import (
     WG_ROWS,
     Output,
@@ -43,7 +44,6 @@ from .pipeline import (
     producer_registers,
     walk,
 )
-from .free_rows import zero_free_rows
 from .stage_scales import SCALE_COPY_LANES, StageScales
 from .swiglu import Swiglu
 

@@ -105,7 +105,7 @@ class LaunchArgs(NamedTuple):
     row_scales: torch.Tensor | None = None
     epilogue: EpilogueSpec | None = None
     tokens: KernelTokens | None = None
-    fresh_out: bool = False  # out is uninitialized: the token pre-pass zeroes its rows no valid slot owns
+    fresh_out: bool = False  # out is uninitialized: the pre-pass or the kernel (FILL) zeroes its free rows
 
 
 def supports(p: GroupedProblem) -> bool:
@@ -225,7 +225,7 @@ def launch(kernel: KernelPlan | None, args: LaunchArgs) -> torch.Tensor:
 def zeroes_fresh_out(kernel: KernelPlan | None) -> bool:
     """Whether a launch of `kernel` may take an uninitialized [M, N] out (LaunchArgs.fresh_out):
     its token pre-pass runs first and zeroes the rows no valid slot owns (kernels/tokens.py), or,
-    with no pre-pass, the kernel zeroes them after its tiles (fills_in_kernel)."""
+    with no pre-pass, the kernel zeroes them after its tiles (KernelPlan.fills)."""
     return kernel is not None and (kernel.fills or (kernel.tokens is not None and kernel.tokens.fill is not None))
 
 
@@ -310,7 +310,7 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 class _Launches:
     """A plan's launches of its kernel under `key`: with the plain epilogue through the key's
     site, with the fused epilogue (the call's EpilogueSpec) by the key and the epilogue's.
-    FILLS (the dense and the decoding kernel, no pre-pass): a fresh output's launch is the
+    With kernel.fills (the dense and the decoding kernel, no pre-pass), a fresh output's launch is the
     kernel's FILL variant, which zeroes the rows no valid slot owns (free_rows.py)."""
 
     __slots__ = ("fn", "key", "kwargs", "grid", "plain", "filling")
