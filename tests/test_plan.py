@@ -218,12 +218,9 @@ def test_sm90_fresh_output_is_zeroed_by_the_token_prepass(fmt, out_dtype, patter
         assert not launched and fills, "G = 0: nothing launches, the output is allocated zeroed"
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8"])
-def test_sm90_fresh_output_of_a_format_with_no_prepass_is_zeroed_by_its_kernel(fmt, monkeypatch):
-    """A call without out on the sm90 path of a format with no token pre-pass: the output is
-    allocated uninitialized, with no torch fill, and the one launch is the kernel's FILL variant,
-    which zeroes the rows no valid slot owns after its tiles (kernels/sm90/free_rows.py; the bits
-    on a GPU: test_sm90.py). A call into a given out launches the plain variant."""
+def _fill_variants_launched(monkeypatch) -> list:
+    """The sm90 path on the CPU (_sm90_on_the_cpu, every launch stubbed): the (kernel name, FILL)
+    of each launch from here on."""
     from moegemm.kernels import compiled_launch
 
     _sm90_on_the_cpu(monkeypatch, prepasses=False)
@@ -234,6 +231,16 @@ def test_sm90_fresh_output_of_a_format_with_no_prepass_is_zeroed_by_its_kernel(f
         stubbed(site, grid, args, kwargs)
 
     monkeypatch.setattr(compiled_launch.LaunchSite, "launch", launch)
+    return variants
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "bf16_mxfp4", "bf16_nvfp4", "bf16_mxfp8"])
+def test_sm90_fresh_output_of_a_format_with_no_prepass_is_zeroed_by_its_kernel(fmt, monkeypatch):
+    """A call without out on the sm90 path of a format with no token pre-pass: the output is
+    allocated uninitialized, with no torch fill, and the one launch is the kernel's FILL variant,
+    which zeroes the rows no valid slot owns after its tiles (kernels/sm90/free_rows.py; the bits
+    on a GPU: test_sm90.py). A call into a given out launches the plain variant."""
+    variants = _fill_variants_launched(monkeypatch)
     p = make_problem(fmt, "swizzled" if fmt.startswith("bf16_") else "plain", EDGE_ROWS, 48, 64, "cpu")
     kernel = "dense_kernel" if fmt in ("bf16", "fp8_block") else "decode_kernel"
     fills = _fills_of(lambda: moegemm.grouped_matmul(*p.args(), **p.kwargs(), backend="sm90"), (p.m, p.n),
@@ -247,17 +254,9 @@ def test_sm90_fresh_output_of_a_format_with_no_prepass_is_zeroed_by_its_kernel(f
 def test_sm90_fresh_output_of_a_token_form_is_zeroed_by_the_decoding_kernel(monkeypatch):
     """mxfp4 tokens in the decoding kernel's bf16 form (the layer's kernels write them; no
     pre-pass runs), called without out: no torch fill, the FILL variant of the decoding kernel."""
-    from moegemm.kernels import compiled_launch
     from moegemm.token_forms import TokenForm
 
-    _sm90_on_the_cpu(monkeypatch, prepasses=False)
-    stubbed, variants = compiled_launch.LaunchSite.launch, []
-
-    def launch(site, grid, args, kwargs):
-        variants.append((site.fn.__name__, kwargs.get("FILL", False)))
-        stubbed(site, grid, args, kwargs)
-
-    monkeypatch.setattr(compiled_launch.LaunchSite, "launch", launch)
+    variants = _fill_variants_launched(monkeypatch)
     offsets, ids = torch.tensor([1, 21, 41], dtype=torch.int32), torch.tensor([0, -1], dtype=torch.int32)
     w = moegemm.quantize_weights(torch.randn(2, 64, 64), "mxfp4")
     tokens = moegemm.QuantizedTensor(torch.randn(44, 64).bfloat16(), None, "mxfp4", "a", TokenForm("bf16"), None,
