@@ -52,8 +52,8 @@ DECODE_LINES = (("    _decode_into(operand, raw, scales, raw_layout, dec_layout,
 # Prepacked e2m1 (the register path): the words go to the wgmma as they are (4 moves a word, no
 # rotation, mask or multiply), the scales still loaded and handed to an asm that ignores them.
 REGISTER_DECODE_LINES = (
-    ("_e2m1_words_to_pairs(raw, BIASED)", "_e2m1_raw_words(raw)"),
-    ("_scaled_pairs(gl.convert_layout(pairs, pair_layout), scales)",
+    ("e2m1_words_to_pairs(raw, BIASED)", "_e2m1_raw_words(raw)"),
+    ("scaled_pairs(gl.convert_layout(pairs, pair_layout), scales)",
      "_unscaled_pairs(gl.convert_layout(pairs, pair_layout), scales)"),
 )
 REGISTER_STUBS = '''

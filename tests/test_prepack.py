@@ -17,7 +17,7 @@ from moegemm import codecs
 from moegemm.config import override_config, sm90_mx_config
 from moegemm.formats import FORMATS, PREPACK_FORMATS
 from moegemm.kernels.tl_source import interpreter_usable
-from moegemm.kernels.sm90.decode import _e2m1_to_bf16_ptx
+from moegemm.kernels.sm90.e2m1_words import e2m1_to_bf16_ptx
 from moegemm.prepack import E2M1_WORD_TERMS, prepack_codes, unpack_codes
 from moegemm.sm90_configs import DecodeConfig, deepest_ring
 
@@ -88,7 +88,7 @@ def test_interleaved_e2m1_words_give_every_code():
     assert torch.equal(unpack_codes(words), fp4)
     # and the kernel's own PTX, interpreted, gives the same bits (times 2^-126 without its multiplies)
     for unbiased in (True, False):
-        got = _run_ptx(_e2m1_to_bf16_ptx(unbiased), words)
+        got = _run_ptx(e2m1_to_bf16_ptx(unbiased), words)
         want = expected.reshape(-1, 8) * (1.0 if unbiased else 2.0**-126)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 

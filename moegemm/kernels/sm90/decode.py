@@ -22,7 +22,7 @@ kernel does the latter (docs/design.md records the measurements):
              from global memory, plain or swizzled layout, one step ahead) into a bf16
              shared-memory operand, two buffers a warpgroup; prepacked weights (moegemm.prepack,
              formats.PREPACK_FORMATS) into the wgmma's register operand instead, e2m1 by
-             rotations and masks of bit-interleaved words (_E2M1_TO_BF16_PTX)
+             rotations and masks of bit-interleaved words (e2m1_words.py)
 
 so the weights cross HBM once, compressed: what decode (few tokens per expert) is bound by.
 Tiles are always "swapped": 128 weight rows (two warpgroups of 64) x TOK_TILE tokens
@@ -51,7 +51,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from ...prepack import E2M1_WORD_TERMS
+from .e2m1_words import e2m1_words_to_pairs, scaled_pairs
 from .free_rows import zero_free_rows
 from .pipeline import (
     OPTIONAL_SMEM,
@@ -69,28 +69,6 @@ from .pipeline import (
 from .swiglu import Swiglu
 
 
-def _e2m1_to_bf16_ptx(unbiased: bool) -> str:
-    """PTX of one prepacked e2m1 word ($4, bits interleaved by moegemm.prepack) to the bf16 pairs
-    of its four bytes ($0..$3, the low nibble in the low half): per pair the OR of its
-    E2M1_WORD_TERMS (a rotation, a mask), whose bf16 value is the elements times 2^-126, then,
-    `unbiased`, one bf16x2 multiply by 2^126 (exact; 0.5 comes through the subnormal 2^-127)."""
-    lines = ["{", ".reg .b32 t, u, bias;", "mov.b32 bias, 0x7E807E80;"]  # 2^126 in both halves
-    for pair, terms in enumerate(E2M1_WORD_TERMS):
-        for i, (rotation, mask) in enumerate(terms):
-            reg = "t" if i == 0 else "u"
-            source = "$4"
-            if rotation:
-                lines.append(f"shf.l.wrap.b32 {reg}, $4, $4, {rotation};")
-                source = reg
-            lines.append(f"and.b32 {reg}, {source}, {mask:#010x};")
-            if i:
-                lines.append("or.b32 t, t, u;")
-        lines.append(f"mul.rn.bf16x2 ${pair}, t, bias;" if unbiased else f"mov.b32 ${pair}, t;")
-    return "\n".join(lines + ["}"])
-
-
-_E2M1_TO_BF16_PTX = gl.constexpr(_e2m1_to_bf16_ptx(True))
-_E2M1_TO_BF16_BIASED_PTX = gl.constexpr(_e2m1_to_bf16_ptx(False))
 # nvfp4's e4m3 block scales times 2^117 are bf16 still (448 * 2^117 < 2^126), so the decoding
 # multiplies the biased elements by them once: the weights come out 2^-9 small, which the
 # accumulator's one multiply by 2^9 before the epilogue undoes (powers of two: the same bits).
@@ -102,29 +80,6 @@ _FOLDED_E8M0_PTX = gl.constexpr(tuple(
     f"{{.reg .b32 t; prmt.b32 t, $1, 0, {0x4040 | 2 * h | (2 * h + 1) << 8:#06x}; mad.lo.u32 $0, t, 128, 0x3F003F00;}}"
     for h in range(2)))
 NV_ACC_FACTOR = gl.constexpr(2.0**9)
-
-
-@gluon.jit
-def _e2m1_words_to_pairs(raw, BIASED: gl.constexpr):
-    """Prepacked e2m1 bytes [R, C] (uint8, whole 32-bit words a thread) to int32 [R, C]: byte
-    j's two elements as a bf16 pair (the low nibble in the low half), 9 integer instructions
-    and 4 multiplies a word of 8 elements (gl.fp4_to_fp's table lookups took ~40); BIASED: times
-    2^-126, without the multiplies (the caller's scales hold the 2^126)."""
-    if BIASED:
-        return gl.inline_asm_elementwise(_E2M1_TO_BF16_BIASED_PTX, "=r,=r,=r,=r,r", [raw], dtype=gl.int32,
-                                         is_pure=True, pack=4)
-    return gl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r", [raw], dtype=gl.int32, is_pure=True,
-                                     pack=4)
-
-
-@gluon.jit
-def _scaled_pairs(pairs, scales):
-    """bf16 pairs (int32) times their block scales (bf16, one for both halves): one bf16x2
-    multiply a pair on the scale's register half (scalar bf16 multiplies were paired by ptxas
-    with a swap of the halves before and after each)."""
-    scales, pairs = gl.broadcast(scales, pairs)
-    return gl.inline_asm_elementwise("{.reg .b32 s; mov.b32 s, {$2, $2}; mul.rn.bf16x2 $0, $1, s;}", "=r,r,h",
-                                     [pairs, scales], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -230,11 +185,11 @@ def _e2m1_fragment_pairs(w_smem, scales, raw_layout: gl.constexpr, NKB: gl.const
     32 / NKB] in pair_fragment_layout: the 32-bit registers the wgmma reads (k1 within a
     register: the same renaming as _decode_fragment's without it)."""
     raw = w_smem.load(raw_layout)
-    pairs = gl.reshape(_e2m1_words_to_pairs(raw, BIASED), [4, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    pairs = gl.reshape(e2m1_words_to_pairs(raw, BIASED), [4, 2, 2, 2, 2, 2, 2, 2, 2, 2])
     pairs = gl.reshape(gl.permute(pairs, (0, 6, 1, 2, 3, 7, 8, 9, 4, 5)), [64, NKB, 32 // NKB])
     pair_layout: gl.constexpr = pair_fragment_layout(NKB, 32 // NKB)
     scales = gl.expand_dims(gl.convert_layout(scales, gl.SliceLayout(2, pair_layout)), 2)
-    return _scaled_pairs(gl.convert_layout(pairs, pair_layout), scales)
+    return scaled_pairs(gl.convert_layout(pairs, pair_layout), scales)
 
 
 @gluon.jit
