@@ -11,7 +11,10 @@ and swapped into the launcher for their rows; their results are wrong on purpose
     chained    no promotion at all: the wgmmas accumulate in place, one step in flight, as bf16's
                K loop (what the per-block wait and add cost: the loop a plain FP8 GEMM runs)
 The producer, the ring (with the scales the config stages there), the schedule and the epilogue
-stay. If even `chained` trails DeepGEMM, the gap is outside the promotion.
+stay. If even `chained` trails DeepGEMM, the gap is outside the promotion. One candidate, correct:
+    overlapped the promotion of block k overlapping block k+1's wgmma (two partial tiles, which a
+               256-wide tile's two accumulators leave no registers for: 128-wide tiles), timed
+               beside the kernel as it is on the same 128-wide config, bits compared
 
     python bench/promotion_ceiling.py --out DIR [--only t-] [--regimes 4x8192,8x4096,32x256,64x128]
     python bench/promotion_ceiling.py --sass      (CPU: each variant's K loops at the prefill config,
@@ -81,8 +84,68 @@ def _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG: gl.constexpr, SPLIT_N
 
 
 @gluon.jit
+def _staged_block(m_op, n_op, ring, scales, zero, part, it, WG: gl.constexpr):
+    """Wait for K step `it`'s stage, issue its wgmma into `part` (use_acc=False: its registers
+    reused), read its scales; the stage, the issued tile and the block's scale column."""
+    STAGES: gl.constexpr = ring.STAGES
+    stage = it % STAGES
+    mbarrier.wait(ring.ready.index(stage), (it // STAGES) & 1)
+    a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, False, zero.shape[1], False, False)
+    part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+    row_layout: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
+    sa = scales.tok_bufs.index(stage).slice(WG * WG_ROWS, WG_ROWS).load(row_layout)
+    scale = gl.expand_dims(sa * _stage_scale(scales.w_bufs.index(stage), 0), 1)
+    return stage, part, scale
+
+
+@gluon.jit
+def _pinned(acc):
+    """acc, computed before the next wgmma is issued: passed through a wgmma wait that retires
+    nothing new, so the compiler cannot sink the promotion past the wgmma that reuses the
+    promoted tile's registers (which would keep that tile alive in a copy)."""
+    return warpgroup_mma_wait(1, deps=(acc, ))
+
+
+@gluon.jit
+def _overlapped_staged(m_op, n_op, ring, scales, zero, it, k_steps, WG: gl.constexpr, N_SUB: gl.constexpr):
+    """The staged promotion of a 128-wide tile with the next block's wgmma in flight while this
+    block is promoted: two partial tiles (A, B) alternate, the loop unrolled by two so neither is
+    copied across the back edge; the same sums in the same order as _promote_staged."""
+    gl.static_assert(N_SUB == 1, "overlapped: 128-wide tiles")
+    acc = zero
+    stage_a, part_a, scale_a = _staged_block(m_op, n_op, ring, scales, zero, zero, it, WG)
+    part_b = zero
+    for kk in range(1, k_steps - 1, 2):
+        stage_b, part_b, scale_b = _staged_block(m_op, n_op, ring, scales, zero, part_b, it + kk, WG)
+        part_a = warpgroup_mma_wait(1, deps=(part_a, ))
+        acc = _pinned(acc + part_a * scale_a)
+        ring.release(stage_a)
+        stage_a, part_a, scale_a = _staged_block(m_op, n_op, ring, scales, zero, part_a, it + kk + 1, WG)
+        part_b = warpgroup_mma_wait(1, deps=(part_b, ))
+        acc = _pinned(acc + part_b * scale_b)
+        ring.release(stage_b)
+    if k_steps % 2 == 0:  # (names of their own: a branch may not change a value's type)
+        stage_l, last, scale_l = _staged_block(m_op, n_op, ring, scales, zero, part_b, it + k_steps - 1, WG)
+        done_a = warpgroup_mma_wait(1, deps=(part_a, ))
+        acc = acc + done_a * scale_a
+        ring.release(stage_a)
+        done_l = warpgroup_mma_wait(0, deps=(last, ))
+        acc = acc + done_l * scale_l
+        ring.release(stage_l)
+    else:
+        done_a = warpgroup_mma_wait(0, deps=(part_a, ))
+        acc = acc + done_a * scale_a
+        ring.release(stage_a)
+    return acc, zero, it + k_steps
+
+
+@gluon.jit
 def _staged_ceiling(m_op, n_op, ring, scales, zero, it, k_steps, WG: gl.constexpr, N_SUB: gl.constexpr):
-    return _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG, False, N_SUB, CEILING_CHAINED)
+    if CEILING_OVERLAPPED:
+        acc0, acc1, it = _overlapped_staged(m_op, n_op, ring, scales, zero, it, k_steps, WG, N_SUB)
+    else:
+        acc0, acc1, it = _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG, False, N_SUB, CEILING_CHAINED)
+    return acc0, acc1, it
 
 
 @gluon.jit
@@ -90,7 +153,8 @@ def _loaded_ceiling(m_op, n_op, ring, zero, a_scale_rows, tok_mask, b_scale_row,
                     WG: gl.constexpr, SPLIT_N: gl.constexpr, N_SUB: gl.constexpr, tok_dim: gl.constexpr):
     return _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG, SPLIT_N, N_SUB, CEILING_CHAINED)
 '''
-VARIANTS = ("unscaled", "chained")
+CEILINGS = ("unscaled", "chained")  # results wrong on purpose
+VARIANTS = (*CEILINGS, "overlapped")  # overlapped: correct, on 128-wide tiles
 REGIMES = ((4, 8192), (8, 4096), (32, 256), (64, 128))
 
 
@@ -102,7 +166,8 @@ def variant_kernel(variant: str):
 
     replacements = [(call, stub + call.split("(", 1)[1])
                     for call, stub in ((STAGED_CALL, "_staged_ceiling("), (LOADED_CALL, "_loaded_ceiling("))]
-    stubs = VARIANT_STUBS + f"\n\nCEILING_CHAINED = gl.constexpr({variant == 'chained'})\n"
+    stubs = VARIANT_STUBS + (f"\n\nCEILING_CHAINED = gl.constexpr({variant == 'chained'})\n"
+                             f"CEILING_OVERLAPPED = gl.constexpr({variant == 'overlapped'})\n")
     return module_variant(Path(launcher.__file__).with_name("dense.py"), replacements, stubs,
                           f"_promotion_ceiling_{variant}", "moegemm.kernels.sm90").dense_kernel
 
@@ -112,24 +177,29 @@ def sass_report() -> list[dict]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_compile_sm90 as compiled_cases
 
+    from dataclasses import replace
+
     from moegemm.config import sm90_config
     from moegemm.formats import FORMATS
     from moegemm.kernels import offline
+    from moegemm.sm90_configs import deepest_ring
     from moegemm.kernels.sm90 import dense
 
     cfg = sm90_config(FORMATS["fp8_block"], 6144, 7168, 4096, 2)
+    narrow = deepest_ring(replace(cfg, block_n=128, stages=2), FORMATS["fp8_block"], 2)
     rows, real = [], dense.dense_kernel
-    for variant in ("as run", *VARIANTS):
+    for variant, config in (("as run", cfg), *((v, cfg) for v in CEILINGS), ("as run", narrow),
+                            ("overlapped", narrow)):
         dense.dense_kernel = real if variant == "as run" else variant_kernel(variant)
         try:
-            compiled = compiled_cases.sm90_kernel_compiled("fp8_block", cfg)
+            compiled = compiled_cases.sm90_kernel_compiled("fp8_block", config)
         finally:
             dense.dense_kernel = real
         text = offline.sass(compiled)
         loops = compiled_cases.innermost_mma_loops(text)
         per_mmac = [round(len(loop) / compiled_cases.mma_loop_macs(loop) * 1e6, 1) for loop in loops]
         ops = offline.opcode_counts(text)
-        rows.append({"variant": variant, "config": str(cfg), "loop_instructions": [len(loop) for loop in loops],
+        rows.append({"variant": variant, "config": str(config), "loop_instructions": [len(loop) for loop in loops],
                      "per_million_macs": per_mmac, "spills": ops["LDL"] + ops["STL"],
                      "serialized": [code for code, _ in offline.ptxas_infos(compiled) if code.startswith("C751")]})
         print(json.dumps(rows[-1]), flush=True)
@@ -150,9 +220,12 @@ def run(out_dir: Path, only: str, regimes) -> None:
     import torch
 
     from moegemm import benchmark, benchmark_inputs, benchmark_rows
+    from dataclasses import replace
+
     from moegemm.config import override_config, sm90_config
     from moegemm.formats import FORMATS
     from moegemm.kernels.sm90 import launcher
+    from moegemm.sm90_configs import deepest_ring
 
     device = torch.device("cuda")
     env = {**benchmark.provenance("bench/promotion_ceiling.py"), "gpu": torch.cuda.get_device_name(device),
@@ -179,14 +252,29 @@ def run(out_dir: Path, only: str, regimes) -> None:
             row["config"] = str(cfg)
             with override_config(cfg):  # (a forced config: no cached plan, so the swapped kernel is planned)
                 row["forced_ms"] = timed(inp.ours)  # (the kernel as it is, on the variants' config)
-                for variant, kernel in variants.items():
-                    launcher.dense_kernel = kernel
+                for variant in CEILINGS:
+                    launcher.dense_kernel = variants[variant]
                     try:
                         row[f"{variant}_ms"] = timed(inp.ours)
                     finally:
                         launcher.dense_kernel = real
+            keys = ["ms", "forced_ms", *(f"{v}_ms" for v in CEILINGS)]
+            if cfg.scale_ring:  # the overlapped loop on 128-wide tiles, beside the kernel as it is there
+                narrow = deepest_ring(replace(cfg, block_n=128, stages=2), FORMATS["fp8_block"], 2)
+                row["narrow_config"] = str(narrow)
+                with override_config(narrow):
+                    row["narrow_ms"] = timed(inp.ours)
+                    expected = inp.out.clone()
+                    launcher.dense_kernel = variants["overlapped"]
+                    try:
+                        inp.out.fill_(float("nan"))
+                        row["overlapped_ms"] = timed(inp.ours)
+                    finally:
+                        launcher.dense_kernel = real
+                row["overlapped_bits_equal"] = bool(torch.equal(inp.out.view(torch.int16), expected.view(torch.int16)))
+                keys += ["narrow_ms", "overlapped_ms"]
             flops = 2.0 * row["tokens"] * n * k
-            for key in ("ms", "forced_ms", *(f"{v}_ms" for v in VARIANTS)):
+            for key in keys:
                 stem = key[:-3] or "as_run"
                 row[f"{stem}_tflops"] = flops / row[key] / 1e9
                 if row["deepgemm_ms"]:
@@ -194,6 +282,9 @@ def run(out_dir: Path, only: str, regimes) -> None:
                 row[f"{stem}_x_torch_rowwise"] = row["torch_rowwise_ms"] / row[key]
             rows.append(row)
             path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # (a run cut short keeps its rows)
+            if "overlapped_ms" in row:
+                print(f"{shape:12} {groups}x{nominal:<5} 128-wide tiles {row['narrow_ms']:.3f} ms, overlapped "
+                      f"{row['overlapped_ms']:.3f} (bits equal: {row['overlapped_bits_equal']})", flush=True)
             print(f"{shape:12} {groups}x{nominal:<5} as run {row['ms']:.3f} ms (on the variants' config "
                   f"{row['forced_ms']:.3f}), unscaled {row['unscaled_ms']:.3f}, chained {row['chained_ms']:.3f}, "
                   f"DeepGEMM {row['deepgemm_ms'] or float('nan'):.3f}, torch "

@@ -1044,18 +1044,21 @@ def test_fresh_output_fill_variants_compile_for_sm90(family, fmt, tokens_per_slo
 
 
 def test_promotion_ceiling_variants_compile_for_sm90():
-    """bench/promotion_ceiling.py's variants of the fp8_block kernel (no scale work; no promotion)
-    build from dense.py's source and compile at the prefill config: no spills, no serialized
-    wgmma, and K loops no longer than the kernel's (the script then times them on a GPU)."""
+    """bench/promotion_ceiling.py's variants of the fp8_block kernel (no scale work; no promotion;
+    the promotion overlapping the next block's wgmma on 128-wide tiles) build from dense.py's
+    source and compile at the prefill config: no spills, no serialized wgmma, and the ceilings'
+    K loops no longer than the kernel's (the script then times them on a GPU)."""
     bench = str(Path(__file__).resolve().parents[1] / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     import promotion_ceiling
 
-    rows = {r["variant"]: r for r in promotion_ceiling.sass_report()}
-    assert set(rows) == {"as run", "unscaled", "chained"}
-    for r in rows.values():
+    report = promotion_ceiling.sass_report()
+    rows = {(r["variant"], "block_n=128" in r["config"]): r for r in report}
+    assert set(rows) == {("as run", False), ("unscaled", False), ("chained", False), ("as run", True),
+                         ("overlapped", True)}
+    for r in report:
         assert r["spills"] == 0 and not r["serialized"], r
-    as_run = rows["as run"]["loop_instructions"]
-    assert all(u <= a for u, a in zip(rows["unscaled"]["loop_instructions"], as_run, strict=True))
-    assert all(c < a for c, a in zip(rows["chained"]["loop_instructions"], as_run, strict=True))
+    as_run = rows["as run", False]["loop_instructions"]
+    assert all(u <= a for u, a in zip(rows["unscaled", False]["loop_instructions"], as_run, strict=True))
+    assert all(c < a for c, a in zip(rows["chained", False]["loop_instructions"], as_run, strict=True))
