@@ -175,15 +175,15 @@ def variant_kernel(variant: str):
 def sass_report() -> list[dict]:
     """Each variant's K loops at the fp8_block prefill config of 6144 x 7168 (8 x 4096), offline."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import test_compile_sm90 as compiled_cases
-
     from dataclasses import replace
+
+    import test_compile_sm90 as compiled_cases
 
     from moegemm.config import sm90_config
     from moegemm.formats import FORMATS
     from moegemm.kernels import offline
-    from moegemm.sm90_configs import deepest_ring
     from moegemm.kernels.sm90 import dense
+    from moegemm.sm90_configs import deepest_ring
 
     cfg = sm90_config(FORMATS["fp8_block"], 6144, 7168, 4096, 2)
     narrow = deepest_ring(replace(cfg, block_n=128, stages=2), FORMATS["fp8_block"], 2)
@@ -206,32 +206,44 @@ def sass_report() -> list[dict]:
     return rows
 
 
-def timed(fn) -> float:
-    import torch
+def prepared(timer, fn, kernel=None, config=None):
+    """fn warmed up and captured in a CUDA graph (timing.Timer.prepare) with `kernel` in the
+    launcher's place and `config` forced (a forced config has no cached plan, so the swapped
+    kernel is the one planned and captured)."""
+    import contextlib
 
-    from moegemm import benchmark
+    from moegemm.config import override_config
+    from moegemm.kernels.sm90 import launcher
 
-    fn()
-    torch.cuda.synchronize()
-    return benchmark._bench_graph(fn)
+    real = launcher.dense_kernel
+    with override_config(config) if config is not None else contextlib.nullcontext():
+        launcher.dense_kernel = kernel or real
+        try:
+            fn()
+            return timer.prepare(fn)
+        finally:
+            launcher.dense_kernel = real
 
 
 def run(out_dir: Path, only: str, regimes) -> None:
-    import torch
-
-    from moegemm import benchmark, benchmark_inputs, benchmark_rows
+    """Per row, every call captured in a graph and timed in shuffled turns (timing.Timer: each a
+    sample a round, L2 flushed): ratios between the columns of one row hold under the power cap."""
     from dataclasses import replace
 
-    from moegemm.config import override_config, sm90_config
+    import torch
+    from timing import Timer
+
+    from moegemm import benchmark, benchmark_inputs, benchmark_rows
+    from moegemm.config import sm90_config
     from moegemm.formats import FORMATS
-    from moegemm.kernels.sm90 import launcher
     from moegemm.sm90_configs import deepest_ring
 
     device = torch.device("cuda")
+    timer = Timer(device)
     env = {**benchmark.provenance("bench/promotion_ceiling.py"), "gpu": torch.cuda.get_device_name(device),
            "torch": torch.__version__, "triton": __import__("triton").__version__}
     print(json.dumps(env), flush=True)
-    real, variants = launcher.dense_kernel, {v: variant_kernel(v) for v in VARIANTS}
+    variants = {v: variant_kernel(v) for v in VARIANTS}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"promotion-ceiling-{env['gpu'].replace(' ', '-')}.json"
     rows = []
@@ -241,58 +253,47 @@ def run(out_dir: Path, only: str, regimes) -> None:
         for groups, nominal in regimes:
             sizes = benchmark_rows.group_sizes(groups, nominal, seed=groups * 100003 + nominal)
             inp = benchmark_inputs.Inputs("fp8_block", n, k, sizes, device)
-            row = {"shape": shape, "n": n, "k": k, "groups": groups, "nominal": nominal, "tokens": sum(sizes),
-                   "ms": timed(inp.ours), "torch_rowwise_ms": timed(inp.torch_baseline)}
-            try:
-                deepgemm = benchmark_inputs.deepgemm_runner(inp)
-                row["deepgemm_ms"] = timed(deepgemm) if deepgemm is not None else None
-            except Exception as error:  # noqa: BLE001 (the peer's failure is recorded, the run goes on)
-                row["deepgemm_ms"], row["deepgemm_failed"] = None, repr(error)[:300]
+            row = {"shape": shape, "n": n, "k": k, "groups": groups, "nominal": nominal, "tokens": sum(sizes)}
             cfg = sm90_config(FORMATS["fp8_block"], n, k, sum(sizes) / groups, 2)
             row["config"] = str(cfg)
-            with override_config(cfg):  # (a forced config: no cached plan, so the swapped kernel is planned)
-                row["forced_ms"] = timed(inp.ours)  # (the kernel as it is, on the variants' config)
-                for variant in CEILINGS:
-                    launcher.dense_kernel = variants[variant]
-                    try:
-                        row[f"{variant}_ms"] = timed(inp.ours)
-                    finally:
-                        launcher.dense_kernel = real
-            keys = ["ms", "forced_ms", *(f"{v}_ms" for v in CEILINGS)]
+            calls = {"as_run": prepared(timer, inp.ours), "torch_rowwise": prepared(timer, inp.torch_baseline),
+                     "forced": prepared(timer, inp.ours, config=cfg)}  # (the kernel on the variants' config)
+            try:
+                deepgemm = benchmark_inputs.deepgemm_runner(inp)
+                if deepgemm is not None:
+                    calls["deepgemm"] = prepared(timer, deepgemm)
+            except Exception as error:  # noqa: BLE001 (the peer's failure is recorded, the run goes on)
+                row["deepgemm_failed"] = repr(error)[:300]
+            for variant in CEILINGS:
+                calls[variant] = prepared(timer, inp.ours, variants[variant], cfg)
             if cfg.scale_ring:  # the overlapped loop on 128-wide tiles, beside the kernel as it is there
                 narrow = deepest_ring(replace(cfg, block_n=128, stages=2), FORMATS["fp8_block"], 2)
                 row["narrow_config"] = str(narrow)
-                with override_config(narrow):
-                    row["narrow_ms"] = timed(inp.ours)
-                    expected = inp.out.clone()
-                    launcher.dense_kernel = variants["overlapped"]
-                    try:
-                        inp.out.fill_(float("nan"))
-                        row["overlapped_ms"] = timed(inp.ours)
-                    finally:
-                        launcher.dense_kernel = real
-                row["overlapped_bits_equal"] = bool(torch.equal(inp.out.view(torch.int16), expected.view(torch.int16)))
-                keys += ["narrow_ms", "overlapped_ms"]
+                calls["narrow"] = prepared(timer, inp.ours, config=narrow)
+                calls["overlapped"] = prepared(timer, inp.ours, variants["overlapped"], narrow)
+                calls["narrow"].graph.replay()
+                expected = inp.out.clone()
+                inp.out.fill_(float("nan"))
+                calls["overlapped"].graph.replay()
+                row["overlapped_bits_equal"] = bool(torch.equal(inp.out.view(torch.int16),
+                                                                expected.view(torch.int16)))
+            for name, (ms, _, why) in timer.in_turns(calls).items():
+                row[f"{name}_ms"] = ms
+                if why:
+                    row[f"{name}_why"] = why
             flops = 2.0 * row["tokens"] * n * k
-            for key in keys:
-                stem = key[:-3] or "as_run"
-                row[f"{stem}_tflops"] = flops / row[key] / 1e9
-                if row["deepgemm_ms"]:
-                    row[f"{stem}_x_deepgemm"] = row["deepgemm_ms"] / row[key]
-                row[f"{stem}_x_torch_rowwise"] = row["torch_rowwise_ms"] / row[key]
+            for name in calls:
+                row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+                if "deepgemm" in calls:
+                    row[f"{name}_x_deepgemm"] = row["deepgemm_ms"] / row[f"{name}_ms"]
+                row[f"{name}_x_torch_rowwise"] = row["torch_rowwise_ms"] / row[f"{name}_ms"]
             rows.append(row)
             path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # (a run cut short keeps its rows)
-            if "overlapped_ms" in row:
-                print(f"{shape:12} {groups}x{nominal:<5} 128-wide tiles {row['narrow_ms']:.3f} ms, overlapped "
-                      f"{row['overlapped_ms']:.3f} (bits equal: {row['overlapped_bits_equal']})", flush=True)
-            print(f"{shape:12} {groups}x{nominal:<5} as run {row['ms']:.3f} ms (on the variants' config "
-                  f"{row['forced_ms']:.3f}), unscaled {row['unscaled_ms']:.3f}, chained {row['chained_ms']:.3f}, "
-                  f"DeepGEMM {row['deepgemm_ms'] or float('nan'):.3f}, torch "
-                  f"rowwise {row['torch_rowwise_ms']:.3f} | x DeepGEMM: as run "
-                  f"{row.get('as_run_x_deepgemm', float('nan')):.2f}, unscaled "
-                  f"{row.get('unscaled_x_deepgemm', float('nan')):.2f}, chained "
-                  f"{row.get('chained_x_deepgemm', float('nan')):.2f}", flush=True)
-            del inp
+            print(f"{shape:12} {groups}x{nominal:<5} " + ", ".join(f"{name} {row[f'{name}_ms']:.3f} ms" for name in calls)
+                  + (f" (overlapped bits equal: {row['overlapped_bits_equal']})" if "overlapped" in calls else "")
+                  + " | x DeepGEMM: " + ", ".join(f"{name} {row.get(f'{name}_x_deepgemm', float('nan')):.2f}"
+                                                 for name in calls), flush=True)
+            del inp, calls
             torch.cuda.empty_cache()
     print(f"wrote {path}")
 
