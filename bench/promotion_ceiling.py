@@ -87,9 +87,7 @@ def _ceiling_loop(m_op, n_op, ring, zero, it, k_steps, WG: gl.constexpr, SPLIT_N
 def _staged_block(m_op, n_op, ring, scales, zero, part, it, WG: gl.constexpr):
     """Wait for K step `it`'s stage, issue its wgmma into `part` (use_acc=False: its registers
     reused), read its scales; the stage, the issued tile and the block's scale column."""
-    STAGES: gl.constexpr = ring.STAGES
-    stage = it % STAGES
-    mbarrier.wait(ring.ready.index(stage), (it // STAGES) & 1)
+    stage = ring.wait_ready(it)
     a, b = _wgmma_operands(m_op, n_op, stage, 0, WG, False, zero.shape[1], False, False)
     part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
     row_layout: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
