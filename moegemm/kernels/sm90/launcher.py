@@ -313,12 +313,13 @@ class _Launches:
     With kernel.fills (the dense and the decoding kernel, no pre-pass), a fresh output's launch is the
     kernel's FILL variant, which zeroes the rows no valid slot owns (free_rows.py)."""
 
-    __slots__ = ("fn", "key", "kwargs", "grid", "plain", "filling")
+    __slots__ = ("fn", "key", "kwargs", "grid", "plain", "filling", "filling_kwargs")
 
     def __init__(self, fn, kernel: KernelPlan, key: tuple):
         self.fn, self.key, self.kwargs, self.grid = fn, key, kernel.kwargs, (kernel.num_programs, )
         self.plain = site(fn, key)
         self.filling = site(fn, (*key, "fill")) if kernel.fills else None
+        self.filling_kwargs = dict(kernel.kwargs, FILL=True)
 
     def launch(self, args: LaunchArgs, positional: tuple) -> torch.Tensor:
         """fn(*positional, epi) of the call's epilogue; returns args.out."""
@@ -326,7 +327,7 @@ class _Launches:
         if args.epilogue is None:  # (plain_epilogue_args')
             positional = (*positional, (dummy, dummy, dummy, dummy, 0, 0, 0, 1.0, 1.0))
             if args.fresh_out and self.filling is not None:
-                self.filling.launch(self.grid, positional, dict(self.kwargs, FILL=True))
+                self.filling.launch(self.grid, positional, self.filling_kwargs)
             else:
                 self.plain.launch(self.grid, positional, self.kwargs)
         else:
